@@ -1,0 +1,34 @@
+"""The one error users see: every problem at once, each naming who, what, and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Problem:
+    overlays: tuple[str, ...]   # the overlay(s) involved; "recipe" / "override" for non-overlay parties
+    field: str                  # the config path or environment variable at issue
+    value: Any
+    message: str
+    fix: str
+    source: str = ""            # where the rule comes from (shared/reference file and section, or code line)
+    check: str = ""             # the check's id
+
+    def render(self) -> str:
+        who = " + ".join(self.overlays)
+        text = f"[{who}] {self.field}={self.value!r}: {self.message}\n    fix: {self.fix}"
+        if self.source:
+            text += f"\n    source: {self.source}"
+        return text
+
+
+class OverlayError(ValueError):
+    """Raised before anything is mutated; lists all problems found."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        count = len(self.problems)
+        head = f"{count} problem{'s' if count != 1 else ''} found; nothing was changed:"
+        super().__init__("\n".join([head, *(p.render() for p in self.problems)]))

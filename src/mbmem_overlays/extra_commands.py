@@ -1,0 +1,3 @@
+"""Subcommands that live in their own modules (plan, doctor, slurm, recommend) register here."""
+
+REGISTER: list = []

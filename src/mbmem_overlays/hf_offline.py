@@ -1,0 +1,95 @@
+"""An offline Hugging Face cache holding only ``config.json`` files.
+
+Bridge recipes call ``AutoBridge.from_hf_pretrained(<hub id>)``, which needs the
+model's ``config.json`` (shared/reference/stack-on-cpu.md, "Recipes offline").
+Planning needs architecture numbers only, so we ship those files
+(``hf_configs/<org>--<name>/config.json``) and lay them out as an HF hub cache
+(``models--org--name/refs/main`` + ``snapshots/<rev>/config.json``), then point
+``HF_HOME`` there with ``HF_HUB_OFFLINE=1``. Nothing is ever downloaded.
+
+Users add their own models with ``MBMEM_HF_CONFIGS=dir1:dir2`` (same layout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+FIXTURE_DIR = Path(__file__).with_name("hf_configs")
+USER_DIRS_ENV = "MBMEM_HF_CONFIGS"
+
+
+def fixture_dirs() -> list[Path]:
+    extra = [Path(p) for p in os.environ.get(USER_DIRS_ENV, "").split(os.pathsep) if p]
+    return extra + [FIXTURE_DIR]
+
+
+def available_models() -> dict[str, Path]:
+    """hub id -> config.json, user directories first (they win)."""
+    found: dict[str, Path] = {}
+    for base in reversed(fixture_dirs()):
+        if not base.is_dir():
+            continue
+        for cfg in sorted(base.glob("*--*/config.json")):
+            found[cfg.parent.name.replace("--", "/", 1)] = cfg
+    return found
+
+
+def _pinned_revisions() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for base in reversed(fixture_dirs()):
+        f = base / "pinned_revisions.json"
+        if f.is_file():
+            pins.update({k: v for k, v in json.loads(f.read_text()).items() if not k.startswith("_")})
+    return pins
+
+
+def expected_path(hub_id: str) -> Path:
+    """Where a user should put the config.json for ``hub_id``."""
+    return (fixture_dirs()[0] if os.environ.get(USER_DIRS_ENV) else FIXTURE_DIR) / hub_id.replace("/", "--", 1) / "config.json"
+
+
+def build_cache(root: Path | None = None) -> Path:
+    """Materialize the cache (idempotent; keyed by the fixtures' content) and return HF_HOME."""
+    models = available_models()
+    pins = _pinned_revisions()
+    digest = hashlib.sha1()
+    for hub_id, cfg in sorted(models.items()):
+        digest.update(hub_id.encode() + b"\0" + cfg.read_bytes())
+    digest.update(json.dumps(pins, sort_keys=True).encode())
+    key = digest.hexdigest()
+    base = root or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mbmem-overlays"
+    home = base / f"hf-{key[:16]}"
+    if (home / ".complete").is_file():
+        return home
+    base.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=base, prefix=".hf-staging-"))
+    for hub_id, cfg in models.items():
+        dirname = hub_id.replace("/", "--", 1)
+        repo = staging / "hub" / f"models--{dirname}"
+        main_rev = hashlib.sha1(cfg.read_bytes()).hexdigest()
+        for rev in {main_rev, pins.get(dirname, main_rev)}:
+            snap = repo / "snapshots" / rev
+            snap.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(cfg, snap / "config.json")
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(pins.get(dirname, main_rev))
+    (staging / ".complete").write_text(key)
+    try:
+        staging.rename(home)  # atomic: concurrent builders race harmlessly
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return home
+
+
+def activate() -> Path:
+    """Point this process at the offline cache. Call before transformers/huggingface_hub import."""
+    home = build_cache()
+    os.environ["HF_HOME"] = str(home)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    return home
