@@ -12,6 +12,8 @@ import difflib
 import importlib
 import logging
 import os
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,12 +204,22 @@ def validate_config(cfg: Any, world_size: int | None = None, env: dict[str, str]
     unchecked: list[str] = []
     work = copy.deepcopy(cfg)
     needs: list[str] = []
-    if read(work, "peft", None) is not None and not read(work, "checkpoint.pretrained_checkpoint", None) \
-            and not read(work, "checkpoint.load", None):
+    if read(work, "peft", None) is not None and read(work, "checkpoint.pretrained_checkpoint", None) is None:
         # "PEFT requires a pretrained checkpoint path" (config.py:1488): a plan has no checkpoint yet.
         needs.append("checkpoint.pretrained_checkpoint=<path to the base model's Megatron checkpoint> "
                      "(PEFT requires a pretrained checkpoint path; validated here with a placeholder)")
-        write(work, "checkpoint.pretrained_checkpoint", "/placeholder/pretrained_checkpoint")
+        # Bridge only checks that the path exists (CheckpointConfig.finalize, config.py:591-595).
+        placeholder = tempfile.mkdtemp(prefix="mbmem-placeholder-checkpoint-")
+        write(work, "checkpoint.pretrained_checkpoint", placeholder)
+    try:
+        return _validate_loop(work, ws, env, unchecked, needs)
+    finally:
+        if needs:
+            shutil.rmtree(read(work, "checkpoint.pretrained_checkpoint", ""), ignore_errors=True)
+
+
+def _validate_loop(work, ws, env, unchecked, needs) -> ValidationResult:
+    from megatron.bridge.training.config import runtime_config_update
     for _ in range(len(TE_ONLY_CHECKS) + 1):
         attempt = copy.deepcopy(work)
         with _preserved_environ():
