@@ -8,6 +8,7 @@ then one atomic apply that reports ``[name] field: old -> new``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import importlib.metadata
 import os
@@ -408,10 +409,10 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
     env_claims = [EnvClaim(s.name, var, merge=v) if isinstance(v, Mapping) else EnvClaim(s.name, var, value=str(v))
                   for s in specs for var, v in s.env.items()]
     for s in specs:
-        for path in s.set:
+        for path, value in s.set.items():
             p = path_problem(cfg, path, s.name)
             if p:
-                problems.append(p)
+                problems.append(dataclasses.replace(p, value=_substitute(value, resolved_params[s.name])))
     if problems:
         raise OverlayError(problems)
     claims, conflict_problems = _field_conflicts(field_claims, locked or {})

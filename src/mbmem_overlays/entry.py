@@ -147,7 +147,7 @@ def _save_record(output_dir: str, bcfg: Any, report: dict[str, Any], rank: int) 
     out.mkdir(parents=True, exist_ok=True)
     (out / "mbmem_report.json").write_text(json.dumps(report, indent=2, default=repr))
     try:
-        (out / "bridge_config.yaml").write_text(bcfg.to_yaml())
+        bcfg.to_yaml(str(out / "bridge_config.yaml"))
     except Exception as exc:  # to_yaml can fail on exotic recipes; the report is still saved
         (out / "bridge_config.yaml").write_text(f"# could not serialize: {exc}\n")
 

@@ -117,9 +117,22 @@ def selective_modules(view) -> list[str]:
 def fp8_setting(view) -> tuple[bool, str | None]:
     # cfg.mixed_precision.setup() overwrites model.fp8/fp8_recipe (§2, FP8 row): read the recipe object first.
     mp = view.get("mixed_precision")
-    if mp is not None and not isinstance(mp, str) and hasattr(mp, "fp8"):
+    if isinstance(mp, str):
+        mp = _mixed_precision_preset(mp)
+    if mp is not None and hasattr(mp, "fp8"):
         return bool(getattr(mp, "fp8", None)), getattr(mp, "fp8_recipe", None)
     return bool(view.get("model.fp8")), view.get("model.fp8_recipe")
+
+
+def _mixed_precision_preset(name: str):
+    """Bridge's preset object for a name such as 'bf16_with_fp8_delayed_scaling_mixed' (when Bridge is loaded)."""
+    import sys
+    if "megatron.bridge.training.mixed_precision" not in sys.modules:
+        return None
+    try:
+        return sys.modules["megatron.bridge.training.mixed_precision"].get_mixed_precision_config(name)
+    except Exception:
+        return None
 
 
 def ep_overlap(view) -> bool:
@@ -341,7 +354,9 @@ def _(view, c):
 
 
 # ----------------------------------------------------------------------------- pipeline layout
-@check("vpp_layer_divisibility", enforced_by="megatron-core", source=f"{MEM_SKILL}, Code Anchors: VPP config and layer divisibility")
+@check("vpp_layer_divisibility", enforced_by="docs",
+       source=f"{MEM_SKILL}, Code Anchors: VPP config and layer divisibility (megatron-core 0.19.2 runs this check "
+              "only for uneven pipeline splits; for even PP it is the skill's rule, enforced by us)")
 def _(view, c):
     pp, vpp = view.get("model.pipeline_model_parallel_size") or 1, view.get("model.virtual_pipeline_model_parallel_size")
     if pp > 1 and vpp and view.get("model.num_layers_in_first_pipeline_stage") is None \

@@ -1,0 +1,58 @@
+"""Shared fixtures. Behaviour tests build real Bridge recipes offline and use Bridge's own
+validation (runtime_config_update) as the oracle; nothing here mocks a ConfigContainer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def bridge():
+    from mbmem_overlays import bridge as b
+    b.prepare()
+    return b
+
+
+@pytest.fixture
+def recipe(bridge):
+    """recipe("llama3_8b_pretrain_config", "model.tensor_model_parallel_size=2", ...) -> fresh ConfigContainer."""
+    def build(name, *overrides):
+        cfg = bridge.build_recipe(name)
+        if overrides:
+            bridge.apply_overrides(cfg, list(overrides))
+        return cfg
+    return build
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """An environment dict without allocator/NCCL settings from the machine running the tests."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTORCH_", "NCCL_", "WORLD_SIZE"))}
+    return env
+
+
+def run_cmd(args, timeout=300, env=None, cwd=ROOT):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def train(*args, timeout=300, env=None):
+    return run_cmd([sys.executable, "train.py", *args], timeout=timeout, env=env)
+
+
+def mbmem(*args, timeout=300, env=None):
+    return run_cmd([sys.executable, "-m", "mbmem_overlays.cli", *args], timeout=timeout, env=env)
+
+
+def snapshot(cfg) -> str:
+    """A byte-comparable rendering of a whole ConfigContainer (Bridge's own to_dict)."""
+    import json
+    return json.dumps(cfg.to_dict(), sort_keys=True, default=repr)

@@ -1,0 +1,111 @@
+"""The catalogue and the commands that must not import Megatron Bridge."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mbmem_overlays import OverlayError
+from mbmem_overlays.catalog import Catalog, builtin_overlay_dir
+from mbmem_overlays import rules
+
+from conftest import ROOT, mbmem
+
+REQUIRED = {"expandable_segments", "lora_sp_regather", "selective_recompute", "cpu_offload", "dist_optimizer",
+            "full_recompute", "optimizer_offload"}
+
+
+def test_required_overlays_and_alias():
+    cat = Catalog()
+    assert REQUIRED <= set(cat.names())
+    assert cat.resolve("lora_regather").name == "lora_sp_regather"
+
+
+def test_every_overlay_is_a_hydra_option_of_group_mem():
+    for path in (builtin_overlay_dir() / "mem").glob("*.yaml"):
+        first = path.read_text().splitlines()[0]
+        assert first == f"# @package mem.{path.stem}", path
+        spec = Catalog().specs[path.stem]
+        assert spec.sources, f"{path.stem} cites no source"
+        assert spec.summary and spec.effect
+
+
+def test_every_check_cites_a_source_and_an_enforcer():
+    for c in rules.CHECKS:
+        assert c.source and c.enforced_by in {"megatron-core", "bridge", "runtime", "docs"}, c.id
+    assert len({c.id for c in rules.CHECKS}) == len(rules.CHECKS)
+
+
+def test_recompute_labels_come_from_installed_megatron_core():
+    labels = rules.recompute_labels()
+    assert {"core_attn", "mlp", "moe_act", "mla_up_proj"} <= labels
+
+
+def test_unknown_overlay_suggests_the_right_name():
+    with pytest.raises(OverlayError) as exc:
+        Catalog().resolve("lora_regathr")
+    assert "Did you mean 'lora_regather'" in str(exc.value) and "+mem=lora_regather" in str(exc.value)
+
+
+def _write(dirpath: Path, name: str, text: str) -> Path:
+    (dirpath / "mem").mkdir(parents=True, exist_ok=True)
+    p = dirpath / "mem" / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_user_overlay_dir_and_collision(tmp_path):
+    _write(tmp_path, "tiny_mbs", "# @package mem.tiny_mbs\nmbs: 1\noverlay:\n  summary: x\n  set:\n    train.micro_batch_size: '@mbs'\n")
+    assert "tiny_mbs" in Catalog([tmp_path]).names()
+    _write(tmp_path, "cpu_offload", "overlay:\n  summary: mine\n")
+    with pytest.raises(OverlayError, match="already the built-in overlay"):
+        Catalog([tmp_path])
+
+
+def test_user_overlay_alias_collision(tmp_path):
+    _write(tmp_path, "lora_regather", "overlay:\n  summary: mine\n")
+    with pytest.raises(OverlayError, match="already the built-in overlay"):
+        Catalog([tmp_path])
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("overlay: [unclosed\n", "not valid YAML"),
+    ("just: a value\n", "no 'overlay:' mapping"),
+    ("overlay:\n  sett: {}\n", "unknown key"),
+    ("overlay:\n  set:\n    model.x: '@nope'\n", "unknown parameter @nope"),
+    ("n: 1\noverlay:\n  params:\n    n: {type: complex}\n", "has type 'complex'"),
+])
+def test_malformed_user_overlay(tmp_path, text, fragment):
+    _write(tmp_path, "bad", text)
+    with pytest.raises(OverlayError, match=fragment):
+        Catalog([tmp_path])
+
+
+def test_missing_overlay_dir(tmp_path):
+    with pytest.raises(OverlayError, match="does not exist"):
+        Catalog([tmp_path / "nope"])
+
+
+def test_list_and_explain_do_not_import_bridge_or_torch():
+    code = ("import sys; from mbmem_overlays.cli import main; main(['list']); main(['explain','lora_regather']);"
+            "print('LEAK' if any(m.startswith(('megatron','torch')) for m in sys.modules) else 'CLEAN')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("CLEAN")
+    assert "lora_sp_regather" in out.stdout and "4.731 GB" in out.stdout
+
+
+def test_explain_unknown_overlay_exits_nonzero():
+    out = mbmem("explain", "cpu_ofload")
+    assert out.returncode == 1
+    assert "Did you mean 'cpu_offload'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_packaged_overlays_are_the_repository_files():
+    # pyproject force-includes overlays/ into the wheel: one copy of each file.
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '"overlays" = "mbmem_overlays/overlays"' in text
+    assert not (ROOT / "src" / "mbmem_overlays" / "overlays").exists()
