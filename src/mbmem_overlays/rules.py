@@ -204,13 +204,18 @@ def _(view, c):
                         "set model.cuda_graph_impl=none (or full_iteration), or use +mem=optimizer_offload")
 
 
-@check("cpu_offload_fine_grained", enforced_by="megatron-core", source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:1849-1851)")
-def _(view, c):
-    if view.get("model.cpu_offloading") and view.get("model.fine_grained_activation_offloading"):
-        yield c.problem(view.parties("model.cpu_offloading", "model.fine_grained_activation_offloading"),
-                        "model.fine_grained_activation_offloading", True,
+def _mutually_exclusive(first: str, second: str, message: str, fix: str):
+    """A rule of the form 'these two boolean fields cannot both be on'."""
+    def fn(view, c):
+        if view.get(first) and view.get(second):
+            yield c.problem(view.parties(first, second), second, True, message, fix)
+    return fn
+
+
+check("cpu_offload_fine_grained", enforced_by="megatron-core", source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:1849-1851)")(
+    _mutually_exclusive("model.cpu_offloading", "model.fine_grained_activation_offloading",
                         "fine_grained_activation_offloading cannot be enabled with cpu_offloading",
-                        "use one of them: set model.fine_grained_activation_offloading=false or drop +mem=cpu_offload")
+                        "use one of them: set model.fine_grained_activation_offloading=false or drop +mem=cpu_offload"))
 
 
 @check("cpu_offload_num_layers", enforced_by="megatron-core", source=f"{OFFLOAD_SKILL}, Config Parameter Reference; {SURFACE} §1.5 (C:1707-1712)")
@@ -330,13 +335,10 @@ def _(view, c):
                             f"use mem.full_recompute.num_layers between 1 and {limit}")
 
 
-@check("distribute_saved_activations_sp", enforced_by="megatron-core", source=f"{SURFACE} §1.4 (C:1757-1761)")
-def _(view, c):
-    if view.get("model.distribute_saved_activations") and view.get("model.sequence_parallel"):
-        yield c.problem(view.parties("model.distribute_saved_activations", "model.sequence_parallel"),
-                        "model.distribute_saved_activations", True,
+check("distribute_saved_activations_sp", enforced_by="megatron-core", source=f"{SURFACE} §1.4 (C:1757-1761)")(
+    _mutually_exclusive("model.sequence_parallel", "model.distribute_saved_activations",
                         "distribute_saved_activations must be false when sequence parallel is enabled",
-                        "set model.distribute_saved_activations=false")
+                        "set model.distribute_saved_activations=false"))
 
 
 @check("recompute_mlp_on_moe_layers", enforced_by="docs", source=f"{RECOMPUTE_SKILL}, MoE restrictions ('mlp' is a no-op on MoE layers)")
