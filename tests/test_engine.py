@@ -206,3 +206,43 @@ def test_env_none_reads_but_does_not_write_process_env(recipe, monkeypatch):
     assert report.env_to_export["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
     assert cfg.env_vars["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
     assert any("wins over cfg.env_vars" in w for w in report.warnings)
+
+
+# ----------------------------------------------------------------------------- bad-input catalogue
+@pytest.mark.parametrize("value, fragment", [
+    ("expandable_segments:maybe", "must be True or False"),
+    ("max_split_size_mb:128,max_split_size_mb:256", "appears twice"),
+    ("max_split_size_mb:128,", "trailing comma"),
+])
+def test_malformed_alloc_conf_changes_nothing(recipe, clean_env, value, fragment):
+    cfg = recipe(L8)
+    clean_env["PYTORCH_CUDA_ALLOC_CONF"] = value
+    before, env_before = snapshot(cfg), dict(clean_env)
+    with pytest.raises(OverlayError, match=fragment):
+        apply_overlay(cfg, ["expandable_segments", "selective_recompute"], env=clean_env)
+    assert snapshot(cfg) == before and clean_env == env_before
+
+
+def test_world_size_not_divisible(recipe, clean_env):
+    cfg = recipe(L8, "model.tensor_model_parallel_size=2")  # TP2 x CP2 = 4
+    before = snapshot(cfg)
+    with pytest.raises(OverlayError, match="world size 6 is not divisible by TP\\*PP\\*CP = 2\\*1\\*2 = 4"):
+        apply_overlay(cfg, "expandable_segments", env=clean_env, world_size=6)
+    assert snapshot(cfg) == before
+
+
+def test_recipe_whose_hf_config_is_not_available_offline(bridge):
+    # Llama 3.2 1B ships no fixture here: the error says which file to provide.
+    with pytest.raises(OverlayError) as exc:
+        bridge.build_recipe("llama32_1b_pretrain_config")
+    text = str(exc.value)
+    assert "meta-llama/Llama-3.2-1B" in text and "meta-llama--Llama-3.2-1B/config.json" in text
+
+
+def test_user_hf_config_dir_makes_a_recipe_build(bridge, tmp_path, monkeypatch):
+    src = bridge.hf_offline.FIXTURE_DIR / "meta-llama--Meta-Llama-3-8B" / "config.json"
+    (tmp_path / "meta-llama--Llama-3.2-1B").mkdir()
+    (tmp_path / "meta-llama--Llama-3.2-1B" / "config.json").write_text(src.read_text())
+    monkeypatch.setenv("MBMEM_HF_CONFIGS", str(tmp_path))
+    home = bridge.hf_offline.build_cache(tmp_path / "cache")
+    assert (home / "hub" / "models--meta-llama--Llama-3.2-1B" / "refs" / "main").is_file()

@@ -394,27 +394,27 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
         if spec.name not in {s.name for s in specs}:
             specs.append(spec)
     specs.sort(key=lambda s: s.name)  # order-independence: the order given never matters
+    # Every problem is collected and raised once at the end ("all violations at once"); a bad
+    # parameter keeps its default and a claim on a missing field is dropped so the checks still run.
     resolved_params, param_problems = _normalize_params(specs, params, catalog)
     problems += param_problems
-    if problems:
-        raise OverlayError(problems)
 
     selected = tuple(s.name for s in specs)
     process_env = dict(os.environ if env is None else env)
     effective = _effective_env(cfg, process_env)
 
     # 1. static claims from the YAML files
-    field_claims = [FieldClaim(s.name, path, _substitute(v, resolved_params[s.name]))
-                    for s in specs for path, v in s.set.items()]
-    env_claims = [EnvClaim(s.name, var, merge=v) if isinstance(v, Mapping) else EnvClaim(s.name, var, value=str(v))
-                  for s in specs for var, v in s.env.items()]
+    field_claims: list[FieldClaim] = []
     for s in specs:
         for path, value in s.set.items():
+            claim = FieldClaim(s.name, path, _substitute(value, resolved_params[s.name]))
             p = path_problem(cfg, path, s.name)
             if p:
-                problems.append(dataclasses.replace(p, value=_substitute(value, resolved_params[s.name])))
-    if problems:
-        raise OverlayError(problems)
+                problems.append(dataclasses.replace(p, value=claim.value))
+            else:
+                field_claims.append(claim)
+    env_claims = [EnvClaim(s.name, var, merge=v) if isinstance(v, Mapping) else EnvClaim(s.name, var, value=str(v))
+                  for s in specs for var, v in s.env.items()]
     claims, conflict_problems = _field_conflicts(field_claims, locked or {})
     problems += conflict_problems
 
@@ -428,10 +428,11 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
             extra_fields += [FieldClaim(s.name, p, v) for p, v in more_fields.items()]
             env_claims += [EnvClaim(s.name, var, value=str(v)) for var, v in more_env.items()]
     if extra_fields:
-        for fc in extra_fields:
+        for fc in list(extra_fields):
             p = path_problem(cfg, fc.path, fc.overlay)
             if p:
                 problems.append(p)
+                extra_fields.remove(fc)
         claims, conflict_problems = _field_conflicts(
             [c for c in field_claims if c.path not in {e.path for e in extra_fields}] + extra_fields, locked or {})
         problems += [p for p in conflict_problems if p not in problems]

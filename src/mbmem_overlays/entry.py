@@ -80,6 +80,19 @@ def selected_overlays(mem: dict[str, Any] | None, catalog: Catalog) -> tuple[lis
     return names, params
 
 
+def _search_path_dirs() -> list[str]:
+    """User overlay directories given to Hydra (hydra.searchpath=[file://DIR]) count as overlay dirs."""
+    from hydra.core.hydra_config import HydraConfig
+    if not HydraConfig.initialized():
+        return []
+    dirs = []
+    for entry in HydraConfig.get().searchpath or []:
+        path = entry[len("file://"):] if entry.startswith("file://") else None
+        if path and Path(path, "mem").is_dir():
+            dirs.append(path)
+    return dirs
+
+
 def cuda_available() -> bool:
     try:
         import torch
@@ -103,7 +116,7 @@ def run(cfg) -> int:
     run_cfg = container.get("run") or {}
     recipe = container.get("recipe") or {}
     try:
-        catalog = Catalog()
+        catalog = Catalog(_search_path_dirs())
         names, params = selected_overlays(container.get("mem"), catalog)
         dry = run_cfg.get("dry_run", "auto")
         dry = (not cuda_available()) if dry == "auto" else bool(dry)

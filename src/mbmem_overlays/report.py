@@ -69,7 +69,7 @@ def to_dict(report: Report, **extra: Any) -> dict[str, Any]:
         "notes": report.notes,
         "checks": report.checks,
         "validation": None if v is None else {
-            "ok": v.ok, "verdict": v.verdict, "error": v.error, "world_size": v.world_size,
+            "ok": v.ok, "complete": v.complete, "verdict": v.verdict, "error": v.error, "world_size": v.world_size,
             "data_parallel_size": v.data_parallel_size, "not_checkable": v.not_checkable,
             "launch_requirements": v.launch_requirements},
     }

@@ -36,6 +36,7 @@ class Check:
     enforced_by: str
     source: str
     fn: Callable
+    oracle: tuple[str, ...] = ()  # fragments of the error Bridge/megatron-core raise for this rule
 
     def __call__(self, view) -> Iterator:
         yield from self.fn(view, self)
@@ -48,9 +49,11 @@ CHECKS: list[Check] = []
 RESOLVERS: dict[str, Callable] = {}
 
 
-def check(id: str, *, enforced_by: str, source: str):
+def check(id: str, *, enforced_by: str, source: str, oracle: str | tuple[str, ...] = ()):
+    if enforced_by in ("megatron-core", "bridge") and not oracle:
+        raise ValueError(f"check {id}: a rule enforced by {enforced_by} needs the fragment of its error (oracle=)")
     def register(fn):
-        CHECKS.append(Check(id, enforced_by, source, fn))
+        CHECKS.append(Check(id, enforced_by, source, fn, (oracle,) if isinstance(oracle, str) else tuple(oracle)))
         return fn
     return register
 
@@ -171,7 +174,7 @@ def _graph_register(view, params):
 
 
 # ----------------------------------------------------------------------------- activation CPU offloading
-@check("cpu_offload_pipeline", enforced_by="megatron-core",
+@check("cpu_offload_pipeline", enforced_by="megatron-core", oracle='no support for Pipeline parallelism with CPU offloading',
        source=f"{MEM_SKILL}, Compatibility and Constraints; {SURFACE} §1.5 (C:1714-1717)")
 def _(view, c):
     pp = view.get("model.pipeline_model_parallel_size") or 1
@@ -184,7 +187,7 @@ def _(view, c):
                         "(optimizer-state offload works with any PP)")
 
 
-@check("cpu_offload_recompute", enforced_by="megatron-core", source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:1719-1722)")
+@check("cpu_offload_recompute", enforced_by="megatron-core", oracle='CPU offloading does not work when activation recomputation is enabled', source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:1719-1722)")
 def _(view, c):
     g = view.get("model.recompute_granularity")
     if view.get("model.cpu_offloading") and g is not None:
@@ -195,7 +198,7 @@ def _(view, c):
                         "or set model.recompute_granularity=null")
 
 
-@check("cpu_offload_cuda_graphs", enforced_by="megatron-core", source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:2467-2468)")
+@check("cpu_offload_cuda_graphs", enforced_by="megatron-core", oracle='CUDA graphs not supported with CPU offloading', source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:2467-2468)")
 def _(view, c):
     impl = view.get("model.cuda_graph_impl")
     if view.get("model.cpu_offloading") and impl not in NO_GRAPHS and impl != "full_iteration":
@@ -212,13 +215,13 @@ def _mutually_exclusive(first: str, second: str, message: str, fix: str):
     return fn
 
 
-check("cpu_offload_fine_grained", enforced_by="megatron-core", source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:1849-1851)")(
+check("cpu_offload_fine_grained", enforced_by="megatron-core", oracle='fine_grained_activation_offloading cannot be enabled with cpu_offloading', source=f"{OFFLOAD_SKILL}, Compatibility; {SURFACE} §1.5 (C:1849-1851)")(
     _mutually_exclusive("model.cpu_offloading", "model.fine_grained_activation_offloading",
                         "fine_grained_activation_offloading cannot be enabled with cpu_offloading",
                         "use one of them: set model.fine_grained_activation_offloading=false or drop +mem=cpu_offload"))
 
 
-@check("cpu_offload_num_layers", enforced_by="megatron-core", source=f"{OFFLOAD_SKILL}, Config Parameter Reference; {SURFACE} §1.5 (C:1707-1712)")
+@check("cpu_offload_num_layers", enforced_by="megatron-core", oracle='CPU offloading can be done only for layers less than', source=f"{OFFLOAD_SKILL}, Config Parameter Reference; {SURFACE} §1.5 (C:1707-1712)")
 def _(view, c):
     if not view.get("model.cpu_offloading"):
         return
@@ -235,7 +238,7 @@ def _(view, c):
 
 
 # ----------------------------------------------------------------------------- recompute
-@check("recompute_labels", enforced_by="megatron-core", source=f"{RECOMPUTE_SKILL}, Selective Module Decision Table; {SURFACE} §2 (C:1767-1782)")
+@check("recompute_labels", enforced_by="megatron-core", oracle='Invalid choices for recompute_modules', source=f"{RECOMPUTE_SKILL}, Selective Module Decision Table; {SURFACE} §2 (C:1767-1782)")
 def _(view, c):
     allowed = recompute_labels()
     bad = [m for m in selective_modules(view) if m not in allowed]
@@ -254,13 +257,13 @@ def _label_requirement(label: str, field: str, what: str):
     return fn
 
 
-check("recompute_moe_act_needs_grouped_gemm", enforced_by="megatron-core", source=f"{RECOMPUTE_SKILL}, MoE restrictions; {SURFACE} §2 (C:1784)")(
+check("recompute_moe_act_needs_grouped_gemm", enforced_by="megatron-core", oracle='moe_act in recompute_modules is only supported with moe_grouped_gemm', source=f"{RECOMPUTE_SKILL}, MoE restrictions; {SURFACE} §2 (C:1784)")(
     _label_requirement("moe_act", "model.moe_grouped_gemm", "moe_grouped_gemm"))
-check("recompute_mla_up_proj_needs_mla", enforced_by="megatron-core", source=f"{RECOMPUTE_SKILL}, Decision Table; {SURFACE} §2 (C:1789)")(
+check("recompute_mla_up_proj_needs_mla", enforced_by="megatron-core", oracle='mla_up_proj in recompute_modules is only supported', source=f"{RECOMPUTE_SKILL}, Decision Table; {SURFACE} §2 (C:1789)")(
     _label_requirement("mla_up_proj", "model.multi_latent_attention", "multi-latent attention"))
 
 
-@check("recompute_gdn_norm_out_needs_gdn", enforced_by="megatron-core", source=f"{SURFACE} §2 (C:1795-1802)")
+@check("recompute_gdn_norm_out_needs_gdn", enforced_by="megatron-core", oracle='gdn_norm_out in recompute_modules is only supported', source=f"{SURFACE} §2 (C:1795-1802)")
 def _(view, c):
     if "gdn_norm_out" in selective_modules(view) and view.get("model.experimental_attention_variant") != "gated_delta_net":
         yield c.problem(view.parties("model.recompute_modules"), "model.recompute_modules", selective_modules(view),
@@ -268,7 +271,7 @@ def _(view, c):
                         "remove gdn_norm_out from mem.selective_recompute.modules")
 
 
-@check("recompute_fp8_delayed", enforced_by="megatron-core", source=f"{RECOMPUTE_SKILL}, FP8 restrictions; {SURFACE} §2 (C:1821-1833)")
+@check("recompute_fp8_delayed", enforced_by="megatron-core", oracle=('Delayed scaling does not support moe_act and layernorm', 'moe_act and layernorm recompute for fp8 needs'), source=f"{RECOMPUTE_SKILL}, FP8 restrictions; {SURFACE} §2 (C:1821-1833)")
 def _(view, c):
     fp8, recipe = fp8_setting(view)
     hit = [m for m in ("moe_act", "layernorm") if m in selective_modules(view)]
@@ -278,7 +281,7 @@ def _(view, c):
                         "use a current/tensorwise FP8 recipe, or recompute other modules (e.g. core_attn)")
 
 
-@check("recompute_moe_ep_overlap", enforced_by="bridge", source=f"{RECOMPUTE_SKILL}, MoE restrictions; {SURFACE} §2 (C:2689-2699, comm_overlap.py:499-512)")
+@check("recompute_moe_ep_overlap", enforced_by="bridge", oracle='when enabling overlap_moe_expert_parallel_comm', source=f"{RECOMPUTE_SKILL}, MoE restrictions; {SURFACE} §2 (C:2689-2699, comm_overlap.py:499-512)")
 def _(view, c):
     if not ep_overlap(view):
         return
@@ -290,7 +293,7 @@ def _(view, c):
                         "keep EP overlap and recompute an inner boundary (moe_act), or disable the overlap")
 
 
-@check("recompute_shared_experts_overlap", enforced_by="megatron-core", source=f"{RECOMPUTE_SKILL}, MoE restrictions; {SURFACE} §2 (C:1812-1819)")
+@check("recompute_shared_experts_overlap", enforced_by="megatron-core", oracle='shared_experts recompute cannot work with', source=f"{RECOMPUTE_SKILL}, MoE restrictions; {SURFACE} §2 (C:1812-1819)")
 def _(view, c):
     if ("shared_experts" in selective_modules(view) and view.get("model.moe_shared_expert_overlap")
             and view.get("model.moe_shared_expert_intermediate_size")):
@@ -299,7 +302,7 @@ def _(view, c):
                         "remove shared_experts from the modules, or set model.moe_shared_expert_overlap=false")
 
 
-@check("full_recompute_cuda_graphs", enforced_by="megatron-core", source=f"{RECOMPUTE_SKILL}, CUDA graphs; {SURFACE} §2 (C:2522-2525)")
+@check("full_recompute_cuda_graphs", enforced_by="megatron-core", oracle='full recompute is only supported with full iteration CUDA graph', source=f"{RECOMPUTE_SKILL}, CUDA graphs; {SURFACE} §2 (C:2522-2525)")
 def _(view, c):
     impl = view.get("model.cuda_graph_impl")
     if view.get("model.recompute_granularity") == "full" and impl not in NO_GRAPHS and impl != "full_iteration":
@@ -308,7 +311,7 @@ def _(view, c):
                         "set model.cuda_graph_impl=full_iteration or none, or use +mem=selective_recompute")
 
 
-@check("full_recompute_settings", enforced_by="megatron-core", source=f"{RECOMPUTE_SKILL}, Full-layer recompute; {SURFACE} §1.4 (C:1731-1747)")
+@check("full_recompute_settings", enforced_by="megatron-core", oracle=('recompute_method must be "block" or "uniform"', 'recompute_num_layers must be between'), source=f"{RECOMPUTE_SKILL}, Full-layer recompute; {SURFACE} §1.4 (C:1731-1747)")
 def _(view, c):
     if view.get("model.recompute_granularity") != "full":
         return
@@ -335,7 +338,7 @@ def _(view, c):
                             f"use mem.full_recompute.num_layers between 1 and {limit}")
 
 
-check("distribute_saved_activations_sp", enforced_by="megatron-core", source=f"{SURFACE} §1.4 (C:1757-1761)")(
+check("distribute_saved_activations_sp", enforced_by="megatron-core", oracle='must be false when sequence parallel is enabled', source=f"{SURFACE} §1.4 (C:1757-1761)")(
     _mutually_exclusive("model.sequence_parallel", "model.distribute_saved_activations",
                         "distribute_saved_activations must be false when sequence parallel is enabled",
                         "set model.distribute_saved_activations=false"))
@@ -372,7 +375,7 @@ def _(view, c):
                             f"choose a VPP that divides {per_rank}")
 
 
-@check("world_size_divisible", enforced_by="bridge", source=f"{SURFACE} §4 (set_data_parallel_size in runtime_config_update)")
+@check("world_size_divisible", enforced_by="bridge", oracle='is not divisible by total_model_size', source=f"{SURFACE} §4 (set_data_parallel_size in runtime_config_update)")
 def _(view, c):
     if view.world_size is None:
         return
@@ -384,7 +387,7 @@ def _(view, c):
                         f"use a world size that is a multiple of {tp * pp * cp}, or change the parallel sizes")
 
 
-@check("sequence_parallel_needs_tp", enforced_by="bridge", source=f"{SURFACE} §4 (Bridge finalize silently sets sequence_parallel=False when TP<=1)")
+@check("sequence_parallel_needs_tp", enforced_by="bridge", oracle='Cannot use sequence parallelism without tensor parallelism', source=f"{SURFACE} §4 (Bridge finalize silently sets sequence_parallel=False when TP<=1)")
 def _(view, c):
     if view.get("model.sequence_parallel") and (view.get("model.tensor_model_parallel_size") or 1) <= 1:
         yield (f"sequence_parallel=True with TP=1 is silently turned off by Bridge (set by {view.setter('model.sequence_parallel')}); "
@@ -460,7 +463,7 @@ def _(view, c):
 
 
 # ----------------------------------------------------------------------------- allocator / NCCL
-@check("expandable_segments_nccl_ub", enforced_by="megatron-core",
+@check("expandable_segments_nccl_ub", enforced_by="megatron-core", oracle='not supported with nccl_ub',
        source=f"{MEM_SKILL}, Compatibility and Constraints; {SURFACE} §1.1 (C distributed_data_parallel_config.py:256-261, torch<2.11 only)")
 def _(view, c):
     from .allocconf import expandable_segments_on
@@ -481,7 +484,7 @@ def _(view, c):
                "fails at init, set ddp.nccl_ub=false or drop expandable_segments")
 
 
-@check("expandable_segments_cuda_graphs", enforced_by="megatron-core",
+@check("expandable_segments_cuda_graphs", enforced_by="runtime",
        source=f"{MEM_SKILL}, Compatibility and Constraints; {SURFACE} §1.1 (C transformer/cuda_graphs.py:2102-2108)")
 def _(view, c):
     impl = view.get("model.cuda_graph_impl")
@@ -494,7 +497,7 @@ def _(view, c):
 
 
 # ----------------------------------------------------------------------------- optimizer
-@check("precision_aware_optimizer_needs_dist_opt", enforced_by="megatron-core", source=f"{SURFACE} §1.7 (C optimizer_config.py:434-436)")
+@check("precision_aware_optimizer_needs_dist_opt", enforced_by="megatron-core", oracle='only supported with distributed optimizer', source=f"{SURFACE} §1.7 (C optimizer_config.py:434-436)")
 def _(view, c):
     if view.get("optimizer.use_precision_aware_optimizer") and not view.get("optimizer.use_distributed_optimizer"):
         yield c.problem(view.parties("optimizer.use_distributed_optimizer", "optimizer.use_precision_aware_optimizer"),
@@ -504,7 +507,7 @@ def _(view, c):
                         "add +mem=dist_optimizer (sets optimizer.use_distributed_optimizer=true and the ddp flag)")
 
 
-@check("dist_optimizer_flags_in_sync", enforced_by="bridge", source=f"{SURFACE} §1.7 (config.py:1945-1981)")
+@check("dist_optimizer_flags_in_sync", enforced_by="bridge", oracle='Distributed optimizer settings were not in sync', source=f"{SURFACE} §1.7 (config.py:1945-1981)")
 def _(view, c):
     a, b = view.get("optimizer.use_distributed_optimizer"), view.get("ddp.use_distributed_optimizer")
     if bool(a) != bool(b):
