@@ -1,3 +1,5 @@
-"""Subcommands that live in their own modules (plan, doctor, slurm, recommend) register here."""
+"""Subcommands that live in their own modules register here."""
 
-REGISTER: list = []
+from . import doctor
+
+REGISTER = [doctor.register]
