@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from . import rules
+from .report import section
 
 BLOCK = 4 << 20
 MAX_EVIDENCE = 12
@@ -375,18 +376,8 @@ def render(d: Diagnosis, f: Findings) -> str:
     lines = [f"diagnosis: {d.summary}", f"confidence: {d.confidence}"]
     if d.next_command:
         lines.append(f"next command: {d.next_command}")
-    if d.reasons:
-        lines.append("why:")
-        lines += [f"  - {r}" for r in d.reasons]
-    if d.why_not:
-        lines.append("not first:")
-        lines += [f"  - {w}" for w in d.why_not]
-    if d.evidence:
-        lines.append("evidence:")
-        lines += [f"  {e}" for e in d.evidence]
-    if f.problems:
-        lines.append("inputs:")
-        lines += [f"  ! {p}" for p in f.problems]
+    lines += section("why", d.reasons) + section("not first", d.why_not)
+    lines += section("evidence", d.evidence, marker="") + section("inputs", f.problems, marker="!")
     lines.append(f"read {f.bytes_read / 1e6:.1f} MB from {len(f.files)} file(s); {len(f.ooms)} OOM message(s) on "
                  f"{len({o.rank for o in f.ooms})} rank(s)")
     return "\n".join(lines)

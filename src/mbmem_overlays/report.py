@@ -9,6 +9,12 @@ from typing import Any
 from .engine import Report
 
 
+def section(title: str, items, marker: str = "-") -> list[str]:
+    """A titled list, or nothing when the list is empty."""
+    items = list(items)
+    return [f"{title}:", *(f"  {marker} {i}" if marker else f"  {i}" for i in items)] if items else []
+
+
 def _layout(summary: dict[str, Any], world_size: int | None, dp: int | None) -> str:
     parts = [f"TP{summary['tensor_model_parallel_size']}", f"PP{summary['pipeline_model_parallel_size']}"]
     if summary.get("virtual_pipeline_model_parallel_size"):
@@ -41,15 +47,10 @@ def render_text(report: Report, *, recipe: str | None = None, summary: dict[str,
             lines.append(f"  {name}: " + ", ".join(f"{k}={val!r}" for k, val in params.items()))
     lines.append("changes:" if report.changes else "changes: none")
     lines += [f"  {c.render()}" for c in report.changes]
-    if report.env_to_export:
-        lines.append("environment to export (before CUDA is initialized):")
-        lines += [f"  export {k}={shlex.quote(v)}" for k, v in sorted(report.env_to_export.items())]
-    if report.warnings:
-        lines.append("warnings:")
-        lines += [f"  ! {w}" for w in report.warnings]
-    if report.notes:
-        lines.append("notes:")
-        lines += [f"  - {n}" for n in report.notes]
+    lines += section("environment to export (before CUDA is initialized)",
+                     (f"export {k}={shlex.quote(v)}" for k, v in sorted(report.env_to_export.items())), marker="")
+    lines += section("warnings", report.warnings, marker="!")
+    lines += section("notes", report.notes)
     lines.append(f"rules checked: {len(report.checks)} ({', '.join(report.checks)})")
     if v is not None:
         lines.append(f"validation: {v.verdict}")
