@@ -1,5 +1,5 @@
 """Subcommands that live in their own modules register here."""
 
-from . import doctor
+from . import doctor, slurm
 
-REGISTER = [doctor.register]
+REGISTER = [doctor.register, slurm.register]
