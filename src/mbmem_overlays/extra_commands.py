@@ -1,5 +1,5 @@
 """Subcommands that live in their own modules register here."""
 
-from . import doctor, slurm
+from . import doctor, planner, slurm
 
-REGISTER = [doctor.register, slurm.register]
+REGISTER = [doctor.register, slurm.register, planner.register]

@@ -1,0 +1,107 @@
+"""The plan's physics on real recipes, and the plan command."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from mbmem_overlays import plan as P
+from mbmem_overlays.engine import apply_overlay
+from mbmem_overlays.planner import build_plan, parse_size, search
+
+from conftest import mbmem
+
+pytestmark = pytest.mark.bridge
+L8 = "llama3_8b_pretrain_config"
+
+
+def est(cfg, world, **settings):
+    shape, lay, st = P.from_config(cfg, world)
+    return P.estimate(shape, lay, replace(st, **settings))
+
+
+def test_recompute_ordering(recipe):
+    cfg = recipe(L8, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
+    none = est(cfg, 4).activations
+    selective = est(cfg, 4, recompute="selective", modules=("core_attn", "mlp")).activations
+    full = est(cfg, 4, recompute="full", recompute_method="uniform", recompute_layers=1).activations
+    assert full < selective < none
+
+
+def test_dp_doubling_halves_sharded_optimizer_state(recipe):
+    cfg = recipe(L8, "model.context_parallel_size=1")
+    a, b = est(cfg, 2, dist_optimizer=True), est(cfg, 4, dist_optimizer=True)
+    assert b.optimizer == pytest.approx(a.optimizer / 2, rel=1e-9)
+    assert est(cfg, 4, dist_optimizer=False).optimizer == pytest.approx(2 * a.optimizer)
+
+
+def test_lora_base_weights_carry_no_grads_or_optimizer_state(recipe):
+    peft = recipe("llama3_8b_peft_config")
+    full = recipe("llama3_8b_sft_config", "model.tensor_model_parallel_size=1")
+    p, f = est(peft, 1), est(full, 1)
+    assert p.optimizer < 0.01 * f.optimizer and p.gradients < 0.01 * f.gradients
+    assert p.parameters == pytest.approx(f.parameters, rel=0.01)  # base weights are still held
+
+
+def test_regather_saves_exactly_the_gathered_lora_inputs(recipe):
+    base = recipe("qwen3_8b_peft_config", "model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
+    with_regather = recipe("qwen3_8b_peft_config", "model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
+    apply_overlay(with_regather, "lora_regather", env={})
+    a, b = est(base, 2), est(with_regather, 2)
+    s = P.from_config(base, 2)[0]
+    expected = 2 * s.hidden * (1 - 1 / 2) * 2048 * s.layers  # bf16, linear_qkv only, seq 2048
+    assert a.activations - b.activations == pytest.approx(expected, rel=1e-6)
+    assert a.parameters == b.parameters and a.optimizer == b.optimizer
+
+
+def test_sp_divides_layernorm_activations(recipe):
+    on = recipe(L8, "model.tensor_model_parallel_size=4", "model.sequence_parallel=true")
+    off = recipe(L8, "model.tensor_model_parallel_size=4", "model.sequence_parallel=false")
+    assert est(on, 8).activations < est(off, 8).activations
+
+
+def test_cpu_offload_and_optimizer_offload(recipe):
+    cfg = recipe(L8)
+    base = est(cfg, 2)
+    assert est(cfg, 2, cpu_offload_layers=16).activations < base.activations
+    assert est(cfg, 2, optimizer_offload=0.5).optimizer == pytest.approx(base.optimizer / 2)
+
+
+def test_vpp_adds_in_flight_activations(recipe):
+    cfg = recipe("llama3_70b_pretrain_config")
+    shape, lay, st = P.from_config(cfg, 32)
+    # Megatron's interleaved warm-up on rank 0: (pp-1)*2 + (vpp-1)*pp + 1 chunks of 1/vpp of the stage
+    assert P.in_flight(lay, 0) == pytest.approx(((lay.pp - 1) * 2 + (lay.vpp - 1) * lay.pp + 1) / lay.vpp)
+    assert P.in_flight(replace(lay, vpp=1), 0) == lay.pp
+    assert P.in_flight(lay, 0) > P.in_flight(replace(lay, vpp=1), 0)
+
+
+def test_plan_steps_and_expandable_segments_zero(recipe):
+    cfg = recipe("llama3_70b_pretrain_config")
+    plan = build_plan(cfg, ["selective_recompute", "expandable_segments"], world=32, recipe="llama3_70b_pretrain",
+                      capacity=parse_size("80GiB"))
+    d = plan.as_dict()
+    assert [s["name"] for s in d["steps"]] == ["baseline", "expandable_segments", "selective_recompute"]
+    assert d["steps"][1]["delta_bytes"] == 0 and "fragmentation" in d["steps"][1]["note"]
+    assert d["total_bytes"] == d["steps"][-1]["total_bytes"]
+    assert any("fragmentation" in a for a in d["assumptions"])
+
+
+def test_search_finds_cheap_fitting_layouts(recipe):
+    rows, n, secs = search(recipe("llama3_70b_pretrain_config"), 32, parse_size("80GiB"))
+    assert rows and n > 100
+    assert all(r["total_bytes"] <= 0.95 * 80 * 2**30 for r in rows)
+    assert all(not ("cpu_offload" in r["overlays"] and r["pp"] > 1) for r in rows)
+    assert rows == sorted(rows, key=lambda r: (r["cost"], r["total_bytes"]))
+
+
+def test_plan_cli_json_and_plot(tmp_path):
+    png = tmp_path / "plan.png"
+    out = mbmem("plan", "--recipe", "llama3_8b_pretrain", "--overlay", "expandable_segments,selective_recompute",
+                "--world-size", "2", "--gpu-memory", "80GiB", "--json", "--plot", str(png))
+    d = json.loads(out.stdout)
+    assert out.returncode == (0 if d["fits"] else 1), out.stderr[-2000:]  # exit 1 means: does not fit
+    assert d["total_bytes"] > 0 and len(d["steps"]) == 3 and png.stat().st_size > 10_000
+    assert {"parameters", "gradients", "optimizer", "activations", "other", "total_bytes"} <= set(d["steps"][0])
