@@ -105,3 +105,23 @@ def test_plan_cli_json_and_plot(tmp_path):
     assert out.returncode == (0 if d["fits"] else 1), out.stderr[-2000:]  # exit 1 means: does not fit
     assert d["total_bytes"] > 0 and len(d["steps"]) == 3 and png.stat().st_size > 10_000
     assert {"parameters", "gradients", "optimizer", "activations", "other", "total_bytes"} <= set(d["steps"][0])
+
+
+# ----------------------------------------------------------------------------- recommend
+def test_recommend_follows_the_ladder_and_skips_what_rules_reject(recipe):
+    from mbmem_overlays.planner import recommend
+    cfg = recipe("llama3_70b_pretrain_config")
+    rec = recommend(cfg, 32, parse_size("64GiB"), recipe="llama3_70b_pretrain")
+    steps = [r["step"] for r in rec["steps"]]
+    assert steps[:2] == ["baseline", "expandable_segments"]
+    offload = next(r for r in rec["steps"] if r["step"] == "cpu_offload")
+    assert "skipped" in offload and "Pipeline parallelism" in offload["skipped"]
+    assert "cpu_offload" not in rec["command"]
+    assert steps.index("selective_recompute") < next(i for i, s in enumerate(steps) if s.startswith("PP"))
+
+
+def test_recommend_stops_at_first_fit(recipe):
+    from mbmem_overlays.planner import recommend
+    rec = recommend(recipe("llama3_70b_pretrain_config"), 32, parse_size("200GiB"), recipe="llama3_70b_pretrain")
+    assert rec["fits"] and [r["step"] for r in rec["steps"]] == ["baseline", "expandable_segments"]
+    assert "+mem=[expandable_segments]" in rec["command"]

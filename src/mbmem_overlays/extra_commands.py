@@ -2,4 +2,4 @@
 
 from . import doctor, planner, slurm
 
-REGISTER = [doctor.register, slurm.register, planner.register]
+REGISTER = [doctor.register, slurm.register, planner.register, planner.register_recommend]
