@@ -125,6 +125,8 @@ def run(cfg) -> int:
             raise OverlayError([Problem(("recipe",), "recipe.function", None, "no recipe selected",
                                         "add recipe=<name> (see recipes/recipe/) or recipe.function=<Bridge recipe function>")])
         bcfg = bridge.build_recipe(function, recipe.get("kwargs") or {})
+        if recipe.get("overrides"):  # a recipe file may reshape its base recipe (recipes/recipe/tiny_llama.yaml)
+            bridge.apply_overrides(bcfg, dict(recipe["overrides"]))
         locked = bridge.apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
         m = bcfg.model
         min_world = (m.tensor_model_parallel_size or 1) * (m.pipeline_model_parallel_size or 1) * (m.context_parallel_size or 1)
@@ -169,10 +171,14 @@ def _launch(bcfg: Any, kind: str) -> int:
     # The overlays' environment is already in os.environ (apply_overlay(env=os.environ)) and
     # CUDA has not allocated yet, so the allocator reads the new settings.
     from megatron.bridge.training.gpt_step import forward_step
+    callbacks = None
+    if os.environ.get("MBMEM_METRICS_DIR"):  # GPU smoke tests record memory and step time (gpu_harness.py)
+        from .gpu_harness import make_recorder
+        callbacks = [make_recorder(os.environ["MBMEM_METRICS_DIR"])]
     if kind == "finetune":
         from megatron.bridge.training.finetune import finetune
-        finetune(bcfg, forward_step)
+        finetune(bcfg, forward_step, callbacks=callbacks)
     else:
         from megatron.bridge.training.pretrain import pretrain
-        pretrain(bcfg, forward_step)
+        pretrain(bcfg, forward_step, callbacks=callbacks)
     return 0

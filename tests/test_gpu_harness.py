@@ -1,0 +1,74 @@
+"""The GPU harness's logic on CPU: parsing recorded metrics, comparing to baseline, deciding pass/fail.
+The sample records in tests/data/gpu_runs follow the recorder's format; they were written by hand
+(no GPU was available when they were made)."""
+
+import json
+import math
+
+import pytest
+
+from mbmem_overlays.gpu_harness import EXPECTATIONS, MetricsError, judge, load_run
+
+from conftest import ROOT
+
+RUNS = ROOT / "tests" / "data" / "gpu_runs"
+
+
+def run(name):
+    return load_run(RUNS / name, name)
+
+
+def test_parse_and_summaries():
+    b = run("baseline")
+    assert b.peak_allocated == 3_200_000_000 and b.reserved_gap == 900_000_000
+    assert b.step_time == pytest.approx(0.30)  # median of the steps after the 2 warm-up steps
+    assert b.finite_loss
+
+
+def test_recompute_passes_when_peak_drops():
+    v = judge("selective_recompute", run("baseline"), run("selective_recompute"))
+    assert v.passed and v.peak_allocated_ratio == pytest.approx(2.5 / 3.2)
+    assert v.step_time_ratio == pytest.approx(1.12, rel=1e-3)
+
+
+def test_no_saving_fails_with_the_numbers():
+    v = judge("full_recompute", run("baseline"), run("full_recompute_no_saving"))
+    assert not v.passed and any("not lower" in r and "MiB" in r for r in v.reasons)
+
+
+def test_non_finite_loss_fails_even_if_memory_drops():
+    v = judge("selective_recompute", run("baseline"), run("nan_loss"))
+    assert not v.passed and any("not finite" in r for r in v.reasons)
+
+
+def test_expandable_segments_needs_setting_and_smaller_gap():
+    assert judge("expandable_segments", run("baseline"), run("expandable_segments")).passed
+    v = judge("expandable_segments", run("baseline"), run("expandable_not_seen"))
+    assert not v.passed and any("was not in the training process" in r for r in v.reasons)
+
+
+def test_missing_rank_is_an_error():
+    with pytest.raises(MetricsError, match="1 of 2 ranks"):
+        run("two_ranks_one_missing")
+
+
+def test_empty_and_corrupt(tmp_path):
+    with pytest.raises(MetricsError, match="no rank"):
+        load_run(tmp_path)
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0}))
+    with pytest.raises(MetricsError, match="not a metrics record"):
+        load_run(tmp_path)
+
+
+def test_every_shipped_overlay_with_a_memory_claim_has_an_expectation():
+    assert {"selective_recompute", "full_recompute", "cpu_offload", "lora_sp_regather", "dist_optimizer",
+            "expandable_segments"} <= set(EXPECTATIONS)
+
+
+def test_gpu_tests_are_collected_and_skipped_with_reasons_on_cpu():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-rs", "-q"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert "6 skipped" in out.stdout and "CUDA is not available" in out.stdout
