@@ -98,6 +98,20 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
                                     "check the recipe arguments (recipe.kwargs / --recipe-arg)")]) from None
 
 
+def load_recipe(name: str):
+    """A recipes/recipe/<name>.yaml config (function, kwargs, overrides) or a Bridge recipe function name."""
+    import yaml
+    from .catalog import recipe_file
+    path = recipe_file(name)
+    if path is None:
+        return build_recipe(name)
+    spec = yaml.safe_load(path.read_text()) or {}
+    cfg = build_recipe(spec["function"], spec.get("kwargs") or {})
+    if spec.get("overrides"):
+        apply_overrides(cfg, dict(spec["overrides"]))
+    return cfg
+
+
 def _hub_id_from_error(text: str) -> str | None:
     import re
     m = re.search(r"(?:from|for|load(?:ing)?)\s+['\"]?([\w.-]+/[\w.-]+)", text)
@@ -248,7 +262,7 @@ def _validate_loop(work, ws, env, unchecked, needs) -> ValidationResult:
             try:
                 runtime_config_update(attempt)
             except Exception as exc:  # Bridge/megatron-core raise ValueError, AssertionError, ...
-                message = f"{type(exc).__name__}: {exc}"
+                message = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
                 for marker, safe in TE_ONLY_CHECKS:
                     first = next(iter(safe))
                     if marker in str(exc) and read(work, first, None) != safe[first]:
@@ -268,6 +282,16 @@ def _validate_loop(work, ws, env, unchecked, needs) -> ValidationResult:
                 continue
         return ValidationResult(True, ws, getattr(attempt, "data_parallel_size", None), None, unchecked, needs)
     return ValidationResult(False, ws, None, "too many TE-only checks", unchecked)
+
+
+def world_size_for(cfg: Any, given: int | None) -> tuple[int, bool]:
+    """(world size, assumed?): the given one, else WORLD_SIZE, else the smallest the layout allows (TP*PP*CP)."""
+    if given:
+        return int(given), False
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"]), False
+    m = cfg.model
+    return (m.tensor_model_parallel_size or 1) * (m.pipeline_model_parallel_size or 1) * (m.context_parallel_size or 1), True
 
 
 def recipe_kind(cfg: Any) -> str:

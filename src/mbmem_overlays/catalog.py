@@ -35,6 +35,17 @@ USER_DIRS_ENV = "MBMEM_OVERLAY_DIRS"
 PARAM_TYPES = ("int", "float", "bool", "str", "labels")
 
 
+def recipe_file(name: str) -> Path | None:
+    """recipes/recipe/<name>.yaml, if the name is one of train.py's recipe configs."""
+    path = Path(__file__).resolve().parents[2] / "recipes" / "recipe" / f"{name}.yaml"
+    return path if "/" not in name and path.is_file() else None
+
+
+def train_recipe_arg(name: str) -> str:
+    """How train.py is told about a recipe: recipe=<config name>, else recipe.function=<Bridge function>."""
+    return f"recipe={name}" if recipe_file(name) else f"recipe.function={name}"
+
+
 def builtin_overlay_dir() -> Path:
     """``overlays/`` at the repository root; the wheel carries the same files inside the package."""
     packaged = Path(__file__).with_name("overlays")

@@ -96,15 +96,18 @@ def cmd_apply(args) -> int:
     from .report import render_json, render_text
     overrides, params = split_sets(args.set)
     params.update({k: v for k, v in split_sets([f"mem.{p}" for p in args.param])[1].items()})
-    cfg = bridge.build_recipe(args.recipe)
+    cfg = bridge.load_recipe(args.recipe)
     locked = bridge.apply_overrides(cfg, overrides)
-    report = apply_overlay(cfg, _csv(args.overlay), params=params, world_size=args.world_size, locked=locked,
+    world, assumed = bridge.world_size_for(cfg, args.world_size)
+    report = apply_overlay(cfg, _csv(args.overlay), params=params, world_size=world, locked=locked,
                            validate=not args.no_validate, overlay_dirs=args.overlay_dir)
+    if assumed:
+        report.notes.append(f"world size {world} = TP*PP*CP assumed; pass --world-size N to validate for N GPUs")
     summary = bridge.model_summary(cfg)
     if args.json:
         print(render_json(report, recipe=args.recipe, model=summary))
     else:
-        print(render_text(report, recipe=args.recipe, summary=summary, world_size=args.world_size))
+        print(render_text(report, recipe=args.recipe, summary=summary, world_size=world))
     return 0 if report.validation is None or report.validation.ok else EXIT_REJECTED
 
 
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.set_defaults(fn=cmd_explain)
     s = sub.add_parser("apply", help="build a real recipe, apply overlays, validate with Bridge")
-    s.add_argument("--recipe", required=True, help="Bridge recipe function, e.g. llama3_70b_pretrain_config")
+    s.add_argument("--recipe", required=True, help="recipes/ name (llama3_70b_pretrain) or Bridge recipe function (llama3_70b_pretrain_config)")
     s.add_argument("--overlay", "-O", action="append", default=[], help="overlay names, comma-separated or repeated")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="Bridge override (model.tensor_model_parallel_size=4) or overlay parameter (mem.cpu_offload.num_layers=2)")

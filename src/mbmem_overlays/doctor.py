@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from . import rules
+from .catalog import train_recipe_arg
 from .report import section
 
 BLOCK = 4 << 20
@@ -293,8 +294,7 @@ def _gib(n: int | None) -> str:
 
 def diagnose(f: Findings, recipe: str | None = None) -> Diagnosis:
     recipe = recipe or f.recipe or "<recipe>"
-    # train.py takes a recipes/ name (recipe=llama3_70b_sft) or any Bridge function (recipe.function=...)
-    recipe_arg = f"recipe.function={recipe}" if recipe.endswith("_config") or "." in recipe else f"recipe={recipe}"
+    recipe_arg = train_recipe_arg(recipe) if recipe != "<recipe>" else "recipe=<recipe>"
     expandable = any("expandable_segments:True" in v.split(",") for v in f.alloc_conf.values())
     ranks = {str(o.rank if o.rank is not None else "?"): {k: v for k, v in asdict(o).items() if k not in ("rank",)}
              for o in f.ooms}

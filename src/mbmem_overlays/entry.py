@@ -128,9 +128,7 @@ def run(cfg) -> int:
         if recipe.get("overrides"):  # a recipe file may reshape its base recipe (recipes/recipe/tiny_llama.yaml)
             bridge.apply_overrides(bcfg, dict(recipe["overrides"]))
         locked = bridge.apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
-        m = bcfg.model
-        min_world = (m.tensor_model_parallel_size or 1) * (m.pipeline_model_parallel_size or 1) * (m.context_parallel_size or 1)
-        world_size = int(run_cfg.get("world_size") or os.environ.get("WORLD_SIZE") or min_world)
+        world_size, world_assumed = bridge.world_size_for(bcfg, run_cfg.get("world_size"))
         report = apply_overlay(bcfg, names, env=os.environ, params=params, world_size=world_size, locked=locked,
                                validate=bool(run_cfg.get("validate", True)))
     except OverlayError as exc:
@@ -142,7 +140,7 @@ def run(cfg) -> int:
         say(render_json(report, recipe=function, model=summary, mode="dry-run" if dry else kind))
     else:
         say(render_text(report, recipe=function, summary=summary, world_size=world_size))
-        if not run_cfg.get("world_size") and not os.environ.get("WORLD_SIZE"):
+        if world_assumed:
             say(f"(world size {world_size} = TP*PP*CP assumed; set run.world_size=N to plan for N GPUs)")
     output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else run_cfg.get("record_dir")
     if output_dir:

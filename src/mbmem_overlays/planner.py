@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import plan as P
+from .catalog import train_recipe_arg
 
 # The order steps are shown in: the memory-tuning skill's Quick Decision ladder.
 LADDER = ("expandable_segments", "lora_sp_regather", "selective_recompute", "dist_optimizer", "full_recompute",
@@ -208,8 +209,7 @@ def command_for(recipe: str, row: dict, world: int) -> str:
     if row["tp"] > 1:
         sets.append("model.sequence_parallel=true")
     mem = f" '+mem=[{','.join(row['overlays'])}]'" if row["overlays"] else ""
-    rarg = f"recipe.function={recipe}" if recipe.endswith("_config") else f"recipe={recipe}"
-    return f"python train.py {rarg}{mem} {' '.join(sets)} run.world_size={world}"
+    return f"python train.py {train_recipe_arg(recipe)}{mem} {' '.join(sets)} run.world_size={world}"
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -217,14 +217,7 @@ def _recipe_and_overrides(args):
     from . import bridge
     from .cli import split_sets
     overrides, params = split_sets(args.set)
-    name = args.recipe
-    function = name
-    import yaml
-    from pathlib import Path
-    cfg_file = Path(bridge.repo_root()) / "recipes" / "recipe" / f"{name}.yaml"
-    if cfg_file.is_file():
-        function = yaml.safe_load(cfg_file.read_text())["function"]
-    cfg = bridge.build_recipe(function)
+    cfg = bridge.load_recipe(args.recipe)
     locked = bridge.apply_overrides(cfg, overrides)
     return cfg, locked, params
 
@@ -345,13 +338,12 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         rows.append({"step": label, "total_bytes": int(new_total), "saving_bytes": int(before - new_total),
                      "cost": cost, "fits": new_total <= limit})
         done = new_total <= limit and label != "expandable_segments"
-    rarg = f"recipe.function={recipe}" if recipe.endswith("_config") else f"recipe={recipe}"
     set_args = " ".join(f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
                         for k, v in sets.items())
     mem = f" '+mem=[{','.join(overlays)}]'" if overlays else ""
     fits = any(r.get("fits") for r in rows)
     return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, "fits": fits,
-            "command": f"python train.py {rarg}{mem} {set_args} run.world_size={world}".replace("  ", " ").strip()}
+            "command": f"python train.py {train_recipe_arg(recipe)}{mem} {set_args} run.world_size={world}".replace("  ", " ").strip()}
 
 
 def render_recommendation(rec: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .catalog import Catalog
+from .catalog import Catalog, train_recipe_arg
 from .errors import OverlayError, Problem
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "recipes" / "slurm" / "sbatch.sh.tmpl"
@@ -85,8 +85,7 @@ def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpu
         raise OverlayError(problems)
 
     world = nodes * gpus_per_node
-    recipe_arg = f"recipe.function={recipe}" if recipe.endswith("_config") or "." in recipe else f"recipe={recipe}"
-    args = [recipe_arg]
+    args = [train_recipe_arg(recipe)]
     if overlays:
         args.append(f"+mem=[{','.join(overlays)}]")
     args += sets
@@ -143,7 +142,7 @@ def cmd_slurm(args) -> int:
     else:
         from . import bridge
         from .engine import apply_overlay
-        cfg = bridge.build_recipe(args.recipe)
+        cfg = bridge.load_recipe(args.recipe)
         locked = bridge.apply_overrides(cfg, overrides)
         world = args.nodes * args.gpus_per_node
         # env={}: the script must not depend on the rendering shell's environment
