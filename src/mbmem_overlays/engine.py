@@ -282,10 +282,11 @@ def _normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None
                     check="param"))
                 continue
             coerced, err = _coerce_param(spec.name, spec.params[pname], value)
-            if err:
+            if err:  # reported; the default stays so the remaining checks still see a well-typed value
                 problems.append(Problem((spec.name,), f"mem.{spec.name}.{pname}", value,
                                         f"parameter {pname} {err}", spec.params[pname].help or f"see `mbmem explain {spec.name}`",
                                         check="param"))
+                continue
             values[pname] = coerced
         resolved[spec.name] = values
     return resolved, problems
