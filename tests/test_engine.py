@@ -123,8 +123,11 @@ def test_params_for_unselected_overlay(recipe, clean_env):
 
 
 def test_unknown_overlay(recipe, clean_env):
+    cfg = recipe(L8)
+    before, env_before = snapshot(cfg), dict(clean_env)
     with pytest.raises(OverlayError, match="unknown overlay 'selective_recompte'.*selective_recompute"):
-        apply_overlay(recipe(L8), ["expandable_segments", "selective_recompte"], env=clean_env)
+        apply_overlay(cfg, ["expandable_segments", "selective_recompte"], env=clean_env)
+    assert snapshot(cfg) == before and clean_env == env_before
 
 
 def test_conflicting_overlays_name_both(recipe, clean_env):
@@ -226,9 +229,10 @@ def test_malformed_alloc_conf_changes_nothing(recipe, clean_env, value, fragment
 def test_world_size_not_divisible(recipe, clean_env):
     cfg = recipe(L8, "model.tensor_model_parallel_size=2")  # TP2 x CP2 = 4
     before = snapshot(cfg)
+    env_before = dict(clean_env)
     with pytest.raises(OverlayError, match="world size 6 is not divisible by TP\\*PP\\*CP = 2\\*1\\*2 = 4"):
         apply_overlay(cfg, "expandable_segments", env=clean_env, world_size=6)
-    assert snapshot(cfg) == before
+    assert snapshot(cfg) == before and clean_env == env_before
 
 
 def test_recipe_whose_hf_config_is_not_available_offline(bridge):

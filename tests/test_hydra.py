@@ -112,3 +112,15 @@ def test_foreign_hydra_app_sees_the_mem_group(tmp_path):
                    f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "cpu_offload:" in out.stdout and "num_layers: 3" in out.stdout and "expandable_segments:" in out.stdout
+
+
+@pytest.mark.bridge
+def test_user_overlay_from_hydra_search_path(tmp_path):
+    (tmp_path / "mine" / "mem").mkdir(parents=True)
+    (tmp_path / "mine" / "mem" / "small_batch.yaml").write_text(
+        "# @package mem.small_batch\nmbs: 1\noverlay:\n  summary: one sample per microbatch\n"
+        "  set:\n    train.micro_batch_size: '@mbs'\n")
+    out = train("recipe=llama3_8b_pretrain", f"hydra.searchpath=[file://{tmp_path / 'mine'}]", "+mem=small_batch",
+                "mem.small_batch.mbs=2", "run.dry_run=true", env={"MBMEM_RUNS_DIR": str(tmp_path / "runs")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[small_batch] train.micro_batch_size: 1 -> 2" in out.stdout
