@@ -154,7 +154,8 @@ def evaluate(bridge, case: Case, catalog: Catalog | None = None) -> Outcome:
         return Outcome(case, "unbuildable", detail=str(exc)[:200])
     ours: list[str] = []
     try:
-        plan_overlays(cfg, case.overlays, env={}, params=dict(case.params), world_size=case.world_size)
+        plan_overlays(cfg, case.overlays, env={}, params=dict(case.params), world_size=case.world_size,
+                      catalog=catalog)
     except OverlayError as exc:
         ours = sorted({p.check or "composition" for p in exc.problems})
     result = bridge.validate_config(_direct_config(bridge, case, catalog), world_size=case.world_size, env={})

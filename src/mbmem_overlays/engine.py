@@ -488,7 +488,7 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
 def apply_overlay(cfg: Any, overlays: str | Iterable[str], *, env: MutableMapping[str, str] | None = None,
                   params: Mapping[str, Any] | None = None, world_size: int | None = None,
                   locked: Mapping[str, Any] | None = None, validate: bool = False,
-                  overlay_dirs: list[str] | None = None) -> Report:
+                  overlay_dirs: list[str] | None = None, catalog: Catalog | None = None) -> Report:
     """Apply overlays to a Bridge ``ConfigContainer`` (and ``env``, when given) atomically.
 
     - ``overlays``: a name or a list; order never matters; aliases accepted.
@@ -499,12 +499,13 @@ def apply_overlay(cfg: Any, overlays: str | Iterable[str], *, env: MutableMappin
       or, with a single overlay, ``{"num_layers": 2}``.
     - ``locked``: fields the user set explicitly; an overlay that changes one is refused.
     - ``validate``: also run Bridge's own validation on a copy (imports Bridge).
+    - ``overlay_dirs`` / ``catalog``: where user overlays come from (a caller's catalogue is reused).
 
     Raises ``OverlayError`` listing every problem; then cfg and env are unchanged.
     Applying the same overlays twice equals applying them once.
     """
     report, claims, env_plan = plan_overlays(cfg, overlays, env=env, params=params, world_size=world_size,
-                                             locked=locked, overlay_dirs=overlay_dirs)
+                                             locked=locked, catalog=catalog, overlay_dirs=overlay_dirs)
     undo_fields: list[tuple[str, Any]] = []
     env_before = {var: env.get(var, _MISSING) for var in env_plan} if env is not None else {}
     try:

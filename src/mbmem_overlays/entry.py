@@ -116,8 +116,7 @@ def run(cfg) -> int:
     run_cfg = container.get("run") or {}
     recipe = container.get("recipe") or {}
     try:
-        overlay_dirs = _search_path_dirs()
-        catalog = Catalog(overlay_dirs)
+        catalog = Catalog(_search_path_dirs())
         names, params = selected_overlays(container.get("mem"), catalog)
         dry = run_cfg.get("dry_run", "auto")
         dry = (not cuda_available()) if dry == "auto" else bool(dry)
@@ -131,7 +130,7 @@ def run(cfg) -> int:
         locked = bridge.apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
         world_size, world_assumed = bridge.world_size_for(bcfg, run_cfg.get("world_size"))
         report = apply_overlay(bcfg, names, env=os.environ, params=params, world_size=world_size, locked=locked,
-                               validate=bool(run_cfg.get("validate", True)), overlay_dirs=overlay_dirs)
+                               validate=bool(run_cfg.get("validate", True)), catalog=catalog)
     except OverlayError as exc:
         print(f"train.py: {exc}", file=sys.stderr)
         return 1
