@@ -27,8 +27,12 @@ ROWS = [  # label, recipe, overrides, overlays, params, world, measured GB
      {"modules": ["core_attn"]}, 32, 50.2),
     ("  mlp recompute", "llama3_70b_sft_config", L70, ["selective_recompute"], {"modules": ["mlp"]}, 32, 55.6),
 ]
+# The skill's row does not state the LoRA targets; we assume Bridge's LoRA defaults (all four linears,
+# dim 32), not the 0.6.2 qwen3_8b_peft recipe's [linear_qkv, linear_proj]. An assumption about the
+# measured run, stated here, not a fitted constant.
 QWEN = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=8192",
-        "dataset.seq_length=8192"]
+        "dataset.seq_length=8192", "peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+        "peft.dim=32", "peft.alpha=32"]
 REGATHER = [("Qwen3-8B LoRA TP2 seq 8192", [], 47.545), ("  + input re-gather", ["lora_sp_regather"], 42.814)]
 
 

@@ -19,7 +19,9 @@ BF16 = 2            # bytes per bf16/fp16 element
 FP32 = 4
 FP8 = 1
 ADAM_MOMENTS = 2    # exp_avg and exp_avg_sq
-LOGITS_BYTES = FP32  # the loss upcasts logits to fp32 on the last stage (cross entropy)
+# At the loss, megatron-core holds the bf16 logits and their fp32 copy at once (cross_entropy.py:
+# calculate_logits_max does logits.float(); exp_logits (fp32) is saved for backward).
+LOGITS_BYTES = BF16 + FP32
 
 ASSUMPTIONS = (
     "allocated memory only: allocator fragmentation (reserved-but-unallocated) is not modelled; "
@@ -28,7 +30,9 @@ ASSUMPTIONS = (
     "attention uses a fused/flash kernel (TE default): only softmax statistics are kept, so core_attn recompute "
     "saves almost nothing; an unfused backend would keep the s x s scores",
     "linear-layer inputs are kept for the weight gradient; with FP8 they are kept in FP8 (1 byte)",
-    "frozen (LoRA base) linear layers keep no input for a weight gradient they do not compute",
+    "frozen (LoRA base) GEMMs still keep their inputs, as trainable ones do; under SP a column-parallel LoRA-A "
+    "additionally keeps the full gathered input unless input re-gather lets it reuse the sequence-local shard "
+    "(consistent with the measured Qwen3-8B re-gather saving: one gathered bf16 copy per eligible adapter and layer)",
     "MoE tokens are balanced across experts; capacity factor and token imbalance are not modelled",
     "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
     "the peak is taken at the end of the pipeline warm-up, when the most microbatches are in flight",
@@ -189,17 +193,16 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, moe_layer: bool)
     t = lay.tp
     sp_div = t if lay.sp else 1   # LayerNorm-region tensors are split across TP only with SP
     gemm_in = FP8 if st.fp8 else BF16
-    frozen = st.lora_rank > 0
     terms: dict[str, float] = {"layernorm_inputs": 2 * BF16 * s.hidden / sp_div}
     # inputs of the QKV and FC1 GEMMs (layernorm outputs), kept for their weight gradients
-    terms["layernorm_outputs"] = 0.0 if frozen else 2 * gemm_in * s.hidden / sp_div
+    terms["layernorm_outputs"] = 2 * gemm_in * s.hidden / sp_div
     if s.mla:
         terms["attention_qkv"] = BF16 * s.heads * (2 * (s.qk_head_dim + s.qk_pos_dim) + s.v_head_dim) / t
         terms["mla_up_proj_inputs"] = BF16 * (s.kv_lora_rank + (s.q_lora_rank or 0)) / sp_div
     else:
         terms["attention_qkv"] = BF16 * (s.heads + 2 * s.groups) * s.head_dim / t
     terms["attention_softmax_stats"] = FP32 * s.heads / t
-    terms["attention_output"] = (0.0 if frozen else gemm_in) * s.heads * (s.v_head_dim or s.head_dim) / t
+    terms["attention_output"] = gemm_in * s.heads * (s.v_head_dim or s.head_dim) / t
     if moe_layer:
         routed = s.topk / lay.etp
         terms["moe_permuted_input"] = routed * BF16 * s.hidden
@@ -210,17 +213,17 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, moe_layer: bool)
             terms["shared_expert"] = (BF16 * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
     else:
         terms["mlp_fc1_output"] = BF16 * (2 if s.gated else 1) * s.ffn / t
-        terms["mlp_act_output"] = (0.0 if frozen else gemm_in) * s.ffn / t
+        terms["mlp_act_output"] = gemm_in * s.ffn / t
     if st.lora_rank:
-        # LoRA-A of a column-parallel target (QKV, FC1) keeps its input: under SP the full gathered
-        # LayerNorm output, unless input re-gather keeps only the sequence-local shard (memory-tuning
-        # skill, PEFT + SP input re-gather). Row-parallel targets share the base input.
-        for target in ("linear_qkv", "linear_fc1"):
-            if target in st.lora_targets and not (moe_layer and target == "linear_fc1"):
-                keep = BF16 * s.hidden / (t if (target in st.lora_regather or not lay.sp) and lay.sp else 1)
-                if not lay.sp:
-                    keep = BF16 * s.hidden
-                terms[f"lora_a_input_{target}"] = keep
+        # Under SP, LoRA-A of a column-parallel target (QKV, FC1) keeps the full gathered LayerNorm output
+        # until backward; input re-gather keeps only the sequence-local shard, which the base GEMM keeps
+        # anyway (memory-tuning skill, PEFT + SP input re-gather). Without SP, and for row-parallel
+        # targets, LoRA-A reads the tensor the base layer already keeps.
+        if lay.sp:
+            for target in ("linear_qkv", "linear_fc1"):
+                if target in st.lora_targets and target not in st.lora_regather \
+                        and not (moe_layer and target == "linear_fc1"):
+                    terms[f"lora_a_gathered_input_{target}"] = BF16 * s.hidden
         terms["lora_intermediates"] = 2 * BF16 * st.lora_rank * len(st.lora_targets)
     return terms
 
