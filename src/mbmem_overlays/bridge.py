@@ -16,7 +16,6 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import _te_compat, hf_offline
@@ -98,18 +97,23 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
                                     "check the recipe arguments (recipe.kwargs / --recipe-arg)")]) from None
 
 
-def load_recipe(name: str):
-    """A recipes/recipe/<name>.yaml config (function, kwargs, overrides) or a Bridge recipe function name."""
-    import yaml
-    from .catalog import recipe_file
-    path = recipe_file(name)
-    if path is None:
-        return build_recipe(name)
-    spec = yaml.safe_load(path.read_text()) or {}
+def build_from_spec(spec: dict[str, Any]):
+    """A recipe config as in recipes/recipe/*.yaml: {function, kwargs, overrides (reshaping the base recipe)}."""
+    if not spec.get("function"):
+        raise OverlayError([Problem(("recipe",), "recipe.function", None, "no recipe selected",
+                                    "add recipe=<name> (see recipes/recipe/) or recipe.function=<Bridge recipe function>")])
     cfg = build_recipe(spec["function"], spec.get("kwargs") or {})
     if spec.get("overrides"):
         apply_overrides(cfg, dict(spec["overrides"]))
     return cfg
+
+
+def load_recipe(name: str):
+    """A recipes/recipe/<name>.yaml config or a Bridge recipe function name."""
+    import yaml
+    from .catalog import recipe_file
+    path = recipe_file(name)
+    return build_recipe(name) if path is None else build_from_spec(yaml.safe_load(path.read_text()) or {})
 
 
 def _hub_id_from_error(text: str) -> str | None:
@@ -313,6 +317,3 @@ def model_summary(cfg: Any) -> dict[str, Any]:
                peft=type(cfg.peft).__name__ if cfg.peft is not None else None)
     return out
 
-
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]

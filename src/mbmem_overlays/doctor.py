@@ -29,7 +29,7 @@ from .report import section
 BLOCK = 4 << 20
 MAX_EVIDENCE = 12
 UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-         "kb": 10**3, "mb": 10**6, "gb": 10**9}
+         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 _SIZE = r"([\d.]+)\s*(bytes|[KMGT]iB|[KMG]B)"
 # Current format (torch >= 2.1; "capacty" typo in ~2.1), CUDA or HIP (ecosystem-notes.md).

@@ -121,12 +121,7 @@ def run(cfg) -> int:
         dry = run_cfg.get("dry_run", "auto")
         dry = (not cuda_available()) if dry == "auto" else bool(dry)
         function = recipe.get("function")
-        if not function:
-            raise OverlayError([Problem(("recipe",), "recipe.function", None, "no recipe selected",
-                                        "add recipe=<name> (see recipes/recipe/) or recipe.function=<Bridge recipe function>")])
-        bcfg = bridge.build_recipe(function, recipe.get("kwargs") or {})
-        if recipe.get("overrides"):  # a recipe file may reshape its base recipe (recipes/recipe/tiny_llama.yaml)
-            bridge.apply_overrides(bcfg, dict(recipe["overrides"]))
+        bcfg = bridge.build_from_spec(recipe)
         locked = bridge.apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
         world_size, world_assumed = bridge.world_size_for(bcfg, run_cfg.get("world_size"))
         report = apply_overlay(bcfg, names, env=os.environ, params=params, world_size=world_size, locked=locked,

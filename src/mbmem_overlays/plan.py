@@ -309,18 +309,14 @@ def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
 
 
 # ----------------------------------------------------------------------------- from a Bridge config
-def _get(obj: Any, path: str, default: Any = None) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None) if obj is not None else None
-    return default if obj is None else obj
-
-
 def _dtype_bytes(dtype: Any, default: int) -> int:
     name = str(dtype)
     return {"torch.float32": FP32, "torch.bfloat16": BF16, "torch.float16": BF16, "torch.uint8": FP8}.get(name, default)
 
 
 def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
+    from .engine import View, read
+    from .rules import mixed_precision_config, regather_fallbacks
     m = cfg.model
     layers = m.num_layers
     freq = getattr(m, "moe_layer_freq", 1)
@@ -350,15 +346,13 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
                  etp=getattr(m, "expert_tensor_parallel_size", None) or 1,
                  sp=bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1,
                  seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size)
-    mp = _mixed_precision(cfg)
+    mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
     grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
     if grad_fp32 is None:
-        grad_fp32 = bool(_get(cfg, "ddp.grad_reduce_in_fp32", True))
+        grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
     opt = cfg.optimizer
     precision_aware = bool(getattr(opt, "use_precision_aware_optimizer", False))
     peft = getattr(cfg, "peft", None)
-    from .engine import View
-    from .rules import regather_fallbacks
     regather: tuple[str, ...] = ()
     if peft is not None and getattr(peft, "sequence_parallel_input_regather", False):
         view = View(cfg, {}, {}, world, (), {})
@@ -370,7 +364,7 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         recompute_method=m.recompute_method, recompute_layers=m.recompute_num_layers or 1,
         cpu_offload_layers=(m.cpu_offloading_num_layers if m.cpu_offloading and m.cpu_offloading_activations else 0),
         cpu_offload_double_buffer=bool(getattr(m, "cpu_offloading_double_buffering", False)),
-        dist_optimizer=bool(opt.use_distributed_optimizer or _get(cfg, "ddp.use_distributed_optimizer", False)),
+        dist_optimizer=bool(opt.use_distributed_optimizer or read(cfg, "ddp.use_distributed_optimizer", False)),
         optimizer_offload=float(opt.optimizer_offload_fraction or 0.0) if opt.optimizer_cpu_offload else 0.0,
         grad_bytes=FP32 if grad_fp32 else BF16,
         param_bytes=FP8 if (getattr(m, "fp8_param", False) or getattr(mp, "fp8_param_gather", False)) else BF16,
@@ -381,14 +375,6 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather)
     return shape, lay, settings
-
-
-def _mixed_precision(cfg: Any) -> Any:
-    mp = getattr(cfg, "mixed_precision", None)
-    if isinstance(mp, str):
-        from .rules import _mixed_precision_preset
-        return _mixed_precision_preset(mp)
-    return mp
 
 
 # ----------------------------------------------------------------------------- steps

@@ -39,9 +39,8 @@ def parse_size(text: str) -> float:
     m = SIZE.match(text)
     if not m:
         raise ValueError(f"cannot read memory size {text!r}; write e.g. 80GiB, 80GB or 85899345920")
-    unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    return float(m.group(1)) * scale[unit]
+    from .doctor import UNITS
+    return float(m.group(1)) * UNITS[(m.group(2) or "B").lower()]
 
 
 def gib(x: float | None) -> str:

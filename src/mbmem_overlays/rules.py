@@ -119,21 +119,22 @@ def selective_modules(view) -> list[str]:
 
 def fp8_setting(view) -> tuple[bool, str | None]:
     # cfg.mixed_precision.setup() overwrites model.fp8/fp8_recipe (§2, FP8 row): read the recipe object first.
-    mp = view.get("mixed_precision")
-    if isinstance(mp, str):
-        mp = _mixed_precision_preset(mp)
+    mp = mixed_precision_config(view.get("mixed_precision"))
     if mp is not None and hasattr(mp, "fp8"):
         return bool(getattr(mp, "fp8", None)), getattr(mp, "fp8_recipe", None)
     return bool(view.get("model.fp8")), view.get("model.fp8_recipe")
 
 
-def _mixed_precision_preset(name: str):
-    """Bridge's preset object for a name such as 'bf16_with_fp8_delayed_scaling_mixed' (when Bridge is loaded)."""
+def mixed_precision_config(mp):
+    """cfg.mixed_precision as an object: a preset name such as 'bf16_with_fp8_delayed_scaling_mixed' becomes
+    Bridge's preset (when Bridge is loaded; None otherwise). cfg.mixed_precision.setup() overwrites the model's
+    precision fields from it, so it is the effective setting."""
+    if not isinstance(mp, str):
+        return mp
     import sys
-    if "megatron.bridge.training.mixed_precision" not in sys.modules:
-        return None
+    module = sys.modules.get("megatron.bridge.training.mixed_precision")
     try:
-        return sys.modules["megatron.bridge.training.mixed_precision"].get_mixed_precision_config(name)
+        return module.get_mixed_precision_config(mp) if module else None
     except Exception:
         return None
 
