@@ -104,8 +104,29 @@ def test_explain_unknown_overlay_exits_nonzero():
     assert "Did you mean 'cpu_offload'" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_packaged_overlays_are_the_repository_files():
-    # pyproject force-includes overlays/ into the wheel: one copy of each file.
-    text = (ROOT / "pyproject.toml").read_text()
-    assert '"overlays" = "mbmem_overlays/overlays"' in text
-    assert not (ROOT / "src" / "mbmem_overlays" / "overlays").exists()
+def test_wheel_carries_the_repository_overlays_and_recipes(tmp_path):
+    """Build the real wheel, install it elsewhere, and use it: overlays, recipe configs and the
+    Slurm template come from inside the package, byte-identical to the one copy in the repository."""
+    import zipfile
+    uv = Path(sys.executable).with_name("uv")
+    out = subprocess.run([str(uv), "build", "--wheel", "-q", "-o", str(tmp_path / "dist"), str(ROOT)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for folder in ("overlays", "recipes"):
+        for f in (ROOT / folder).rglob("*"):
+            if f.is_file():
+                inside = f"mbmem_overlays/{f.relative_to(ROOT).as_posix()}"
+                assert inside in names, inside
+                assert zipfile.ZipFile(wheel).read(inside) == f.read_bytes()
+    assert not (ROOT / "src" / "mbmem_overlays" / "overlays").exists()  # one copy, in the repository
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    code = ("import mbmem_overlays, mbmem_overlays.catalog as c, mbmem_overlays.slurm as s;"
+            "assert str(tmp) in mbmem_overlays.__file__;"
+            "assert {'cpu_offload','lora_sp_regather'} <= set(c.Catalog().names());"
+            "assert c.recipe_file('tiny_llama') and s.TEMPLATE.is_file(); print('OK')").replace(
+        "tmp", repr(str(tmp_path / "site")))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert run.stdout.strip() == "OK", run.stderr

@@ -35,9 +35,15 @@ USER_DIRS_ENV = "MBMEM_OVERLAY_DIRS"
 PARAM_TYPES = ("int", "float", "bool", "str", "labels")
 
 
+def data_dir(name: str) -> Path:
+    """``overlays`` or ``recipes``: inside the installed wheel, else at the repository root (a checkout)."""
+    packaged = Path(__file__).with_name(name)
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / name
+
+
 def recipe_file(name: str) -> Path | None:
     """recipes/recipe/<name>.yaml, if the name is one of train.py's recipe configs."""
-    path = Path(__file__).resolve().parents[2] / "recipes" / "recipe" / f"{name}.yaml"
+    path = data_dir("recipes") / "recipe" / f"{name}.yaml"
     return path if "/" not in name and path.is_file() else None
 
 
@@ -48,10 +54,7 @@ def train_recipe_arg(name: str) -> str:
 
 def builtin_overlay_dir() -> Path:
     """``overlays/`` at the repository root; the wheel carries the same files inside the package."""
-    packaged = Path(__file__).with_name("overlays")
-    if (packaged / "mem").is_dir():
-        return packaged
-    return Path(__file__).resolve().parents[2] / "overlays"
+    return data_dir("overlays")
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from .catalog import Catalog, train_recipe_arg
+from .catalog import Catalog, data_dir, train_recipe_arg
 from .errors import OverlayError, Problem
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "recipes" / "slurm" / "sbatch.sh.tmpl"
+TEMPLATE = data_dir("recipes") / "slurm" / "sbatch.sh.tmpl"
+CHECKOUT = Path(__file__).resolve().parents[2]  # where train.py lives when running from a clone
 SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.:,@%/+=\-]+$")
 
 # The field's standard environment (nvidia-skills/nemo-mbridge-multi-node-slurm.templates.md,
@@ -107,7 +108,7 @@ def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpu
         "SBATCH": "\n".join(header),
         "EXPORTS": "\n".join(export_lines),
         "TRAIN_ARGS": "\n".join(f"  {shlex.quote(a)}" for a in args),
-        "WORKDIR": shlex.quote(workdir or str(TEMPLATE.parents[2])),
+        "WORKDIR": shlex.quote(workdir or str(CHECKOUT if (CHECKOUT / "train.py").is_file() else Path.cwd())),
         "PYTHON": shlex.quote(python or ("python" if container_image else sys.executable)),
         "NPROC": str(1 if cpu_smoke else gpus_per_node),
         "SRUN_EXTRA": srun_extra,
