@@ -42,8 +42,18 @@ def test_lora_base_weights_carry_no_grads_or_optimizer_state(recipe):
     full = recipe("llama3_8b_sft_config", "model.tensor_model_parallel_size=1")
     p, f = est(peft, 1), est(full, 1)
     assert p.optimizer < 0.01 * f.optimizer and p.gradients < 0.01 * f.gradients
-    assert p.activations >= f.activations  # frozen GEMMs keep their inputs too; LoRA adds its own
     assert p.parameters == pytest.approx(f.parameters, rel=0.01)  # base weights are still held
+
+
+def test_frozen_gemms_keep_their_inputs_only_for_an_adapter(recipe):
+    # TE keeps a GEMM input only for its weight gradient: with adapters on attention alone, the frozen FC1
+    # and FC2 keep neither the pre-MLP norm output nor the SwiGLU output; adapters on them bring both back
+    attn = recipe("llama3_8b_peft_config", "peft.target_modules=[linear_qkv,linear_proj]")
+    every = recipe("llama3_8b_peft_config", "peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]")
+    s, lay, st = P.from_config(attn, 1)
+    rank = st.lora_rank
+    expected = P.BF16 * (s.hidden + s.ffn + 2 * 2 * rank) * lay.seq * lay.mbs * s.layers  # + 2 adapters' A outputs
+    assert est(every, 1).activations - est(attn, 1).activations == pytest.approx(expected, rel=1e-9)
 
 
 def test_regather_saves_exactly_the_gathered_lora_inputs(recipe):
@@ -126,3 +136,85 @@ def test_recommend_stops_at_first_fit(recipe):
     rec = recommend(recipe("llama3_70b_pretrain_config"), 32, parse_size("200GiB"), recipe="llama3_70b_pretrain")
     assert rec["fits"] and [r["step"] for r in rec["steps"]] == ["baseline", "expandable_segments"]
     assert "+mem=[expandable_segments]" in rec["command"]
+
+
+# ----------------------------------------------------------------------------- terms pinned to their source
+LLAMA70_PERF = "megatron.bridge.perf_recipes.llama.h100.llama3.llama3_70b_sft_32gpu_h100_fp8cs_config"
+
+
+@pytest.mark.parametrize("name, published", [
+    ("llama3_70b_pretrain_config", 70.6e9), ("qwen3_8b_pretrain_config", 8.2e9),
+    ("qwen3_30b_a3b_pretrain_config", 30.5e9), ("gpt_oss_20b_pretrain_config", 20.9e9),
+    ("nemotron_3_nano_peft_config", 31.6e9),   # hybrid Mamba/MoE/attention stack
+])
+def test_parameter_count_matches_the_published_model_size(recipe, name, published):
+    shape, _, _ = P.from_config(recipe(name), 1)
+    dense, embed, expert = P.stage_params(shape, P.Layout(world=1), first=True, last=True)
+    assert dense + embed + expert == pytest.approx(published, rel=0.02)
+
+
+def test_hybrid_pattern_is_counted_block_by_block(recipe):
+    shape, lay, st = P.from_config(recipe("nemotron_3_nano_peft_config", "model.pipeline_model_parallel_size=1"), 2)
+    assert P.rank_layers(shape, P.Layout(world=1), 0) == {"mamba": 23, "moe": 23, "attn": 6}
+    terms = P.layer_activation_terms(shape, lay, st, "mamba")
+    assert "mamba_in_proj_output" in terms and "attention_qkv" not in terms and "moe_fc1_output" not in terms
+
+
+def test_fp8_weights_keep_a_second_layout_unless_nothing_caches_it():
+    assert P.fp8_weight_copy_bytes(fp8=False, fp8_params=False, transpose_cache_disabled=False) == 0
+    assert P.fp8_weight_copy_bytes(fp8=True, fp8_params=True, transpose_cache_disabled=True) == 1  # Hopper transpose
+    assert P.fp8_weight_copy_bytes(fp8=True, fp8_params=False, transpose_cache_disabled=False) == 2  # cached FP8 copy
+    assert P.fp8_weight_copy_bytes(fp8=True, fp8_params=False, transpose_cache_disabled=True) == 0
+
+
+def test_loss_bytes_follow_the_cross_entropy_implementation():
+    from types import SimpleNamespace as NS
+    assert P.loss_bytes(NS(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")) == 10
+    assert P.loss_bytes(NS(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")) == 6
+    assert P.loss_bytes(NS(cross_entropy_loss_fusion=False, cross_entropy_fusion_impl="native")) == 6
+
+
+def test_cuda_graph_scope_moves_its_activations_into_the_pool(recipe):
+    shape, lay, st = P.from_config(recipe(LLAMA70_PERF), 32)
+    assert st.graph_scopes == ("mlp",)
+    eager = P.stage_activations(shape, lay, replace(st, graph_scopes=()), 0)
+    graphed = P.stage_activations(shape, lay, st, 0)
+    mlp = sum(v for k, v in P.layer_activation_terms(shape, lay, st).items() if k in P.GRAPH_SCOPE_TERMS["mlp"])
+    in_flight_layers = shape.layers / lay.pp * P.in_flight(lay, 0)
+    assert graphed.pool == pytest.approx(mlp * lay.seq * in_flight_layers, rel=1e-9)
+    assert graphed.steady < eager.steady and eager.capture == eager.pool == 0
+    b = P.estimate(shape, lay, st)
+    assert b.resident > b.total  # the pool stays reserved while replaying
+
+
+def test_deferred_output_layer_gradients_wait_on_the_last_stage(recipe):
+    shape, lay, st = P.from_config(recipe(LLAMA70_PERF, "model.tensor_model_parallel_size=8"), 32)
+    assert lay.microbatches == 32 and st.deferred_wgrad_microbatches == 22  # wgrad_deferral_limit caps it
+    with_defer = P.stage_activations(shape, lay, st, lay.pp - 1).steady
+    without = P.stage_activations(shape, lay, replace(st, deferred_wgrad_microbatches=0), lay.pp - 1).steady
+    tokens = lay.seq * lay.mbs
+    assert with_defer - without == pytest.approx(22 * P.BF16 * tokens * (shape.vocab / 8 + shape.hidden / 8))
+
+
+def test_optimizer_step_upcasts_bf16_gradients(recipe):
+    shape, lay, st = P.from_config(recipe(LLAMA70_PERF, "model.tensor_model_parallel_size=8"), 32)
+    assert st.grad_bytes == P.BF16
+    layer_params, embed, _ = P.stage_params(shape, lay, True, False)
+    assert P.optimizer_step_buffers(shape, lay, st, True, False) == pytest.approx(P.FP32 * (layer_params + embed))
+    assert P.optimizer_step_buffers(shape, lay, replace(st, grad_bytes=P.FP32), True, False) == 0
+
+
+def test_qk_norm_keeps_copies_of_q_and_k(recipe):
+    qwen = P.from_config(recipe("qwen3_8b_pretrain_config"), 2)
+    llama = P.from_config(recipe(L8), 2)
+    assert "attention_qk_norm_inputs" in P.layer_activation_terms(*qwen)
+    assert "attention_qk_norm_inputs" not in P.layer_activation_terms(*llama)
+
+
+def test_frozen_experts_keep_no_inputs(recipe):
+    lora = P.from_config(recipe("qwen3_30b_a3b_peft_config", "peft.target_modules=[linear_qkv,linear_proj]"), 2)
+    full = P.from_config(recipe("qwen3_30b_a3b_sft_config"), 16)
+    frozen = P.layer_activation_terms(*lora, "attn+moe")
+    trained = P.layer_activation_terms(*full, "attn+moe")
+    assert "moe_permuted_input" not in frozen and "moe_act_output" not in frozen
+    assert "moe_permuted_input" in trained and "moe_act_output" in trained

@@ -11,6 +11,7 @@ Units: bytes. "Per token" terms are multiplied by the tokens a GPU holds per mic
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,23 +20,28 @@ BF16 = 2            # bytes per bf16/fp16 element
 FP32 = 4
 FP8 = 1
 ADAM_MOMENTS = 2    # exp_avg and exp_avg_sq
-# At the loss, megatron-core holds the bf16 logits and their fp32 copy at once (cross_entropy.py:
-# calculate_logits_max does logits.float(); exp_logits (fp32) is saved for backward).
-LOGITS_BYTES = BF16 + FP32
 
 ASSUMPTIONS = (
-    "allocated memory only: allocator fragmentation (reserved-but-unallocated) is not modelled; "
-    "expandable_segments therefore shows 0 B of change although it is the fix for that gap",
-    "CUDA context, NCCL communicators and cuBLAS/TE workspaces are outside torch's allocated memory and not counted",
+    "allocated memory only (torch's max_memory_allocated, what Bridge reports as mem-max-allocated): allocator "
+    "fragmentation (reserved-but-unallocated) is not modelled; expandable_segments therefore shows 0 B of change "
+    "although it is the fix for that gap",
+    "CUDA context, NCCL communicators, userbuffers and cuBLAS/TE workspaces are outside torch's allocated memory "
+    "and not counted",
+    "the peak is the largest of three phases on the first and last pipeline ranks: the 1F1B steady state (most "
+    "microbatches in flight, plus the last stage's loss and deferred output-layer gradients), CUDA graph capture "
+    "and the optimizer step (fp32 copies of bf16 gradients)",
+    "CUDA-graphed scopes keep their activations in the graphs' private pool: reserved, and allocated only while "
+    "the graphs are captured; the pool is listed in the detail because it still occupies the GPU",
     "attention uses a fused/flash kernel (TE default): only softmax statistics are kept, so core_attn recompute "
     "saves almost nothing; an unfused backend would keep the s x s scores",
-    "linear-layer inputs are kept for the weight gradient; with FP8 they are kept in FP8 (1 byte)",
-    "frozen (LoRA base) GEMMs still keep their inputs, as trainable ones do; under SP a column-parallel LoRA-A "
-    "additionally keeps the full gathered input unless input re-gather lets it reuse the sequence-local shard "
-    "(consistent with the measured Qwen3-8B re-gather saving: one gathered bf16 copy per eligible adapter and layer)",
+    "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs keep theirs "
+    "only when an adapter reads the same tensor; under SP a column-parallel LoRA-A keeps the full gathered input "
+    "unless input re-gather lets it reuse the sequence-local shard",
+    "FP8 weights keep a transposed FP8 copy (Hopper GEMMs take only the TN layout); on Blackwell this byte is not "
+    "needed and the plan overstates parameters by 1 byte per layer weight",
     "MoE tokens are balanced across experts; capacity factor and token imbalance are not modelled",
+    "hybrid (Mamba) blocks use the fused conv1d+scan kernel, which keeps its input projection and scan output",
     "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
-    "the peak is taken at the end of the pipeline warm-up, when the most microbatches are in flight",
 )
 
 
@@ -62,6 +68,15 @@ class Shape:
     v_head_dim: int = 0
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
+    qk_norm: bool = False         # LayerNorm on q and k (Qwen3)
+    # One entry per layer: "attn+mlp" / "attn+moe" for GPT layers; hybrid models (Nemotron-H) stack single
+    # blocks "mamba", "attn", "mlp", "moe" (hybrid_layer_pattern M * - E). Empty: GPT, MoE layers spread evenly.
+    layer_kinds: tuple[str, ...] = ()
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_conv: int = 4
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,13 @@ class Settings:
     lora_rank: int = 0                        # 0: full training
     lora_targets: tuple[str, ...] = ()
     lora_regather: tuple[str, ...] = ()       # targets that really re-gather (see rules.regather_fallbacks)
+    # Extra bytes per transformer-layer GEMM weight for a second FP8 layout kept between steps (see weight_copy_bytes)
+    fp8_weight_copy_bytes: int = 0
+    swiglu_fused: bool = True                 # bias_activation_fusion: the fused SwiGLU keeps only its input
+    deferred_wgrad_microbatches: int = 0      # defer_embedding_wgrad_compute: output-layer dY kept per microbatch
+    graph_scopes: tuple[str, ...] = ()        # per-layer CUDA graph scopes (see GRAPH_SCOPE_TERMS)
+    logits_bytes: int = BF16 + FP32           # per logit element at the loss (see loss_bytes)
+    step_upcasts_grads: bool = True           # the optimizer step copies bf16 grads to fp32 (not precision-aware)
 
 
 @dataclass(frozen=True)
@@ -115,10 +137,17 @@ class Breakdown:
     activations: float
     other: float
     detail: tuple[tuple[str, float], ...] = ()
+    # Memory the allocator must hold in the steady state when CUDA graphs keep a private pool beside the
+    # allocated tensors (0: nothing beyond ``total``); what fits the GPU is judged on the larger of the two.
+    resident: float = 0.0
 
     @property
     def total(self) -> float:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+    @property
+    def footprint(self) -> float:
+        return max(self.total, self.resident)
 
     def as_dict(self) -> dict[str, float]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
@@ -139,17 +168,61 @@ def _mlp_params(hidden: int, ffn: int, gated: bool) -> float:
     return (3 if gated else 2) * hidden * ffn
 
 
-def stage_params(s: Shape, lay: Layout, first: bool, last: bool) -> tuple[float, float, float]:
+def _mamba_params(s: Shape) -> float:
+    inner = s.mamba_heads * s.mamba_head_dim
+    bc = 2 * s.mamba_groups * s.mamba_state
+    in_proj = s.hidden * (2 * inner + bc + s.mamba_heads)            # z, x, B, C, dt
+    return in_proj + (inner + bc) * s.mamba_conv + 3 * s.mamba_heads + inner + inner * s.hidden
+
+
+HYBRID_SYMBOLS = {"M": "mamba", "*": "attn", "-": "mlp", "E": "moe"}
+
+
+def layer_kinds(s: Shape) -> tuple[str, ...]:
+    if s.layer_kinds:
+        return s.layer_kinds
+    moe = [round((i + 1) * s.moe_layers / s.layers) - round(i * s.moe_layers / s.layers) for i in range(s.layers)]
+    return tuple("attn+moe" if m else "attn+mlp" for m in moe)
+
+
+def rank_layers(s: Shape, lay: Layout, rank: int) -> dict[str, int]:
+    """How many layers of each kind pipeline rank ``rank`` holds (its ``vpp`` interleaved chunks)."""
+    return dict(_rank_layers(layer_kinds(s), lay.pp, lay.vpp, rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_layers(kinds: tuple[str, ...], pp: int, vpp: int, rank: int) -> tuple[tuple[str, int], ...]:
+    chunks = pp * vpp
+    counts: dict[str, int] = {}
+    for chunk in range(rank, chunks, pp):
+        for kind in kinds[round(chunk * len(kinds) / chunks):round((chunk + 1) * len(kinds) / chunks)]:
+            counts[kind] = counts.get(kind, 0) + 1
+    return tuple(counts.items())
+
+
+def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
+    """(dense, expert) parameters of one block on one GPU; every block has its own norm."""
+    if block == "attn":
+        return _attention_params(s) / lay.tp + s.hidden, 0.0
+    if block == "mlp":
+        return _mlp_params(s.hidden, s.ffn, s.gated) / lay.tp + s.hidden, 0.0
+    if block == "moe":
+        router_and_shared = s.hidden * s.experts + _mlp_params(s.hidden, s.shared_ffn, s.gated) / lay.tp
+        return router_and_shared + s.hidden, s.experts * _mlp_params(s.hidden, s.moe_ffn, s.gated) / (lay.ep * lay.etp)
+    if block == "mamba":
+        return _mamba_params(s) / lay.tp + s.hidden, 0.0
+    raise ValueError(f"unknown layer block {block!r}")
+
+
+def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | None = None) -> tuple[float, float, float]:
     """(transformer-layer params, embedding/output params, expert params) on one GPU of a pipeline stage."""
-    per_stage = s.layers / lay.pp
-    moe_per_stage = s.moe_layers / lay.pp
-    dense_layers = per_stage - moe_per_stage
-    dense = per_stage * (_attention_params(s) / lay.tp + 2 * s.hidden)
-    dense += dense_layers * _mlp_params(s.hidden, s.ffn, s.gated) / lay.tp
-    expert = 0.0
-    if s.experts:
-        dense += moe_per_stage * (s.hidden * s.experts + _mlp_params(s.hidden, s.shared_ffn, s.gated) / lay.tp)
-        expert = moe_per_stage * s.experts * _mlp_params(s.hidden, s.moe_ffn, s.gated) / (lay.ep * lay.etp)
+    rank = (0 if first else lay.pp - 1) if rank is None else rank
+    dense = expert = 0.0
+    for kind, count in rank_layers(s, lay, rank).items():
+        for block in kind.split("+"):
+            d, e = _block_params(s, lay, block)
+            dense += count * d
+            expert += count * e
     embed = 0.0
     if first:
         embed += s.vocab * s.hidden / lay.tp
@@ -158,26 +231,35 @@ def stage_params(s: Shape, lay: Layout, first: bool, last: bool) -> tuple[float,
     return dense, embed, expert
 
 
-def lora_params(s: Shape, lay: Layout, st: Settings) -> float:
+def lora_params(s: Shape, lay: Layout, st: Settings, rank: int = 0) -> float:
     if not st.lora_rank:
         return 0.0
-    dims = {"linear_qkv": (s.hidden, (s.heads + 2 * s.groups) * s.head_dim),
-            "linear_proj": (s.heads * s.head_dim, s.hidden),
-            "linear_fc1": (s.hidden, (2 if s.gated else 1) * s.ffn), "linear_fc2": (s.ffn, s.hidden)}
-    per_layer = sum(st.lora_rank * (i + o) / lay.tp for t, (i, o) in dims.items() if t in st.lora_targets)
-    return per_layer * s.layers / lay.pp
+    inner = s.mamba_heads * s.mamba_head_dim
+    dims = {"attn": {"linear_qkv": (s.hidden, (s.heads + 2 * s.groups) * s.head_dim),
+                     "linear_proj": (s.heads * s.head_dim, s.hidden)},
+            "mlp": {"linear_fc1": (s.hidden, (2 if s.gated else 1) * s.ffn), "linear_fc2": (s.ffn, s.hidden)},
+            # expert adapters: one shared set per layer (LoRA share_expert_adapters, Bridge's default)
+            "moe": {"linear_fc1": (s.hidden, (2 if s.gated else 1) * s.moe_ffn), "linear_fc2": (s.moe_ffn, s.hidden)},
+            "mamba": {"in_proj": (s.hidden, 2 * inner + 2 * s.mamba_groups * s.mamba_state + s.mamba_heads),
+                      "out_proj": (inner, s.hidden)}}
+    total = 0.0
+    for kind, count in rank_layers(s, lay, rank).items():
+        for block in kind.split("+"):
+            total += count * sum(st.lora_rank * (i + o) / lay.tp
+                                 for t, (i, o) in dims[block].items() if t in st.lora_targets)
+    return total
 
 
 def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes on one GPU of the stage."""
     layer_params, embed, expert = stage_params(s, lay, first, last)
     dense = layer_params + embed
-    adapters = lora_params(s, lay, st)
+    adapters = lora_params(s, lay, st, 0 if first else lay.pp - 1)
     frozen = st.lora_rank > 0
     trainable_dense = adapters if frozen else dense
     trainable_expert = 0.0 if frozen else expert
     # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16.
-    params = (layer_params + expert) * st.param_bytes + embed * BF16 + adapters * BF16
+    params = (layer_params + expert) * (st.param_bytes + st.fp8_weight_copy_bytes) + embed * BF16 + adapters * BF16
     grads = (trainable_dense + trainable_expert) * st.grad_bytes
     per_param_state = st.master_bytes + ADAM_MOMENTS * st.state_bytes
     dense_shards = lay.dp * lay.cp if st.dist_optimizer else 1
@@ -188,63 +270,143 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) ->
 
 
 # ----------------------------------------------------------------------------- activations
-def layer_activation_terms(s: Shape, lay: Layout, st: Settings, moe_layer: bool) -> dict[str, float]:
-    """Bytes kept per token of one microbatch for one transformer layer on one GPU (before recompute)."""
+def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> dict[str, float]:
+    """Bytes kept per token of one microbatch for one layer of ``kind`` on one GPU (before recompute)."""
     t = lay.tp
     sp_div = t if lay.sp else 1   # LayerNorm-region tensors are split across TP only with SP
     gemm_in = FP8 if st.fp8 else BF16
-    terms: dict[str, float] = {"layernorm_inputs": 2 * BF16 * s.hidden / sp_div}
-    # inputs of the QKV and FC1 GEMMs (layernorm outputs), kept for their weight gradients
-    terms["layernorm_outputs"] = 2 * gemm_in * s.hidden / sp_div
-    if s.mla:
-        terms["attention_qkv"] = BF16 * s.heads * (2 * (s.qk_head_dim + s.qk_pos_dim) + s.v_head_dim) / t
-        terms["mla_up_proj_inputs"] = BF16 * (s.kv_lora_rank + (s.q_lora_rank or 0)) / sp_div
-    else:
-        terms["attention_qkv"] = BF16 * (s.heads + 2 * s.groups) * s.head_dim / t
-    terms["attention_softmax_stats"] = FP32 * s.heads / t
-    terms["attention_output"] = gemm_in * s.heads * (s.v_head_dim or s.head_dim) / t
-    if moe_layer:
-        routed = s.topk / lay.etp
-        terms["moe_permuted_input"] = routed * BF16 * s.hidden
+    frozen = st.lora_rank > 0
+    # A LoRA adapter asks TE for the norm output, which turns off the quantized norm: it is then kept in bf16.
+    ln_out = BF16 if frozen else gemm_in
+
+    def keeps_input(target: str) -> bool:
+        # Transformer Engine saves a GEMM input only for the weight gradient (linear.py / layernorm_linear.py:
+        # backward_needs_input = weight.requires_grad); a frozen base GEMM keeps its input only when a LoRA
+        # adapter on it reads the same tensor.
+        return not frozen or target in st.lora_targets
+
+    def lora_gathered(target: str) -> None:
+        # Under SP, LoRA-A of a column-parallel target reading a norm output keeps the full gathered input until
+        # backward; input re-gather keeps only the sequence-local shard, which the base GEMM keeps anyway
+        # (memory-tuning skill, PEFT + SP input re-gather). Row-parallel adapters read a tensor already kept.
+        if frozen and lay.sp and target in st.lora_targets and target not in st.lora_regather:
+            terms[f"lora_a_gathered_input_{target}"] = BF16 * s.hidden
+
+    terms: dict[str, float] = {}
+    blocks = kind.split("+")
+    # Every block's norm input (the residual stream) is kept for the norm's backward; TE fuses the norm into
+    # the block's first GEMM.
+    terms["layernorm_inputs"] = len(blocks) * BF16 * s.hidden / sp_div
+    if "attn" in blocks:
+        # the norm output is the QKV GEMM input, kept sequence-local (TE re-gathers it in backward)
+        if keeps_input("linear_qkv"):
+            terms["attention_layernorm_output"] = ln_out * s.hidden / sp_div
+        if s.mla:
+            terms["attention_qkv"] = BF16 * s.heads * (2 * (s.qk_head_dim + s.qk_pos_dim) + s.v_head_dim) / t
+            terms["mla_up_proj_inputs"] = BF16 * (s.kv_lora_rank + (s.q_lora_rank or 0)) / sp_div
+        else:
+            # The attention kernel keeps q, k, v: RoPE returns new q and k, and TE copies the strided v view out
+            # of the QKV output (get_qkv_layout finds no layout for the mix and makes all three contiguous), so
+            # the QKV output itself is freed: together the same size as that output.
+            terms["attention_qkv"] = BF16 * (s.heads + 2 * s.groups) * s.head_dim / t
+            if s.qk_norm:
+                # q/k LayerNorm (Qwen3): TE's norm saves a contiguous copy of its input (ops/basic/rmsnorm.py)
+                terms["attention_qk_norm_inputs"] = BF16 * (s.heads + s.groups) * s.head_dim / t
+        terms["attention_softmax_stats"] = FP32 * s.heads / t
+        # The fused attention kernel keeps its bf16 output for its own backward; under FP8 the output
+        # projection keeps a quantized copy of it as well.
+        terms["attention_output"] = BF16 * s.heads * (s.v_head_dim or s.head_dim) / t
+        if st.fp8 and not frozen:
+            terms["attention_output_fp8"] = FP8 * s.heads * (s.v_head_dim or s.head_dim) / t
+        lora_gathered("linear_qkv")
+    if "mlp" in blocks:
+        if keeps_input("linear_fc1"):
+            terms["mlp_layernorm_output"] = ln_out * s.hidden / sp_div
+        terms["mlp_fc1_output"] = BF16 * (2 if s.gated else 1) * s.ffn / t
+        if s.gated and not st.swiglu_fused:
+            # unfused SwiGLU is silu(a) * b: autograd keeps silu(a) for the product's backward as well
+            terms["mlp_silu_output"] = BF16 * s.ffn / t
+        if keeps_input("linear_fc2"):
+            terms["mlp_act_output"] = (BF16 if frozen else gemm_in) * s.ffn / t
+        lora_gathered("linear_fc1")
+    if "moe" in blocks:
+        # Each rank routes its own sequence-local tokens (megatron-core needs SP with TP for MoE) topk times.
+        # Expert-TP all-gathers the dispatched tokens across its group and splits the FFN: the expert input
+        # grows ETP-fold, the FFN activations per rank stay the same (token_dispatcher.py, alltoall).
+        routed = s.topk / sp_div
+        if not frozen:
+            # MoE layers keep a separate (unfused) pre-MLP norm whose output the trainable router keeps
+            terms["moe_layernorm_output"] = BF16 * s.hidden / sp_div
+        terms["moe_router"] = FP32 * s.experts / sp_div
+        if keeps_input("linear_fc1"):  # grouped GEMMs keep inputs only for a weight gradient (grouped_linear.py)
+            terms["moe_permuted_input"] = routed * lay.etp * BF16 * s.hidden
         terms["moe_fc1_output"] = routed * BF16 * (2 if s.gated else 1) * s.moe_ffn
-        terms["moe_act_output"] = routed * gemm_in * s.moe_ffn
-        terms["moe_router"] = FP32 * s.experts
+        if keeps_input("linear_fc2"):
+            terms["moe_act_output"] = routed * (BF16 if frozen else gemm_in) * s.moe_ffn
+        # unpermute weights each expert output by its routing probability and keeps it for that gradient
+        terms["moe_unpermute_input"] = routed * BF16 * s.hidden
         if s.shared_ffn:
             terms["shared_expert"] = (BF16 * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
-    else:
-        terms["mlp_fc1_output"] = BF16 * (2 if s.gated else 1) * s.ffn / t
-        terms["mlp_act_output"] = gemm_in * s.ffn / t
-    if st.lora_rank:
-        # Under SP, LoRA-A of a column-parallel target (QKV, FC1) keeps the full gathered LayerNorm output
-        # until backward; input re-gather keeps only the sequence-local shard, which the base GEMM keeps
-        # anyway (memory-tuning skill, PEFT + SP input re-gather). Without SP, and for row-parallel
-        # targets, LoRA-A reads the tensor the base layer already keeps.
-        if lay.sp:
-            for target in ("linear_qkv", "linear_fc1"):
-                if target in st.lora_targets and target not in st.lora_regather \
-                        and not (moe_layer and target == "linear_fc1"):
-                    terms[f"lora_a_gathered_input_{target}"] = BF16 * s.hidden
+            lora_gathered("linear_fc1")  # the shared expert's adapter is an ordinary column-parallel one
+    if "mamba" in blocks:
+        inner = s.mamba_heads * s.mamba_head_dim
+        bc = 2 * s.mamba_groups * s.mamba_state
+        if keeps_input("in_proj"):
+            terms["mamba_layernorm_output"] = ln_out * s.hidden / sp_div
+        # The fused conv1d + chunked-scan kernel (mamba_split_conv1d_scan_combined) keeps its input z, x, B, C,
+        # dt and the scan output, and recomputes the rest in backward; out_proj keeps its input for its weight.
+        terms["mamba_in_proj_output"] = BF16 * (2 * inner + bc + s.mamba_heads) / t
+        terms["mamba_scan_output"] = BF16 * inner / t
+        if keeps_input("out_proj"):
+            terms["mamba_out_proj_input"] = BF16 * inner / t
+        lora_gathered("in_proj")
+    if frozen:
         terms["lora_intermediates"] = 2 * BF16 * st.lora_rank * len(st.lora_targets)
     return terms
 
 
 RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recompute skill, Decision Table)
     "core_attn": ("attention_softmax_stats",),
-    "mlp": ("mlp_fc1_output", "mlp_act_output"),
-    "layernorm": ("layernorm_outputs",),
+    # the MLP checkpoint (TE: the pre-MLP norm is fused into FC1) keeps only its input
+    "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_act_output",
+            "lora_a_gathered_input_linear_fc1"),
+    # "layernorm" checkpoints only norms that are separate modules: with TE's fused norm+GEMM the input norm is
+    # an IdentityOp and is skipped (transformer_layer.py: recompute_input_layernorm); MoE's pre-MLP norm is separate
+    "layernorm": ("moe_layernorm_output",),
     "moe_act": ("moe_act_output",),
-    "moe": ("moe_permuted_input", "moe_fc1_output", "moe_act_output", "moe_router", "shared_expert"),
+    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_act_output", "moe_router",
+            "moe_unpermute_input", "shared_expert"),
     "shared_experts": ("shared_expert",),
     "mla_up_proj": ("attention_qkv",),
 }
 
 
-def layer_activation(s: Shape, lay: Layout, st: Settings, moe_layer: bool) -> float:
-    terms = layer_activation_terms(s, lay, st, moe_layer)
+# cuda_graph_scope -> the activation terms a captured graph of that scope keeps inside its private memory pool.
+# A graph's inputs (the norm inputs) are ordinary tensors; everything inside is written by replay into pool
+# memory the caching allocator has already handed to the graph, so it is reserved but not counted as
+# allocated (torch.cuda.graphs: private mempools; megatron-core transformer/cuda_graphs.py captures the scopes).
+GRAPH_SCOPE_TERMS = {
+    "attn": ("attention_layernorm_output", "attention_qkv", "attention_qk_norm_inputs", "attention_softmax_stats",
+             "attention_output", "attention_output_fp8", "lora_a_gathered_input_linear_qkv"),
+    "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_act_output",
+            "lora_a_gathered_input_linear_fc1"),
+    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_act_output", "moe_router",
+            "moe_unpermute_input", "shared_expert"),
+    "moe_router": ("moe_router",),
+}
+
+
+def layer_activation(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp", graphed: bool | None = None) -> float:
+    """Bytes one layer of ``kind`` keeps per microbatch; ``graphed`` picks the terms inside (True) or outside
+    (False) the CUDA-graph scopes, None all of them."""
+    terms = layer_activation_terms(s, lay, st, kind)
     if st.recompute == "selective":
         for label in st.modules:
             for name in RECOMPUTE_DROPS.get(label, ()):
                 terms.pop(name, None)
+    if graphed is not None:
+        inside = {name for scope in st.graph_scopes for name in GRAPH_SCOPE_TERMS.get(scope, ())}
+        terms = {k: v for k, v in terms.items() if (k in inside) == graphed}
     return sum(terms.values()) * lay.seq * lay.mbs / lay.cp
 
 
@@ -259,13 +421,39 @@ def in_flight(lay: Layout, rank: int) -> float:
     return float(min(lay.pp - rank, m))
 
 
-def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[float, list[tuple[str, float]]]:
-    per_stage = s.layers / lay.pp
-    moe_frac = (s.moe_layers / s.layers) if s.layers else 0.0
-    per_layer = (1 - moe_frac) * layer_activation(s, lay, st, False) + moe_frac * layer_activation(s, lay, st, True)
-    full_layer = per_layer
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes on one pipeline rank in the two phases that can hold the most of them."""
+    steady: float             # the 1F1B steady state: everything eager, plus the last stage's loss buffers
+    capture: float = 0.0      # CUDA graph capture: the graphed scopes' activations for every in-flight microbatch
+    pool: float = 0.0         # the graphs' private pool, reserved through the steady state
+    detail: tuple[tuple[str, float], ...] = ()
+
+
+def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageActivations:
+    counts = rank_layers(s, lay, rank)
+    per_stage = sum(counts.values()) or 1
+
+    def mean_layer(graphed: bool | None) -> float:
+        return sum(n * layer_activation(s, lay, st, kind, graphed) for kind, n in counts.items()) / per_stage
+
+    tokens = lay.seq * lay.mbs / lay.cp
+    hidden_local = BF16 * s.hidden * tokens / (lay.tp if lay.sp else 1)   # one sequence-local hidden state
+    per_layer = full_layer = mean_layer(None)
     mbs_alive = in_flight(lay, rank)
     detail: list[tuple[str, float]] = []
+    capture = pool = 0.0
+    graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
+    if graphed:
+        # Graphed scopes keep their activations in the graphs' private pool: allocated while the graphs are
+        # captured (before a training step, in pipeline order, nothing else alive), reserved-only in replay.
+        # Each in-flight graph also owns a static input and output buffer (megatron-core reuses them across
+        # microbatches whose backward is done: cuda_graphs.py _get_sample_arguments).
+        scopes = len(st.graph_scopes)
+        per_layer = mean_layer(False) + scopes * hidden_local        # + static outputs, kept while replaying
+        capture = per_stage * (mean_layer(True) + 2 * scopes * hidden_local) * mbs_alive
+        pool = per_stage * mean_layer(True) * mbs_alive
+        detail.append(("CUDA graph pool (reserved; allocated only while capturing)", pool))
     if st.recompute == "full":
         # Only each checkpointed group's input survives; one group is re-materialized at a time.
         boundary = 2 * BF16 * s.hidden / (lay.tp if lay.sp else 1) * lay.seq * lay.mbs / lay.cp
@@ -282,33 +470,102 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[f
         if st.cpu_offload_layers:
             layers_on_gpu -= min(per_stage, st.cpu_offload_layers) - (1 if st.cpu_offload_double_buffer else 0)
         acts = layers_on_gpu * per_layer * mbs_alive
-    tokens = lay.seq * lay.mbs / lay.cp
     if rank == 0:
-        acts += BF16 * s.hidden * tokens * mbs_alive / (lay.tp if lay.sp else 1)  # embedding output
+        acts += hidden_local * mbs_alive  # embedding output
     if rank == lay.pp - 1:
-        logits = LOGITS_BYTES * s.vocab / lay.tp * tokens
-        detail.append(("logits (fp32, last stage)", logits))
+        logits = st.logits_bytes * s.vocab / lay.tp * tokens
+        detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", logits))
         acts += logits
-    return acts, detail
+        if st.deferred_wgrad_microbatches:
+            # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
+            # and its sequence-local input until the pipeline flush (megatron-core tensor_parallel/layers.py)
+            per_mb = BF16 * tokens * s.vocab / lay.tp + hidden_local
+            deferred = st.deferred_wgrad_microbatches * per_mb
+            detail.append(("deferred output-layer wgrad inputs", deferred))
+            acts += deferred
+    return StageActivations(acts, capture, pool, tuple(detail))
 
 
 # ----------------------------------------------------------------------------- the most-loaded GPU
+def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) -> float:
+    """fp32 gradient copies the distributed optimizer makes at its step when gradients are kept in bf16
+    (distrib_optimizer.py _copy_model_grads_to_main_grads: shard_main_param.grad = shard_model_grad.float())."""
+    if st.grad_bytes >= FP32 or not st.master_bytes or not st.step_upcasts_grads:
+        return 0.0  # fp32 gradients are used in place; no master copy or the precision-aware optimizer: none
+    layer_params, embed, expert = stage_params(s, lay, first, last)
+    if st.lora_rank:
+        return 0.0  # adapters only: negligible
+    shards = lay.dp * lay.cp if st.dist_optimizer else 1
+    expert_shards = max(1, lay.world // (lay.pp * lay.ep * lay.etp)) if st.dist_optimizer else 1
+    return FP32 * ((layer_params + embed) / shards + expert / expert_shards) * (1.0 - st.optimizer_offload)
+
+
 def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
+    """The most-loaded GPU at its peak: over the first and last pipeline ranks, the largest of the steady
+    1F1B state, CUDA graph capture and the optimizer step (each on top of parameters, gradients, optimizer)."""
     best: Breakdown | None = None
     for rank in sorted({0, lay.pp - 1}):
-        p, g, o = model_state(s, lay, st, first=rank == 0, last=rank == lay.pp - 1)
-        a, detail = stage_activations(s, lay, st, rank)
+        first, last = rank == 0, rank == lay.pp - 1
+        p, g, o = model_state(s, lay, st, first=first, last=last)
+        acts = stage_activations(s, lay, st, rank)
         other = 0.0
         if st.dist_optimizer and lay.dp * lay.cp > 1:
             # overlap_param_gather keeps one bucket's all-gathered params (Megatron bucket_size 40M params)
             other += min(40e6, (p / st.param_bytes)) * st.param_bytes
-        b = Breakdown(p, g, o, a, other, tuple(detail) + (("pipeline rank", rank),))
-        if best is None or b.total > best.total:
+        step = optimizer_step_buffers(s, lay, st, first, last)
+        phases = {"steady 1F1B": (acts.steady, other), "CUDA graph capture": (acts.capture, other),
+                  "optimizer step": (0.0, other + step)}
+        phase, (a, x) = max(phases.items(), key=lambda kv: sum(kv[1]))
+        detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
+        resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
+        b = Breakdown(p, g, o, a, x, detail + (("pipeline rank", rank), ("peak phase", phase)), resident)
+        if best is None or b.footprint > best.footprint:
             best = b
     return best
 
 
 # ----------------------------------------------------------------------------- from a Bridge config
+def loss_bytes(m: Any) -> int:
+    """Bytes per logit element at the loss's peak.
+
+    Unfused megatron-core cross entropy and TE's kernel: the bf16 logits plus one fp32 tensor (the upcast logits
+    turned into the softmax in place, or TE's fp32 gradient). The torch.compile'd "native" fusion
+    (fusions/fused_cross_entropy.py) is the same in forward, but its compiled calculate_gradients allocates a
+    fresh fp32 buffer and the bf16 result beside the saved fp32 softmax: 4 + 4 + 2 bytes (inductor's generated
+    code for it, checked with torch 2.14).
+    """
+    fused = bool(getattr(m, "cross_entropy_loss_fusion", False))
+    if fused and str(getattr(m, "cross_entropy_fusion_impl", "native")) == "native":
+        return FP32 + FP32 + BF16
+    return BF16 + FP32
+
+
+def graph_scopes(m: Any) -> tuple[str, ...]:
+    """Per-layer CUDA graph scopes whose activations leave allocated memory; () when graphs are off or capture
+    the whole iteration (then every activation is allocated at capture exactly as in eager mode)."""
+    impl = str(getattr(m, "cuda_graph_impl", None) or "none")
+    scopes = [str(getattr(x, "name", x)) for x in (getattr(m, "cuda_graph_scope", None) or [])]
+    if impl in ("none", "full_iteration") or "full_iteration" in scopes:
+        return ()
+    return tuple(scopes) if scopes else ("attn", "mlp", "moe")  # no scope: the whole layer is one graph
+
+
+def fp8_weight_copy_bytes(fp8: bool, fp8_params: bool, transpose_cache_disabled: bool) -> int:
+    """Bytes per layer GEMM weight kept beside the parameter itself for FP8 GEMMs.
+
+    FP8 parameters (fp8_param_gather) keep a second, transposed FP8 layout after each all-gather, because
+    Hopper's FP8 GEMM takes only the TN layout (TE tensor/utils.py post_all_gather_processing:
+    _create_transpose when non-TN FP8 GEMM is unsupported). bf16 parameters with FP8 compute keep a cached FP8
+    copy in both layouts across microbatches unless disable_parameter_transpose_cache is set (megatron-core
+    passes is_first_microbatch=None then, so TE quantizes the weight afresh each time).
+    """
+    if not fp8:
+        return 0
+    if fp8_params:
+        return FP8
+    return 0 if transpose_cache_disabled else 2 * FP8
+
+
 def _dtype_bytes(dtype: Any, default: int) -> int:
     name = str(dtype)
     return {"torch.float32": FP32, "torch.bfloat16": BF16, "torch.float16": BF16, "torch.uint8": FP8}.get(name, default)
@@ -321,12 +578,20 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
     layers = m.num_layers
     freq = getattr(m, "moe_layer_freq", 1)
     experts = getattr(m, "num_moe_experts", None) or 0
-    if not experts:
-        moe_layers = 0
-    elif isinstance(freq, int):
-        moe_layers = sum(1 for i in range(layers) if i % freq == 0)
+    pattern = getattr(m, "hybrid_override_pattern", None) or getattr(m, "hybrid_layer_pattern", None)
+    if getattr(m, "is_hybrid_model", False) and isinstance(pattern, str) and pattern:
+        # hybrid stacks (Nemotron-H): one block per symbol; MTP blocks after "/" are not modelled
+        kinds = tuple(HYBRID_SYMBOLS[c] for c in pattern.split("/")[0] if c in HYBRID_SYMBOLS)
+        layers = len(kinds)
     else:
-        moe_layers = sum(int(x) for x in freq)
+        if not experts:
+            is_moe = [False] * layers
+        elif isinstance(freq, int):
+            is_moe = [i % freq == 0 for i in range(layers)]
+        else:
+            is_moe = [bool(int(x)) for x in freq]
+        kinds = tuple("attn+moe" if x else "attn+mlp" for x in is_moe)
+    moe_layers = sum(1 for k in kinds if "moe" in k)
     vocab = int(getattr(m, "vocab_size", 0) or 0)
     div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
     vocab = int(math.ceil(vocab / div) * div) if vocab else 0
@@ -339,11 +604,15 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         shared_ffn=getattr(m, "moe_shared_expert_intermediate_size", 0) or 0, moe_layers=moe_layers,
         mla=bool(getattr(m, "multi_latent_attention", False)), qk_head_dim=getattr(m, "qk_head_dim", 0) or 0,
         qk_pos_dim=getattr(m, "qk_pos_emb_head_dim", 0) or 0, v_head_dim=getattr(m, "v_head_dim", 0) or 0,
-        kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0)
+        kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0,
+        qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
+        mamba_heads=getattr(m, "mamba_num_heads", 0) or 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
+        mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
+        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4)
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                  vpp=m.virtual_pipeline_model_parallel_size or 1, cp=m.context_parallel_size,
                  ep=getattr(m, "expert_model_parallel_size", 1) or 1,
-                 etp=getattr(m, "expert_tensor_parallel_size", None) or 1,
+                 etp=getattr(m, "expert_tensor_parallel_size", None) or m.tensor_model_parallel_size,  # mcore default
                  sp=bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1,
                  seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size)
     mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
@@ -353,6 +622,13 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
     opt = cfg.optimizer
     precision_aware = bool(getattr(opt, "use_precision_aware_optimizer", False))
     peft = getattr(cfg, "peft", None)
+    fp8 = bool(getattr(mp, "fp8", None) or getattr(m, "fp8", None))
+    fp8_params = bool(getattr(m, "fp8_param", False) or getattr(mp, "fp8_param_gather", False))
+    overlap = getattr(cfg, "comm_overlap", None)
+    defer = getattr(overlap, "defer_embedding_wgrad_compute", None)
+    defer = bool(getattr(m, "defer_embedding_wgrad_compute", False) if defer is None else defer)
+    limit = getattr(overlap, "wgrad_deferral_limit", None)
+    limit = int(getattr(m, "wgrad_deferral_limit", 0) or 0) if limit is None else int(limit)
     regather: tuple[str, ...] = ()
     if peft is not None and getattr(peft, "sequence_parallel_input_regather", False):
         view = View(cfg, {}, {}, world, (), {})
@@ -367,10 +643,17 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         dist_optimizer=bool(opt.use_distributed_optimizer or read(cfg, "ddp.use_distributed_optimizer", False)),
         optimizer_offload=float(opt.optimizer_offload_fraction or 0.0) if opt.optimizer_cpu_offload else 0.0,
         grad_bytes=FP32 if grad_fp32 else BF16,
-        param_bytes=FP8 if (getattr(m, "fp8_param", False) or getattr(mp, "fp8_param_gather", False)) else BF16,
+        param_bytes=FP8 if fp8_params else BF16,
+        fp8_weight_copy_bytes=fp8_weight_copy_bytes(fp8, fp8_params, bool(getattr(m, "disable_parameter_transpose_cache", False))),
+        swiglu_fused=bool(getattr(m, "bias_activation_fusion", True)),
+        graph_scopes=graph_scopes(m),
+        logits_bytes=loss_bytes(m),
+        step_upcasts_grads=not precision_aware,
+        deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
+        if defer and lay.pp > 1 else 0,
         state_bytes=_dtype_bytes(getattr(opt, "exp_avg_dtype", None), FP32) if precision_aware else FP32,
         master_bytes=_dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) if precision_aware else FP32,
-        fp8=bool(getattr(mp, "fp8", None) or getattr(m, "fp8", None)),
+        fp8=fp8,
         lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather)
@@ -388,6 +671,11 @@ class Step:
         d = {"name": self.name, **{k: int(v) for k, v in self.breakdown.as_dict().items()}}
         d["total_bytes"] = d.pop("total")
         d["delta_bytes"] = 0 if previous is None else int(self.breakdown.total - previous.breakdown.total)
+        detail = dict(self.breakdown.detail)
+        d["peak_rank"], d["peak_phase"] = detail.pop("pipeline rank", 0), detail.pop("peak phase", None)
+        d["detail_bytes"] = {k: int(v) for k, v in detail.items()}
+        if self.breakdown.resident:
+            d["resident_bytes"] = int(self.breakdown.resident)
         if self.note:
             d["note"] = self.note
         return d
@@ -409,7 +697,7 @@ class Plan:
         return self.steps[-1].breakdown.total
 
     def fits(self, step: Step) -> bool | None:
-        return None if self.capacity is None else step.breakdown.total <= self.capacity * (1 - self.margin)
+        return None if self.capacity is None else step.breakdown.footprint <= self.capacity * (1 - self.margin)
 
     def as_dict(self) -> dict[str, Any]:
         steps = []

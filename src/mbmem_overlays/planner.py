@@ -103,6 +103,14 @@ def render_plan(plan: P.Plan) -> str:
                      f"{gib(b.optimizer):>8}{gib(b.activations):>8}{gib(b.other):>8}{gib(b.total):>9}{delta:>8}  {fits}"
                      + (f"   ({s.note})" if s.note else ""))
         prev = s
+    detail = dict(plan.steps[-1].breakdown.detail)
+    lines.append(f"peak of the last step: pipeline rank {detail.pop('pipeline rank', 0)}, "
+                 f"{detail.pop('peak phase', 'steady 1F1B')}"
+                 + "".join(f"; {name} {value / 2**30:.2f} GiB" for name, value in detail.items() if value))
+    last = plan.steps[-1].breakdown
+    if last.resident > last.total:
+        lines.append(f"with CUDA graphs the steady state holds {last.resident / 2**30:.2f} GiB (allocated tensors "
+                     "plus the graphs' pool); whether it fits is judged on that")
     if plan.capacity:
         lines.append(f"capacity {plan.capacity / 2**30:.1f} GiB with a {plan.margin:.0%} margin -> "
                      f"{'fits' if plan.fits(plan.steps[-1]) else 'does NOT fit'}")
@@ -186,7 +194,7 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
                                          recompute_method="uniform", recompute_layers=1,
                                          cpu_offload_layers=(shape.layers // 2) if "cpu_offload" in s else 0,
                                          lora_regather=("linear_qkv", "linear_fc1") if "lora_sp_regather" in s else ())
-                            total = P.estimate(shape, lay, st).total
+                            total = P.estimate(shape, lay, st).footprint  # what must fit
                             if total > capacity * (1 - margin):
                                 continue
                             cost = sum(COSTS[o][0] for o in s)
@@ -283,7 +291,7 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         for path, value in {**sets, **(extra_sets or {})}.items():
             write(work, path, value)
         apply_overlay(work, [*overlays, *extra_overlays], env={}, world_size=world, locked=locked)
-        return work, P.estimate(*P.from_config(work, world)).total
+        return work, P.estimate(*P.from_config(work, world)).footprint
 
     _, total = current()
     rows.append({"step": "baseline", "total_bytes": int(total), "fits": total <= limit})

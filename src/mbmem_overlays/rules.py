@@ -425,7 +425,9 @@ def regather_fallbacks(view) -> dict[str, str | None]:
             reason = "selective MLP recompute already covers linear_fc1"
         else:
             reason = None
-        if reason is None and surface == "linear_fc1" and all_layers_moe(view):
+        if reason is None and surface == "linear_fc1" and all_layers_moe(view) \
+                and not view.get("model.moe_shared_expert_intermediate_size"):
+            # shared experts are ordinary column-parallel adapters and do re-gather (utils.py: is_expert)
             reason = "expert adapters use a separate path"
         out[target] = reason
     return out
