@@ -334,13 +334,15 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # Expert-TP all-gathers the dispatched tokens across its group and splits the FFN: the expert input
         # grows ETP-fold, the FFN activations per rank stay the same (token_dispatcher.py, alltoall).
         routed = s.topk / sp_div
-        if not frozen:
-            # MoE layers keep a separate (unfused) pre-MLP norm whose output the trainable router keeps
-            terms["moe_layernorm_output"] = BF16 * s.hidden / sp_div
+        # MoE layers have a separate (unfused) pre-MLP norm; the router's gating function saves its output
+        # whether or not the router trains (moe_utils.py RouterGatingLinearFunction)
+        terms["moe_layernorm_output"] = BF16 * s.hidden / sp_div
         terms["moe_router"] = FP32 * s.experts / sp_div
         if keeps_input("linear_fc1"):  # grouped GEMMs keep inputs only for a weight gradient (grouped_linear.py)
             terms["moe_permuted_input"] = routed * lay.etp * BF16 * s.hidden
         terms["moe_fc1_output"] = routed * BF16 * (2 if s.gated else 1) * s.moe_ffn
+        if s.gated and not st.swiglu_fused:
+            terms["moe_silu_output"] = routed * BF16 * s.moe_ffn
         if keeps_input("linear_fc2"):
             terms["moe_act_output"] = routed * (BF16 if frozen else gemm_in) * s.moe_ffn
         # unpermute weights each expert output by its routing probability and keeps it for that gradient
@@ -373,9 +375,9 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
     # "layernorm" checkpoints only norms that are separate modules: with TE's fused norm+GEMM the input norm is
     # an IdentityOp and is skipped (transformer_layer.py: recompute_input_layernorm); MoE's pre-MLP norm is separate
     "layernorm": ("moe_layernorm_output",),
-    "moe_act": ("moe_act_output",),
-    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_act_output", "moe_router",
-            "moe_unpermute_input", "shared_expert"),
+    "moe_act": ("moe_silu_output", "moe_act_output"),
+    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_act_output",
+            "moe_router", "moe_unpermute_input", "shared_expert"),
     "shared_experts": ("shared_expert",),
     "mla_up_proj": ("attention_qkv",),
 }
@@ -390,8 +392,8 @@ GRAPH_SCOPE_TERMS = {
              "attention_output", "attention_output_fp8", "lora_a_gathered_input_linear_qkv"),
     "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_act_output",
             "lora_a_gathered_input_linear_fc1"),
-    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_act_output", "moe_router",
-            "moe_unpermute_input", "shared_expert"),
+    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_act_output",
+            "moe_router", "moe_unpermute_input", "shared_expert"),
     "moe_router": ("moe_router",),
 }
 
