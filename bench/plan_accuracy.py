@@ -52,8 +52,7 @@ def measure(recipe, overrides, overlays, params, world):
 
 
 def where(plan):
-    d = dict(plan.detail)
-    return f"rank {d['pipeline rank']}, {d['peak phase']}"
+    return f"rank {plan.rank}, {plan.phase}"
 
 
 def err(x, ref):

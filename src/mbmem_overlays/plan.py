@@ -136,7 +136,9 @@ class Breakdown:
     optimizer: float
     activations: float
     other: float
-    detail: tuple[tuple[str, float], ...] = ()
+    detail: tuple[tuple[str, float], ...] = ()   # named buffers inside the totals, bytes
+    rank: int = 0                                 # the pipeline rank this breakdown is for
+    phase: str = "steady 1F1B"                    # when that rank peaks (see estimate)
     # Memory the allocator must hold in the steady state when CUDA graphs keep a private pool beside the
     # allocated tensors (0: nothing beyond ``total``); what fits the GPU is judged on the larger of the two.
     resident: float = 0.0
@@ -214,11 +216,10 @@ def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     raise ValueError(f"unknown layer block {block!r}")
 
 
-def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | None = None) -> tuple[float, float, float]:
-    """(transformer-layer params, embedding/output params, expert params) on one GPU of a pipeline stage."""
-    rank = (0 if first else lay.pp - 1) if rank is None else rank
+def stage_params(s: Shape, lay: Layout, first: bool, last: bool) -> tuple[float, float, float]:
+    """(transformer-layer params, embedding/output params, expert params) on one GPU of the first or last stage."""
     dense = expert = 0.0
-    for kind, count in rank_layers(s, lay, rank).items():
+    for kind, count in rank_layers(s, lay, 0 if first else lay.pp - 1).items():
         for block in kind.split("+"):
             d, e = _block_params(s, lay, block)
             dense += count * d
@@ -250,6 +251,13 @@ def lora_params(s: Shape, lay: Layout, st: Settings, rank: int = 0) -> float:
     return total
 
 
+def optimizer_shards(lay: Layout, st: Settings) -> tuple[int, int]:
+    """How many ways the distributed optimizer splits dense and expert state (1, 1 without it)."""
+    if not st.dist_optimizer:
+        return 1, 1
+    return lay.dp * lay.cp, max(1, lay.world // (lay.pp * lay.ep * lay.etp))
+
+
 def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes on one GPU of the stage."""
     layer_params, embed, expert = stage_params(s, lay, first, last)
@@ -262,9 +270,7 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) ->
     params = (layer_params + expert) * (st.param_bytes + st.fp8_weight_copy_bytes) + embed * BF16 + adapters * BF16
     grads = (trainable_dense + trainable_expert) * st.grad_bytes
     per_param_state = st.master_bytes + ADAM_MOMENTS * st.state_bytes
-    dense_shards = lay.dp * lay.cp if st.dist_optimizer else 1
-    expert_dp = max(1, lay.world // (lay.pp * lay.ep * lay.etp))
-    expert_shards = expert_dp if st.dist_optimizer else 1
+    dense_shards, expert_shards = optimizer_shards(lay, st)
     opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * per_param_state
     return params, grads, opt * (1.0 - st.optimizer_offload)
 
@@ -494,11 +500,10 @@ def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, las
     (distrib_optimizer.py _copy_model_grads_to_main_grads: shard_main_param.grad = shard_model_grad.float())."""
     if st.grad_bytes >= FP32 or not st.master_bytes or not st.step_upcasts_grads:
         return 0.0  # fp32 gradients are used in place; no master copy or the precision-aware optimizer: none
-    layer_params, embed, expert = stage_params(s, lay, first, last)
     if st.lora_rank:
         return 0.0  # adapters only: negligible
-    shards = lay.dp * lay.cp if st.dist_optimizer else 1
-    expert_shards = max(1, lay.world // (lay.pp * lay.ep * lay.etp)) if st.dist_optimizer else 1
+    layer_params, embed, expert = stage_params(s, lay, first, last)
+    shards, expert_shards = optimizer_shards(lay, st)
     return FP32 * ((layer_params + embed) / shards + expert / expert_shards) * (1.0 - st.optimizer_offload)
 
 
@@ -520,7 +525,7 @@ def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
         phase, (a, x) = max(phases.items(), key=lambda kv: sum(kv[1]))
         detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
         resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
-        b = Breakdown(p, g, o, a, x, detail + (("pipeline rank", rank), ("peak phase", phase)), resident)
+        b = Breakdown(p, g, o, a, x, detail, rank, phase, resident)
         if best is None or b.footprint > best.footprint:
             best = b
     return best
@@ -673,9 +678,8 @@ class Step:
         d = {"name": self.name, **{k: int(v) for k, v in self.breakdown.as_dict().items()}}
         d["total_bytes"] = d.pop("total")
         d["delta_bytes"] = 0 if previous is None else int(self.breakdown.total - previous.breakdown.total)
-        detail = dict(self.breakdown.detail)
-        d["peak_rank"], d["peak_phase"] = detail.pop("pipeline rank", 0), detail.pop("peak phase", None)
-        d["detail_bytes"] = {k: int(v) for k, v in detail.items()}
+        d["peak_rank"], d["peak_phase"] = self.breakdown.rank, self.breakdown.phase
+        d["detail_bytes"] = {k: int(v) for k, v in self.breakdown.detail}
         if self.breakdown.resident:
             d["resident_bytes"] = int(self.breakdown.resident)
         if self.note:

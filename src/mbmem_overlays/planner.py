@@ -103,11 +103,9 @@ def render_plan(plan: P.Plan) -> str:
                      f"{gib(b.optimizer):>8}{gib(b.activations):>8}{gib(b.other):>8}{gib(b.total):>9}{delta:>8}  {fits}"
                      + (f"   ({s.note})" if s.note else ""))
         prev = s
-    detail = dict(plan.steps[-1].breakdown.detail)
-    lines.append(f"peak of the last step: pipeline rank {detail.pop('pipeline rank', 0)}, "
-                 f"{detail.pop('peak phase', 'steady 1F1B')}"
-                 + "".join(f"; {name} {value / 2**30:.2f} GiB" for name, value in detail.items() if value))
     last = plan.steps[-1].breakdown
+    lines.append(f"peak of the last step: pipeline rank {last.rank}, {last.phase}"
+                 + "".join(f"; {name} {value / 2**30:.2f} GiB" for name, value in last.detail if value))
     if last.resident > last.total:
         lines.append(f"with CUDA graphs the steady state holds {last.resident / 2**30:.2f} GiB (allocated tensors "
                      "plus the graphs' pool); whether it fits is judged on that")
@@ -162,6 +160,7 @@ def _divisors(n: int, cap: int) -> list[int]:
 def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int = 5) -> tuple[list[dict], int, float]:
     """Enumerate TP x PP x VPP x CP x DP x overlay sets our rules accept; keep those that fit; rank by cost."""
     import time
+    from .rules import REGATHER_SURFACES
     shape, base_lay, base_st = P.from_config(cfg, world)
     lora = base_st.lora_rank > 0
     options = ["expandable_segments", "selective_recompute", "dist_optimizer", "full_recompute", "cpu_offload"]
@@ -193,7 +192,7 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
                                          modules=("core_attn",) if "selective_recompute" in s else base_st.modules,
                                          recompute_method="uniform", recompute_layers=1,
                                          cpu_offload_layers=(shape.layers // 2) if "cpu_offload" in s else 0,
-                                         lora_regather=("linear_qkv", "linear_fc1") if "lora_sp_regather" in s else ())
+                                         lora_regather=REGATHER_SURFACES if "lora_sp_regather" in s else ())
                             total = P.estimate(shape, lay, st).footprint  # what must fit
                             if total > capacity * (1 - margin):
                                 continue
