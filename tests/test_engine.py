@@ -188,6 +188,20 @@ def test_lora_regather_fallbacks(recipe, clean_env):
     assert "1 of 4" in note and "selective MLP recompute already covers linear_fc1" in note
 
 
+def test_lora_regather_on_moe_falls_back_for_experts_but_not_shared_experts(recipe, clean_env):
+    # Bridge's adapter refuses expert adapters (is_expert); a shared expert's FC1 is an ordinary column-parallel one
+    tp2 = ("model.tensor_model_parallel_size=2", "model.sequence_parallel=true")
+    routed_only = recipe("qwen3_30b_a3b_peft_config", *tp2,
+                         "peft.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]")
+    note = next(n for n in apply_overlay(routed_only, "lora_regather", env=clean_env, world_size=16).notes
+                if "re-gather" in n)
+    assert "linear_fc1: falls back (expert adapters use a separate path)" in note
+    shared = recipe("nemotron_3_nano_peft_config", *tp2)  # 3712-wide shared expert in every MoE layer
+    note = next(n for n in apply_overlay(shared, "lora_regather", env=clean_env, world_size=16).notes
+                if "re-gather" in n)
+    assert "linear_fc1: re-gathers" in note
+
+
 def test_lora_regather_sp_off_is_refused_unless_not_strict(recipe, clean_env):
     cfg = recipe("llama3_8b_peft_config", "model.tensor_model_parallel_size=2", "model.sequence_parallel=false")
     with pytest.raises(OverlayError, match="sequence-parallel communication is disabled"):

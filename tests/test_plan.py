@@ -185,6 +185,9 @@ def test_cuda_graph_scope_moves_its_activations_into_the_pool(recipe):
     assert graphed.steady < eager.steady and eager.capture == eager.pool == 0
     b = P.estimate(shape, lay, st)
     assert b.resident > b.total  # the pool stays reserved while replaying
+    between = P.Plan("perf", 32, lay, (P.Step("baseline", b),), capacity=(b.total + b.resident) / 2, margin=0.0,
+                     bridge_estimate=None)
+    assert between.fits(between.steps[0]) is False  # allocated alone would fit; with the pool it does not
 
 
 def test_deferred_output_layer_gradients_wait_on_the_last_stage(recipe):
