@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -59,6 +60,23 @@ def test_compose_then_run_plans(tmp_path, capsys):
     assert "validation: PASSED" in out
     assert (tmp_path / "mbmem_report.json").is_file() and (tmp_path / "bridge_config.yaml").is_file()
     assert "train_iters: 20" in (tmp_path / "bridge_config.yaml").read_text()
+
+
+@pytest.mark.bridge
+def test_run_plan_prints_the_memory_plan_and_json_stays_one_object(tmp_path, capsys):
+    overrides = ["recipe=llama3_8b_sft", "+mem=[expandable_segments,selective_recompute]", "run.dry_run=true",
+                 "run.plan=true", "run.gpu_memory=80GiB", f"+run.record_dir={tmp_path}"]
+    with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
+        text_cfg = compose("train", overrides=overrides)
+        json_cfg = compose("train", overrides=overrides + ["run.json=true"])
+    assert run(text_cfg) == 0
+    out = capsys.readouterr().out
+    assert "memory plan:" in out and "+ expandable_segments" in out and "+ selective_recompute" in out
+    assert "capacity 80.0 GiB" in out
+    assert run(json_cfg) == 0
+    doc = json.loads(capsys.readouterr().out)  # the whole of stdout is one JSON object
+    assert [s["name"] for s in doc["plan"]["steps"]] == ["baseline", "expandable_segments", "selective_recompute"]
+    assert doc["plan"]["capacity_bytes"] == 80 * 2**30 and doc["plan"]["total_bytes"] > 0
 
 
 @pytest.mark.bridge

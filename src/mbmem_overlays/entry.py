@@ -8,6 +8,7 @@ the selected overlays are taken from the keys under ``mem`` (each option file is
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -124,6 +125,7 @@ def run(cfg) -> int:
         bcfg = bridge.build_from_spec(recipe)
         locked = bridge.apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
         world_size, world_assumed = bridge.world_size_for(bcfg, run_cfg.get("world_size"))
+        baseline = copy.deepcopy(bcfg) if run_cfg.get("plan") else None   # the plan starts before the overlays
         report = apply_overlay(bcfg, names, env=os.environ, params=params, world_size=world_size, locked=locked,
                                validate=bool(run_cfg.get("validate", True)), catalog=catalog)
     except OverlayError as exc:
@@ -131,10 +133,20 @@ def run(cfg) -> int:
         return 1
     summary = bridge.model_summary(bcfg)
     kind = bridge.recipe_kind(bcfg)
+    plan = None
+    if baseline is not None and (report.validation is None or report.validation.ok):
+        from .planner import build_plan, parse_size
+        capacity = parse_size(str(run_cfg["gpu_memory"])) if run_cfg.get("gpu_memory") else None
+        plan = build_plan(baseline, names, world=world_size, recipe=function, params=params, capacity=capacity,
+                          locked=locked, catalog=catalog)
     if run_cfg.get("json"):
-        say(render_json(report, recipe=function, model=summary, mode="dry-run" if dry else kind))
+        extra = {"plan": plan.as_dict()} if plan else {}
+        say(render_json(report, recipe=function, model=summary, mode="dry-run" if dry else kind, **extra))
     else:
         say(render_text(report, recipe=function, summary=summary, world_size=world_size))
+        if plan:
+            from .planner import render_plan
+            say(render_plan(plan))
         if world_assumed:
             say(f"(world size {world_size} = TP*PP*CP assumed; set run.world_size=N to plan for N GPUs)")
     output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else run_cfg.get("record_dir")
@@ -142,6 +154,8 @@ def run(cfg) -> int:
         _save_record(output_dir, bcfg, to_dict(report, recipe=function, model=summary), rank)
     ok = report.validation is None or report.validation.ok
     if dry or not ok:
+        if run_cfg.get("json"):  # the JSON object already carries the mode and the verdict; keep stdout one object
+            return 0 if ok else 1
         say(f"mode: dry run ({'no CUDA device' if run_cfg.get('dry_run') == 'auto' else 'run.dry_run=true'}); "
             f"a GPU node would run Bridge {kind}()" if ok else "verdict: rejected; nothing was launched")
         return 0 if ok else 1

@@ -64,14 +64,16 @@ def bridge_estimate(cfg: Any, world: int) -> float | None:
 
 
 def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params: dict | None = None,
-               capacity: float | None = None, margin: float = 0.05, locked: dict | None = None) -> P.Plan:
+               capacity: float | None = None, margin: float = 0.05, locked: dict | None = None,
+               catalog: Any = None) -> P.Plan:
     """Baseline, then one step per overlay (in ladder order), each validated by the engine."""
     from .catalog import Catalog
     from .engine import apply_overlay
-    catalog = Catalog()
+    catalog = catalog or Catalog()
     names = sorted({catalog.resolve(n).name for n in overlays},
                    key=lambda n: LADDER.index(n) if n in LADDER else len(LADDER))
-    apply_overlay(copy.deepcopy(cfg), names, env={}, params=params, world_size=world, locked=locked)  # all at once
+    apply_overlay(copy.deepcopy(cfg), names, env={}, params=params, world_size=world, locked=locked,
+                  catalog=catalog)  # all at once
     steps = [P.Step("baseline", P.estimate(*P.from_config(cfg, world)))]
     work = copy.deepcopy(cfg)
     applied: list[str] = []
@@ -80,7 +82,7 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
         work = copy.deepcopy(cfg)
         apply_overlay(work, applied, env={}, params={k: v for k, v in (params or {}).items()
                                                      if k.split(".")[0] in applied or k in applied}, world_size=world,
-                      locked=locked)
+                      locked=locked, catalog=catalog)
         steps.append(P.Step(name, P.estimate(*P.from_config(work, world)), P.STEP_NOTES.get(name, "")))
     return P.Plan(recipe, world, P.from_config(work, world)[1], tuple(steps), capacity, margin,
                   bridge_estimate(work, world))
