@@ -8,7 +8,7 @@ import sys
 
 import hydra
 
-from mbmem_overlays.entry import hydra_argv, run
+from mbmem_overlays.launch.hydra_entry import hydra_argv, run
 
 
 @hydra.main(version_base="1.3", config_path="recipes", config_name="train")

@@ -9,16 +9,16 @@ import random
 import sys
 import time
 
-from mbmem_overlays import bridge
-from mbmem_overlays.catalog import Catalog
-from mbmem_overlays.differential import evaluate, generate, summarize
+from mbmem_overlays.bridge.stack import prepare
+from mbmem_overlays.core.catalog import Catalog
+from mbmem_overlays.bridge.differential import evaluate, generate, summarize
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
 seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-bridge.prepare()
+prepare()
 catalog, rng = Catalog(), random.Random(seed)
 t0 = time.perf_counter()
-outcomes = [evaluate(bridge, generate(rng, catalog), catalog) for _ in range(n)]
+outcomes = [evaluate(generate(rng, catalog), catalog) for _ in range(n)]
 elapsed = time.perf_counter() - t0
 s = summarize(outcomes)
 

@@ -12,8 +12,8 @@ import time
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 COMMANDS = {
     "mbmem list": [sys.executable, "-m", "mbmem_overlays.cli", "list"],
-    # Bridge cannot import on a host without Transformer Engine except through our shim (bridge.prepare).
-    "import megatron.bridge": [sys.executable, "-c", "from mbmem_overlays import bridge; bridge.prepare()"],
+    # Bridge cannot import on a host without Transformer Engine except through our shim (bridge.stack.prepare).
+    "import megatron.bridge": [sys.executable, "-c", "from mbmem_overlays.bridge.stack import prepare; prepare()"],
 }
 
 

@@ -29,7 +29,8 @@ oom = ("[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1
 
 CHILD = """
 import resource, sys, time
-from mbmem_overlays.doctor import diagnose, scan
+from mbmem_overlays.doctor.diagnose import diagnose
+from mbmem_overlays.doctor.parse import scan
 t = time.perf_counter(); f = scan([sys.argv[1]]); d = diagnose(f); dt = time.perf_counter() - t
 print(f.bytes_read, dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, d.kind)
 """

@@ -70,7 +70,7 @@ print(json.dumps({"peak_allocated": torch.cuda.max_memory_allocated(), "peak_res
 def predictions() -> dict[str, float]:
     """The plan model for the same tiny shape (activations use the same terms as `mbmem plan`)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    from mbmem_overlays import plan as P
+    from mbmem_overlays.memory import model as P
     s = P.Shape(layers=TINY["num_layers"], hidden=TINY["hidden_size"], ffn=TINY["ffn_hidden_size"],
                 heads=TINY["num_attention_heads"], groups=TINY["num_query_groups"], head_dim=TINY["kv_channels"],
                 vocab=TINY["vocab"])

@@ -20,10 +20,12 @@ Each row is rebuilt from the configuration that was measured, not from a look-al
 No constant in the plan is fitted to these rows; every term names the code it comes from (plan.py).
 """
 
-from mbmem_overlays import bridge
-from mbmem_overlays import plan as P
-from mbmem_overlays.engine import apply_overlay
-from mbmem_overlays.planner import bridge_estimate
+from mbmem_overlays.bridge.overrides import apply_overrides
+from mbmem_overlays.bridge.recipes import build_recipe
+from mbmem_overlays.bridge.stack import prepare
+from mbmem_overlays.memory import model as P
+from mbmem_overlays.core.engine import apply_overlay
+from mbmem_overlays.memory.steps import bridge_estimate
 
 GB = 1e9
 LLAMA70_PERF = "megatron.bridge.perf_recipes.llama.h100.llama3.llama3_70b_sft_32gpu_h100_fp8cs_config"
@@ -43,8 +45,8 @@ REGATHER = [("Qwen3-8B LoRA TP2 seq 8192", [], 47.545), ("  + input re-gather", 
 
 
 def measure(recipe, overrides, overlays, params, world):
-    cfg = bridge.build_recipe(recipe)
-    bridge.apply_overrides(cfg, overrides)
+    cfg = build_recipe(recipe)
+    apply_overrides(cfg, overrides)
     if overlays:
         apply_overlay(cfg, overlays, env={}, params=params, world_size=world)
     ours = P.estimate(*P.from_config(cfg, world))
@@ -59,7 +61,7 @@ def err(x, ref):
     return None if x is None else 100.0 * (x - ref * GB) / (ref * GB)
 
 
-bridge.prepare()
+prepare()
 print(f"{'configuration':<46}{'measured':>10}{'ours':>10}{'err':>8}{'Bridge':>10}{'err':>8}   peak (ours)"
       "   (GB = 1e9 bytes)")
 ours_err, bridge_err = [], []

@@ -7,11 +7,12 @@ import itertools
 import time
 from dataclasses import replace
 
-from mbmem_overlays import bridge
-from mbmem_overlays import plan as P
+from mbmem_overlays.bridge.recipes import build_recipe
+from mbmem_overlays.bridge.stack import prepare
+from mbmem_overlays.memory import model as P
 
-bridge.prepare()
-cfg = bridge.build_recipe("llama3_70b_pretrain_config")
+prepare()
+cfg = build_recipe("llama3_70b_pretrain_config")
 shape, lay0, st0 = P.from_config(cfg, 256)
 grid = list(itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 5), (1, 2), (None, "selective", "full"),
                               (False, True), (0.0, 0.5)))

@@ -15,9 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def bridge():
-    from mbmem_overlays import bridge as b
-    b.prepare()
-    return b
+    """The Bridge adapter's functions the tests use, with the stack prepared once (imports Bridge)."""
+    from types import SimpleNamespace
+
+    from mbmem_overlays.bridge import hf_offline, overrides, recipes, stack, validation
+    stack.prepare()
+    return SimpleNamespace(build_recipe=recipes.build_recipe, load_recipe=recipes.load_recipe,
+                           apply_overrides=overrides.apply_overrides, validate_config=validation.validate_config,
+                           prepare=stack.prepare, hf_offline=hf_offline)
 
 
 @pytest.fixture

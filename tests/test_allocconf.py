@@ -1,6 +1,6 @@
 import pytest
 
-from mbmem_overlays import allocconf
+from mbmem_overlays.core import allocconf
 
 
 def test_merge_keeps_other_keys_and_order():

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from mbmem_overlays import OverlayError
-from mbmem_overlays.catalog import Catalog, builtin_overlay_dir
-from mbmem_overlays import rules
+from mbmem_overlays.core.catalog import Catalog, builtin_overlay_dir
+from mbmem_overlays.core import rules
 
 from conftest import ROOT, mbmem
 
@@ -122,7 +122,7 @@ def test_wheel_carries_the_repository_overlays_and_recipes(tmp_path):
                 assert zipfile.ZipFile(wheel).read(inside) == f.read_bytes()
     assert not (ROOT / "src" / "mbmem_overlays" / "overlays").exists()  # one copy, in the repository
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
-    code = ("import mbmem_overlays, mbmem_overlays.catalog as c, mbmem_overlays.slurm as s;"
+    code = ("import mbmem_overlays, mbmem_overlays.core.catalog as c, mbmem_overlays.launch.slurm as s;"
             "assert str(tmp) in mbmem_overlays.__file__;"
             "assert {'cpu_offload','lora_sp_regather'} <= set(c.Catalog().names());"
             "assert c.recipe_file('tiny_llama') and s.TEMPLATE.is_file(); print('OK')").replace(

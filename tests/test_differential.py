@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mbmem_overlays import rules
-from mbmem_overlays.catalog import Catalog
-from mbmem_overlays.differential import evaluate, generate
+from mbmem_overlays.core import rules
+from mbmem_overlays.core.catalog import Catalog
+from mbmem_overlays.bridge.differential import evaluate, generate
 
 pytestmark = pytest.mark.bridge
 CATALOG = Catalog()
@@ -22,7 +22,7 @@ ALLOWED_STRICTER = set(rules.doc_only_checks()) | {"claims", "field_exists", "pa
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(rng=st.randoms(use_true_random=False))
 def test_verdicts_agree_with_bridge(bridge, rng):
-    outcome = evaluate(bridge, generate(rng, CATALOG), CATALOG)
+    outcome = evaluate(generate(rng, CATALOG), CATALOG)
     assert outcome.verdict != "disagree", (
         f"{outcome.case.describe()}\n ours: {outcome.ours}\n oracle: {outcome.oracle_rule or outcome.oracle}")
     if outcome.verdict == "doc-only" and "claims" not in outcome.ours:

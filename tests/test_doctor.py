@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from mbmem_overlays.doctor import diagnose, scan
+from mbmem_overlays.doctor.diagnose import diagnose
+from mbmem_overlays.doctor.parse import scan
 
 from conftest import ROOT, mbmem
 

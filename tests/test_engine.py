@@ -7,7 +7,7 @@ import os
 import pytest
 
 from mbmem_overlays import OverlayError, apply_overlay
-from mbmem_overlays import engine
+from mbmem_overlays.core import engine
 
 from conftest import snapshot
 

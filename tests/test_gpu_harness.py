@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mbmem_overlays.gpu_harness import EXPECTATIONS, MetricsError, judge, load_run
+from mbmem_overlays.launch.gpu_harness import EXPECTATIONS, MetricsError, judge, load_run
 
 from conftest import ROOT
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from mbmem_overlays.entry import hydra_argv, run, selected_overlays
-from mbmem_overlays.catalog import Catalog
+from mbmem_overlays.launch.hydra_entry import hydra_argv, run, selected_overlays
+from mbmem_overlays.core.catalog import Catalog
 
 from conftest import ROOT, run_cmd, train
 

@@ -7,9 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from mbmem_overlays import plan as P
-from mbmem_overlays.engine import apply_overlay
-from mbmem_overlays.planner import build_plan, parse_size, search
+from mbmem_overlays.memory import model as P
+from mbmem_overlays.core.engine import apply_overlay
+from mbmem_overlays.core.sizes import parse_size
+from mbmem_overlays.memory.search import search
+from mbmem_overlays.memory.steps import build_plan
 
 from conftest import mbmem
 
@@ -120,7 +122,7 @@ def test_plan_cli_json_and_plot(tmp_path):
 
 # ----------------------------------------------------------------------------- recommend
 def test_recommend_follows_the_ladder_and_skips_what_rules_reject(recipe):
-    from mbmem_overlays.planner import recommend
+    from mbmem_overlays.memory.ladder import recommend
     cfg = recipe("llama3_70b_pretrain_config", "model.context_parallel_size=1")  # DP 2: a PP step exists
     rec = recommend(cfg, 32, parse_size("48GiB"), recipe="llama3_70b_pretrain")
     steps = [r["step"] for r in rec["steps"]]
@@ -132,7 +134,7 @@ def test_recommend_follows_the_ladder_and_skips_what_rules_reject(recipe):
 
 
 def test_recommend_stops_at_first_fit(recipe):
-    from mbmem_overlays.planner import recommend
+    from mbmem_overlays.memory.ladder import recommend
     rec = recommend(recipe("llama3_70b_pretrain_config"), 32, parse_size("200GiB"), recipe="llama3_70b_pretrain")
     assert rec["fits"] and [r["step"] for r in rec["steps"]] == ["baseline", "expandable_segments"]
     assert "+mem=[expandable_segments]" in rec["command"]

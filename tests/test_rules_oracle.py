@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from mbmem_overlays import OverlayError, apply_overlay
-from mbmem_overlays.engine import View, write
+from mbmem_overlays.core.engine import View
+from mbmem_overlays.core.paths import write
 
 from conftest import snapshot
 
@@ -205,7 +206,7 @@ def test_vpp_divisibility_is_a_documented_rule_megatron_core_skips_for_even_pp(r
     rejected(recipe(L70, "model.virtual_pipeline_model_parallel_size=3"), ["expandable_segments"], clean_env,
              "must be divisible by virtual", world_size=32)
     assert bridge.validate_config(recipe(L70, "model.virtual_pipeline_model_parallel_size=3"), world_size=32).ok
-    from mbmem_overlays.rules import doc_only_checks
+    from mbmem_overlays.core.rules import doc_only_checks
     assert "vpp_layer_divisibility" in doc_only_checks()
 
 

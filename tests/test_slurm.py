@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from mbmem_overlays import OverlayError
-from mbmem_overlays.slurm import render
+from mbmem_overlays.launch.slurm import render
 
 from conftest import ROOT, mbmem
 from slurm_cluster import Cluster, available

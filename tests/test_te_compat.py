@@ -11,12 +11,12 @@ from conftest import ROOT
 def test_bridge_imports_while_te_stays_absent_for_megatron_core():
     code = """
 import sys, importlib.util
-from mbmem_overlays import bridge
-bridge.prepare()
+from mbmem_overlays.bridge import stack
+stack.prepare()
 import megatron.bridge.peft.lora_layers as ll
 from megatron.core.extensions import transformer_engine as mte
 import megatron.core.fp8_utils as fu
-from mbmem_overlays._te_compat import TransformerEngineMissing
+from mbmem_overlays.bridge.te_compat import TransformerEngineMissing
 assert "transformer_engine" not in sys.modules
 assert importlib.util.find_spec("transformer_engine") is None
 assert mte.HAVE_TE is False and fu.HAVE_TE is False
@@ -33,7 +33,7 @@ print("OK")
 
 
 def test_shim_is_a_no_op_when_te_is_installed(monkeypatch):
-    from mbmem_overlays import _te_compat
+    from mbmem_overlays.bridge import te_compat as _te_compat
     before = list(sys.meta_path)
     monkeypatch.setattr(_te_compat, "transformer_engine_installed", lambda: True)
     assert _te_compat.install() is False

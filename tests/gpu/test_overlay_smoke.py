@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mbmem_overlays.gpu_harness import EXPECTATIONS, METRICS_ENV, judge, load_run
+from mbmem_overlays.launch.gpu_harness import EXPECTATIONS, METRICS_ENV, judge, load_run
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu

@@ -3,7 +3,7 @@
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-from mbmem_overlays.catalog import builtin_overlay_dir, user_dirs
+from mbmem_overlays.core.catalog import builtin_overlay_dir, user_dirs
 
 
 class MbmemOverlaysSearchPathPlugin(SearchPathPlugin):

@@ -13,12 +13,13 @@ def parse_value(raw: str) -> Any:
         value = OverridesParser.create().parse_override(f"x={raw}").value()
     except OverrideParseException:
         return raw
-    return _plain(value)
+    return plain(value)
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """Hydra's parsed value as plain Python (lists and dicts, no Hydra types)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value

@@ -14,8 +14,8 @@ File format (``overlays/mem/<name>.yaml``; a Hydra option of config group ``mem`
       effect: what it saves and costs, as documented
 
 ``"@param"`` stands for the parameter's value. Overlays that need logic (an
-architecture-dependent default, a conditional setting) name a resolver in
-``rules.py`` with the same name as the overlay; checks there run for every apply.
+architecture-dependent default, a conditional setting) have a resolver registered under the
+overlay's name in ``core/rules/<topic>.py``; the checks there run for every apply.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ PARAM_TYPES = ("int", "float", "bool", "str", "labels")
 
 def data_dir(name: str) -> Path:
     """``overlays`` or ``recipes``: inside the installed wheel, else at the repository root (a checkout)."""
-    packaged = Path(__file__).with_name(name)
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / name
+    package = Path(__file__).resolve().parents[1]           # .../mbmem_overlays
+    packaged = package / name
+    return packaged if packaged.is_dir() else package.parents[1] / name
 
 
 def recipe_file(name: str) -> Path | None:

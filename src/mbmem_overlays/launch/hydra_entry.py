@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .catalog import RESERVED_KEY, Catalog
-from .errors import OverlayError, Problem
+from ..core.catalog import RESERVED_KEY, Catalog
+from ..core.errors import OverlayError, Problem
 
 HYDRA_KEYS = ("recipe", "mem", "run", "hydra", "bridge")
 
@@ -107,9 +107,10 @@ def run(cfg) -> int:
     from omegaconf import OmegaConf
     from hydra.core.hydra_config import HydraConfig
 
-    from . import bridge
-    from .engine import apply_overlay
-    from .report import render_json, render_text, to_dict
+    from ..api import apply_overlay
+    from ..bridge.overrides import apply_overrides
+    from ..bridge.recipes import build_from_spec, model_summary, recipe_kind, world_size_for
+    from ..core.report import render_json, render_text, to_dict
 
     rank = int(os.environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -122,20 +123,21 @@ def run(cfg) -> int:
         dry = run_cfg.get("dry_run", "auto")
         dry = (not cuda_available()) if dry == "auto" else bool(dry)
         function = recipe.get("function")
-        bcfg = bridge.build_from_spec(recipe)
-        locked = bridge.apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
-        world_size, world_assumed = bridge.world_size_for(bcfg, run_cfg.get("world_size"))
+        bcfg = build_from_spec(recipe)
+        locked = apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
+        world_size, world_assumed = world_size_for(bcfg, run_cfg.get("world_size"))
         baseline = copy.deepcopy(bcfg) if run_cfg.get("plan") else None   # the plan starts before the overlays
         report = apply_overlay(bcfg, names, env=os.environ, params=params, world_size=world_size, locked=locked,
                                validate=bool(run_cfg.get("validate", True)), catalog=catalog)
     except OverlayError as exc:
         print(f"train.py: {exc}", file=sys.stderr)
         return 1
-    summary = bridge.model_summary(bcfg)
-    kind = bridge.recipe_kind(bcfg)
+    summary = model_summary(bcfg)
+    kind = recipe_kind(bcfg)
     plan = None
     if baseline is not None and (report.validation is None or report.validation.ok):
-        from .planner import build_plan, parse_size
+        from ..core.sizes import parse_size
+        from ..memory.steps import build_plan
         capacity = parse_size(str(run_cfg["gpu_memory"])) if run_cfg.get("gpu_memory") else None
         plan = build_plan(baseline, names, world=world_size, recipe=function, params=params, capacity=capacity,
                           locked=locked, catalog=catalog)
@@ -145,7 +147,7 @@ def run(cfg) -> int:
     else:
         say(render_text(report, recipe=function, summary=summary, world_size=world_size))
         if plan:
-            from .planner import render_plan
+            from ..memory.steps import render_plan
             say(render_plan(plan))
         if world_assumed:
             say(f"(world size {world_size} = TP*PP*CP assumed; set run.world_size=N to plan for N GPUs)")

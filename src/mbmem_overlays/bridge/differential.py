@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from . import rules
-from .catalog import Catalog
-from .engine import _substitute, plan_overlays, write
-from .errors import OverlayError
+from ..core import rules
+from ..core.catalog import Catalog
+from ..core.engine import plan_overlays, substitute
+from ..core.errors import OverlayError
+from ..core.paths import write
+from .recipes import build_recipe
+from .validation import validate_config
 
 RECIPES = {  # name -> (layers, query groups): keeps TP and PP plausible for each model
     "llama3_8b_pretrain_config": (32, 8),
@@ -123,9 +126,9 @@ def _oracle_rule(message: str) -> str | None:
     return None
 
 
-def _direct_config(bridge, case: Case, catalog: Catalog):
+def _direct_config(case: Case, catalog: Catalog):
     """The same config with the overlays' fields written straight on, no engine (Hydra-style last wins)."""
-    cfg = bridge.build_recipe(case.recipe)
+    cfg = build_recipe(case.recipe)
     for path, value in case.overrides:
         write(cfg, path, value)
     given = dict(case.params)
@@ -137,17 +140,17 @@ def _direct_config(bridge, case: Case, catalog: Catalog):
             params["modules"] = ["core_attn"]
         for path, value in spec.set.items():
             try:
-                write(cfg, path, _substitute(value, params))
+                write(cfg, path, substitute(value, params))
             except AttributeError:  # e.g. peft is None: the field cannot exist on this recipe
                 pass
     return cfg
 
 
-def evaluate(bridge, case: Case, catalog: Catalog | None = None) -> Outcome:
+def evaluate(case: Case, catalog: Catalog | None = None) -> Outcome:
     catalog = catalog or Catalog()
     enforced = {c.id for c in rules.CHECKS if c.enforced_by in ("megatron-core", "bridge")}
     try:
-        cfg = bridge.build_recipe(case.recipe)
+        cfg = build_recipe(case.recipe)
         for path, value in case.overrides:
             write(cfg, path, value)
     except Exception as exc:  # noqa: BLE001 — a case the recipe cannot take at all
@@ -158,7 +161,7 @@ def evaluate(bridge, case: Case, catalog: Catalog | None = None) -> Outcome:
                       catalog=catalog)
     except OverlayError as exc:
         ours = sorted({p.check or "composition" for p in exc.problems})
-    result = bridge.validate_config(_direct_config(bridge, case, catalog), world_size=case.world_size, env={})
+    result = validate_config(_direct_config(case, catalog), world_size=case.world_size, env={})
     if result.ok and not result.complete:  # the oracle could not decide on this host
         return Outcome(case, "out of scope", tuple(ours), "INCOMPLETE: " + result.not_checkable[-1], None)
     oracle = None if result.ok else (result.error or "")

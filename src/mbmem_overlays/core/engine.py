@@ -12,16 +12,20 @@ import dataclasses
 import difflib
 import importlib.metadata
 import os
-from collections.abc import Iterable, Mapping, MutableMapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import allocconf
+from . import allocconf, rules
 from .catalog import Catalog, OverlaySpec
 from .errors import OverlayError, Problem
+from .paths import MISSING, path_problem, read, type_problem, write
 
 CONFIG = "config"  # the party for values that were in the config before any overlay
-_MISSING = object()
+
+# Runs the stack's own validation on the applied config: (cfg, world_size, env) -> a result with ``ok``.
+# The Bridge adapter provides one (bridge.validation.validate_config); the engine never imports Bridge.
+Validator = Callable[[Any, "int | None", "MutableMapping[str, str] | None"], Any]
 
 
 # ----------------------------------------------------------------------------- claims
@@ -60,7 +64,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
-    validation: Any = None  # bridge.ValidationResult when Bridge validation ran
+    validation: Any = None  # the validator's result (bridge.validation.ValidationResult) when one ran
 
     @property
     def field_changes(self) -> list[Change]:
@@ -69,108 +73,6 @@ class Report:
     @property
     def env_changes(self) -> list[Change]:
         return [c for c in self.changes if c.target.startswith("$")]
-
-
-# ----------------------------------------------------------------------------- config access
-def _split(path: str) -> list[str]:
-    return path.split(".")
-
-
-def _child(obj: Any, key: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(key, _MISSING)
-    if is_dataclass(obj) and not isinstance(obj, type):
-        names = {f.name for f in fields(obj)}
-        if key in names or hasattr(type(obj), key):
-            return getattr(obj, key, _MISSING)
-        # Bridge dataclasses accept misspelled attributes silently (stack-on-cpu.md,
-        # "Unknown attributes are accepted silently"): only declared fields count.
-        return _MISSING
-    return getattr(obj, key, _MISSING)
-
-
-def field_names(obj: Any) -> list[str]:
-    if isinstance(obj, Mapping):
-        return [str(k) for k in obj]
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return [f.name for f in fields(obj)]
-    return [k for k in vars(obj) if not k.startswith("_")] if hasattr(obj, "__dict__") else []
-
-
-def read(cfg: Any, path: str, default: Any = _MISSING) -> Any:
-    obj = cfg
-    for key in _split(path):
-        if obj is None:
-            return default
-        obj = _child(obj, key)
-        if obj is _MISSING:
-            return default
-    return obj
-
-
-def path_problem(cfg: Any, path: str, overlay: str) -> Problem | None:
-    """None if ``path`` names an existing field (dict keys under env_vars may be new)."""
-    obj, walked = cfg, []
-    parts = _split(path)
-    for i, key in enumerate(parts):
-        if isinstance(obj, Mapping) and i == len(parts) - 1:
-            return None
-        if obj is None:
-            parent = ".".join(walked)
-            return Problem((overlay,), path, None,
-                           f"{parent} is None in this config, so {path} cannot be set",
-                           _none_parent_fix(parent), check="field_exists")
-        nxt = _child(obj, key)
-        if nxt is _MISSING:
-            names = field_names(obj)
-            close = difflib.get_close_matches(key, names, n=1)
-            where = ".".join(walked) or "the config"
-            hint = f" Did you mean {'.'.join([*walked, close[0]])}?" if close else ""
-            return Problem((overlay,), path, None,
-                           f"{where} has no field {key!r}.{hint} (Bridge would accept the misspelling silently.)",
-                           f"use an existing field of {type(obj).__name__}"
-                           + (f", e.g. {'.'.join([*walked, close[0]])}" if close else ""),
-                           check="field_exists")
-        obj, walked = nxt, [*walked, key]
-    return None
-
-
-def _none_parent_fix(parent: str) -> str:
-    if parent == "peft":
-        return "use a PEFT (LoRA) recipe, e.g. recipe=llama3_8b_peft / --recipe llama3_8b_peft_config"
-    return f"set {parent} first (it is None in this recipe)"
-
-
-def _type_problem(current: Any, value: Any) -> str | None:
-    if current is None or value is None:
-        return None
-    if isinstance(current, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(current, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(current, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(current, str):
-        ok = isinstance(value, str)
-    elif isinstance(current, (list, tuple)):
-        ok = isinstance(value, (list, tuple))
-    else:
-        ok = True
-    return None if ok else f"expects {type(current).__name__} (currently {current!r}), got {type(value).__name__} {value!r}"
-
-
-def write(cfg: Any, path: str, value: Any) -> None:
-    *parents, last = _split(path)
-    obj = cfg
-    for key in parents:
-        obj = obj[key] if isinstance(obj, Mapping) else getattr(obj, key)
-    if isinstance(obj, MutableMapping):
-        if value is _MISSING:
-            obj.pop(last, None)
-        else:
-            obj[last] = value
-    else:
-        setattr(obj, last, value)
 
 
 # ----------------------------------------------------------------------------- the prospective view
@@ -191,8 +93,8 @@ class View:
     def get(self, path: str, default: Any = None) -> Any:
         if path in self.claims:
             return self.claims[path].value
-        value = read(self.cfg, path, _MISSING)
-        return default if value is _MISSING else value
+        value = read(self.cfg, path, MISSING)
+        return default if value is MISSING else value
 
     def setter(self, path: str) -> str:
         if path in self.claims:
@@ -292,7 +194,8 @@ def _normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None
     return resolved, problems
 
 
-def _substitute(value: Any, params: dict[str, Any]) -> Any:
+def substitute(value: Any, params: dict[str, Any]) -> Any:
+    """A YAML ``set`` value with ``"@param"`` replaced by the parameter's value."""
     if isinstance(value, str) and value.startswith("@"):
         return copy.deepcopy(params[value[1:]])
     return copy.deepcopy(value)
@@ -380,8 +283,6 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
 
     Raises OverlayError with every problem found.
     """
-    from . import rules  # resolvers and checks
-
     catalog = catalog or Catalog(overlay_dirs)
     names = [overlays] if isinstance(overlays, str) else list(overlays)
     problems: list[Problem] = []
@@ -408,7 +309,7 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
     field_claims: list[FieldClaim] = []
     for s in specs:
         for path, value in s.set.items():
-            claim = FieldClaim(s.name, path, _substitute(value, resolved_params[s.name]))
+            claim = FieldClaim(s.name, path, substitute(value, resolved_params[s.name]))
             p = path_problem(cfg, path, s.name)
             if p:
                 problems.append(dataclasses.replace(p, value=claim.value))
@@ -438,7 +339,7 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
             [c for c in field_claims if c.path not in {e.path for e in extra_fields}] + extra_fields, locked or {})
         problems += [p for p in conflict_problems if p not in problems]
     for path, claim in claims.items():
-        err = _type_problem(read(cfg, path, None), claim.value)
+        err = type_problem(read(cfg, path, None), claim.value)
         if err:
             problems.append(Problem((claim.overlay,), path, claim.value, f"{path} {err}",
                                     f"fix the value in {catalog.specs[claim.overlay].path if claim.overlay in catalog.specs else claim.overlay}",
@@ -487,44 +388,34 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
 
 def apply_overlay(cfg: Any, overlays: str | Iterable[str], *, env: MutableMapping[str, str] | None = None,
                   params: Mapping[str, Any] | None = None, world_size: int | None = None,
-                  locked: Mapping[str, Any] | None = None, validate: bool = False,
+                  locked: Mapping[str, Any] | None = None, validator: Validator | None = None,
                   overlay_dirs: list[str] | None = None, catalog: Catalog | None = None) -> Report:
-    """Apply overlays to a Bridge ``ConfigContainer`` (and ``env``, when given) atomically.
-
-    - ``overlays``: a name or a list; order never matters; aliases accepted.
-    - ``env``: a mutable mapping (e.g. ``os.environ``) to receive environment changes.
-      When None, the process environment is read but not written; the report's
-      ``env_to_export`` lists what to export, and cfg.env_vars carries it.
-    - ``params``: ``{"cpu_offload": {"num_layers": 2}}``, ``{"cpu_offload.num_layers": 2}``,
-      or, with a single overlay, ``{"num_layers": 2}``.
-    - ``locked``: fields the user set explicitly; an overlay that changes one is refused.
-    - ``validate``: also run Bridge's own validation on a copy (imports Bridge).
-    - ``overlay_dirs`` / ``catalog``: where user overlays come from (a caller's catalogue is reused).
+    """Apply overlays to ``cfg`` (and ``env``, when given) atomically; the arguments are documented on
+    ``mbmem_overlays.apply_overlay``. ``validator`` is the stack's own validation, run on the applied
+    config (that function passes Bridge's for ``validate=True``); its result is ``report.validation``.
 
     Raises ``OverlayError`` listing every problem; then cfg and env are unchanged.
-    Applying the same overlays twice equals applying them once.
     """
     report, claims, env_plan = plan_overlays(cfg, overlays, env=env, params=params, world_size=world_size,
                                              locked=locked, catalog=catalog, overlay_dirs=overlay_dirs)
     undo_fields: list[tuple[str, Any]] = []
-    env_before = {var: env.get(var, _MISSING) for var in env_plan} if env is not None else {}
+    env_before = {var: env.get(var, MISSING) for var in env_plan} if env is not None else {}
     try:
         for change in report.changes:
             if change.target.startswith("$"):
                 continue
-            undo_fields.append((change.target, read(cfg, change.target, _MISSING)))
+            undo_fields.append((change.target, read(cfg, change.target, MISSING)))
             write(cfg, change.target, copy.deepcopy(change.new))
         if env is not None:
             for var, value in report.env_to_export.items():
                 env[var] = value
-        if validate:
-            from .bridge import validate_config
-            report.validation = validate_config(cfg, world_size=world_size, env=env)
+        if validator is not None:
+            report.validation = validator(cfg, world_size, env)
     except BaseException:
         for path, old in reversed(undo_fields):
             write(cfg, path, old)
         for var, old in env_before.items():
-            if old is _MISSING:
+            if old is MISSING:
                 env.pop(var, None)
             else:
                 env[var] = old

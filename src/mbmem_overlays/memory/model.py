@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 BF16 = 2            # bytes per bf16/fp16 element
@@ -579,8 +579,9 @@ def _dtype_bytes(dtype: Any, default: int) -> int:
 
 
 def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
-    from .engine import View, read
-    from .rules import mixed_precision_config, regather_fallbacks
+    from ..core.engine import View
+    from ..core.paths import read
+    from ..core.rules import mixed_precision_config, regather_fallbacks
     m = cfg.model
     layers = m.num_layers
     freq = getattr(m, "moe_layer_freq", 1)

@@ -1,4 +1,4 @@
-"""The OOM doctor: from a failed job's logs to a diagnosis and the next command.
+"""Reading job logs for the doctor: OOM messages, configuration errors, allocator settings, layout.
 
 Streams any number of logs (plain or gzip, single- or multi-rank, Slurm output)
 in fixed-size blocks: one compiled trigger regex scans each block in C and only
@@ -7,29 +7,23 @@ flat whatever the log size. Never imports torch or Megatron Bridge.
 
 Decision table: nvidia-skills/nemo-mbridge-perf-memory-tuning.SKILL.md, Failure
 Diagnosis. OOM message formats: ecosystem-notes.md, "The PyTorch OOM message".
-Configuration errors: the oracle fragments of rules.py (bridge-config-surface.md).
+Configuration errors: the oracle fragments of core/rules (known.py; bridge-config-surface.md).
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
-import io
-import json
 import re
 import sys
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
-from . import rules
-from .catalog import train_recipe_arg
-from .report import section
+from ..core.sizes import UNITS
+from .known import config_fragments
 
 BLOCK = 4 << 20
 MAX_EVIDENCE = 12
-UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-         "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 _SIZE = r"([\d.]+)\s*(bytes|[KMGT]iB|[KMG]B)"
 # Current format (torch >= 2.1; "capacty" typo in ~2.1), CUDA or HIP (ecosystem-notes.md).
@@ -58,31 +52,6 @@ LAYOUT = {
 }
 RECIPE = re.compile(r"(?:--recipe[= ]|recipe=)([\w.]+)")
 TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-
-CONFIG_FIXES = {  # rule id -> (diagnosis, fix, overlay command fragment)
-    "cpu_offload_pipeline": ("activation CPU offloading with PP>1", "set model.pipeline_model_parallel_size=1, or offload "
-                             "optimizer state instead", "+mem=optimizer_offload"),
-    "cpu_offload_recompute": ("activation CPU offloading combined with recompute", "use one of them", "+mem=selective_recompute"),
-    "cpu_offload_cuda_graphs": ("activation CPU offloading with CUDA graphs", "set model.cuda_graph_impl=none, or offload "
-                                "optimizer state instead", "+mem=optimizer_offload"),
-    "cpu_offload_num_layers": ("cpu_offloading_num_layers out of range", "use 1 <= mem.cpu_offload.num_layers < num_layers", ""),
-    "expandable_segments_nccl_ub": ("NCCL user buffers with expandable segments (torch<2.11)",
-                                    "remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF or set ddp.nccl_ub=false", ""),
-    "precision_aware_optimizer_needs_dist_opt": ("precision-aware optimizer without the distributed optimizer",
-                                                 "enable the distributed optimizer", "+mem=dist_optimizer"),
-}
-EXTRA_CONFIG = {  # errors raised outside validate(), with their fix
-    "Setting NCCL_GRAPH_REGISTER=0 to avoid illegal memory access": (
-        "expandable_segments_cuda_graphs", "CUDA graphs with expandable segments need NCCL_GRAPH_REGISTER=0",
-        "export NCCL_GRAPH_REGISTER=0 (+mem=expandable_segments sets it)", "+mem=expandable_segments"),
-}
-
-
-def _config_fragments() -> dict[str, str]:
-    table = {frag: c.id for c in rules.CHECKS for frag in c.oracle}
-    table.update({frag: v[0] for frag, v in EXTRA_CONFIG.items()})
-    return table
-
 
 def _triggers() -> tuple[bytes, ...]:
     """Literals that any interesting line contains. bytes.find scans at memchr speed; a regex
@@ -190,7 +159,7 @@ def _lines(stream: BinaryIO, triggers: tuple[bytes, ...], findings: Findings) ->
 
 def scan(paths: list[str]) -> Findings:
     findings = Findings()
-    triggers, fragments = _triggers(), _config_fragments()
+    triggers, fragments = _triggers(), config_fragments()
     for path in expand(paths):
         findings.files.append(path)
         try:
@@ -273,130 +242,3 @@ def _parse_oom(line: str, where: str, rank: int | None, f: Findings) -> None:
     if not any((o.rank, o.requested, o.reserved_unallocated) == key for o in f.ooms):
         f.ooms.append(oom)
         f.cite(where, line)
-
-
-# ----------------------------------------------------------------------------- diagnosis
-@dataclass
-class Diagnosis:
-    kind: str            # fragmentation | capacity | configuration | none | unreadable
-    summary: str
-    confidence: str      # high | medium | low
-    next_command: str | None
-    reasons: list[str]
-    why_not: list[str]
-    evidence: list[str]
-    ranks: dict
-
-
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / (1 << 30):.2f} GiB"
-
-
-def diagnose(f: Findings, recipe: str | None = None) -> Diagnosis:
-    recipe = recipe or f.recipe or "<recipe>"
-    recipe_arg = train_recipe_arg(recipe) if recipe != "<recipe>" else "recipe=<recipe>"
-    expandable = any("expandable_segments:True" in v.split(",") for v in f.alloc_conf.values())
-    ranks = {str(o.rank if o.rank is not None else "?"): {k: v for k, v in asdict(o).items() if k not in ("rank",)}
-             for o in f.ooms}
-    why_not = _why_not(f)
-    base = f"python train.py {recipe_arg}"
-    if f.config_errors:
-        rule, where, line = f.config_errors[0]
-        diag, fix, overlay = CONFIG_FIXES.get(rule) or next(
-            ((v[1], v[2], v[3]) for k, v in EXTRA_CONFIG.items() if v[0] == rule), (rule, f"see `mbmem explain`", ""))
-        return Diagnosis("configuration", f"configuration error: {diag} (rule {rule})", "high",
-                         f"{base} {overlay}".strip() if overlay else None,
-                         [f"{where}: the job failed at start-up with a known configuration error; fix: {fix}",
-                          "`mbmem apply`/`train.py run.dry_run=true` catches this before launch"],
-                         why_not, f.evidence, ranks)
-    if not f.ooms:
-        msg = "no CUDA/HIP out-of-memory message or known configuration error found"
-        kind = "unreadable" if f.unreadable and f.unreadable == len(f.files) and not f.bytes_read else "none"
-        return Diagnosis(kind, msg + (f" ({'; '.join(f.problems)})" if f.problems else ""), "high", None, [], [],
-                         f.evidence, ranks)
-    worst = max(f.ooms, key=lambda o: (o.reserved_unallocated or 0))
-    reasons: list[str] = []
-    frag_signals = 0
-    if worst.reserved_unallocated is not None and worst.requested:
-        if worst.reserved_unallocated >= worst.requested:
-            frag_signals += 2
-            reasons.append(f"rank {worst.rank}: {_gib(worst.reserved_unallocated)} reserved-but-unallocated >= the "
-                           f"{_gib(worst.requested)} request: the memory exists but is fragmented")
-        elif worst.capacity and worst.reserved_unallocated >= 0.02 * worst.capacity:
-            frag_signals += 1
-            reasons.append(f"rank {worst.rank}: {_gib(worst.reserved_unallocated)} reserved-but-unallocated "
-                           f"({100 * worst.reserved_unallocated / worst.capacity:.1f}% of capacity)")
-    oom_ranks = {o.rank for o in f.ooms if o.rank is not None}
-    world = max(f.ranks_seen | f.failed_ranks | oom_ranks, default=-1) + 1
-    if world > 1 and len(oom_ranks) == 1:
-        frag_signals += 1
-        reasons.append(f"only rank {next(iter(oom_ranks))} of {world} ranks seen ran out of memory; the others had headroom")
-    if expandable:
-        return Diagnosis("capacity", "genuine capacity limit: the OOM happened with expandable_segments already set",
-                         "high" if not worst.partial else "medium", f"mbmem recommend --recipe {recipe} --world-size "
-                         f"{max(world, 1)} --gpu-memory {_gib(worst.capacity).replace(' ', '')}",
-                         [f"{f.alloc_where}: PYTORCH_*ALLOC_CONF already has expandable_segments:True",
-                          "memory-tuning skill, Failure Diagnosis: 'OOM with expandable_segments already set' -> "
-                          "increase PP, use the distributed optimizer, or add recompute", *reasons],
-                         why_not, f.evidence, ranks)
-    if frag_signals >= 1:
-        conf = "high" if frag_signals >= 2 else "medium"
-        return Diagnosis("fragmentation", "allocator fragmentation: reserved-but-unallocated memory could have served "
-                         "the request", conf, f"{base} +mem=expandable_segments",
-                         [*reasons, "expandable_segments:True is not set in the logged environment",
-                          "memory-tuning skill, Quick Decision step 1: zero throughput cost, no model change"],
-                         why_not, f.evidence, ranks)
-    return Diagnosis("capacity", "likely a genuine capacity limit (little reserved-but-unallocated memory)", "medium",
-                     f"{base} +mem=expandable_segments",
-                     [*reasons, f"rank {worst.rank}: {_gib(worst.allocated)} allocated of {_gib(worst.capacity)}",
-                      "expandable_segments is still the first, free step (memory-tuning skill, Quick Decision); "
-                      f"if it still OOMs: mbmem recommend --recipe {recipe}"], why_not, f.evidence, ranks)
-
-
-def _why_not(f: Findings) -> list[str]:
-    # The skill's eval: why not VPP, TP=8 or CPU offloading first (memory-tuning skill, A Note on VPP,
-    # Measured Results).
-    out = []
-    pp, vpp, tp = f.layout.get("pp"), f.layout.get("vpp"), f.layout.get("tp")
-    if vpp:
-        out.append(f"not VPP (VPP={vpp}): VPP is a throughput knob; it barely changes peak memory (VPP 10 used 60.2 GB "
-                   "vs 58.8 GB at VPP 5 on Llama3-70B) — memory-tuning skill, A Note on VPP")
-    if tp:
-        out.append(f"not TP={tp * 2} (TP={tp}): doubling TP cost -28% throughput on Llama3-70B; a last resort")
-    if pp and pp > 1:
-        out.append(f"not CPU offloading: activation offload is blocked with PP={pp} > 1 (megatron-core); "
-                   "optimizer_offload works with any PP but costs ~1.9x-4.2x step time")
-    if pp and f.layout.get("dp"):
-        out.append(f"PP={pp * 2} would fit more easily but halves DP ({f.layout['dp']} -> {max(1, f.layout['dp'] // 2)}): "
-                   "~6% throughput")
-    return out
-
-
-def render(d: Diagnosis, f: Findings) -> str:
-    lines = [f"diagnosis: {d.summary}", f"confidence: {d.confidence}"]
-    if d.next_command:
-        lines.append(f"next command: {d.next_command}")
-    lines += section("why", d.reasons) + section("not first", d.why_not)
-    lines += section("evidence", d.evidence, marker="") + section("inputs", f.problems, marker="!")
-    lines.append(f"read {f.bytes_read / 1e6:.1f} MB from {len(f.files)} file(s); {len(f.ooms)} OOM message(s) on "
-                 f"{len({o.rank for o in f.ooms})} rank(s)")
-    return "\n".join(lines)
-
-
-def cmd_doctor(args) -> int:
-    findings = scan(args.logs)
-    d = diagnose(findings, args.recipe)
-    if args.json:
-        print(json.dumps({**asdict(d), "files": findings.files, "problems": findings.problems,
-                          "bytes_read": findings.bytes_read}, indent=2, default=repr))
-    else:
-        print(render(d, findings))
-    return {"none": 3, "unreadable": 2}.get(d.kind, 0)
-
-
-def register(sub) -> None:
-    p = sub.add_parser("doctor", help="diagnose an OOM or configuration failure from job logs")
-    p.add_argument("logs", nargs="+", help="log files, globs, or - for stdin (gzip is detected)")
-    p.add_argument("--recipe", help="recipe name for the suggested command (else taken from the log)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(fn=cmd_doctor)

@@ -18,11 +18,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from .catalog import Catalog, data_dir, train_recipe_arg
-from .errors import OverlayError, Problem
+from ..core import allocconf
+from ..core.catalog import Catalog, data_dir, train_recipe_arg
+from ..core.errors import OverlayError, Problem
 
 TEMPLATE = data_dir("recipes") / "slurm" / "sbatch.sh.tmpl"
-CHECKOUT = Path(__file__).resolve().parents[2]  # where train.py lives when running from a clone
+CHECKOUT = Path(__file__).resolve().parents[3]  # where train.py lives when running from a clone
 SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.:,@%/+=\-]+$")
 
 # The field's standard environment (nvidia-skills/nemo-mbridge-multi-node-slurm.templates.md,
@@ -121,7 +122,6 @@ def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpu
 
 def static_env(overlays: list[str], catalog: Catalog) -> dict[str, str]:
     """The overlays' environment without a config (used with --no-validate)."""
-    from . import allocconf
     env: dict[str, str] = {}
     for name in overlays:
         for var, value in catalog.resolve(name).env.items():
@@ -130,61 +130,3 @@ def static_env(overlays: list[str], catalog: Catalog) -> dict[str, str]:
             else:
                 env[var] = str(value)
     return env
-
-
-def cmd_slurm(args) -> int:
-    from .cli import _csv, split_sets
-    catalog = Catalog(args.overlay_dir)
-    overlays = [catalog.resolve(n).name for n in _csv(args.overlay)]
-    overrides, params = split_sets(args.set)
-    if args.no_validate:
-        env = static_env(overlays, catalog)
-        verdict = "not validated (--no-validate); train.py validates again inside the job"
-    else:
-        from . import bridge
-        from .engine import apply_overlay
-        cfg = bridge.load_recipe(args.recipe)
-        locked = bridge.apply_overrides(cfg, overrides)
-        world = args.nodes * args.gpus_per_node
-        # env={}: the script must not depend on the rendering shell's environment
-        report = apply_overlay(cfg, overlays, env={}, params=params, world_size=world, locked=locked, validate=True)
-        if not report.validation.ok:
-            print(f"mbmem slurm: not written: {report.validation.verdict}", file=sys.stderr)
-            return 1
-        env = report.env_to_export
-        verdict = f"validated for world size {world}: {report.validation.verdict}"
-    text = render(recipe=args.recipe, overlays=overlays, sets=args.set, nodes=args.nodes,
-                  gpus_per_node=args.gpus_per_node, env=env, cpu_smoke=args.cpu_smoke, python=args.python,
-                  workdir=args.workdir, container_image=args.container_image, container_mounts=args.container_mounts,
-                  job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
-                  output=args.output_log)
-    if args.o:
-        Path(args.o).write_text(text)
-        Path(args.o).chmod(0o755)
-        print(f"wrote {args.o} ({verdict})", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-        print(f"# {verdict}", file=sys.stderr)
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("slurm", help="render an sbatch script carrying the overlays (validated for nodes x GPUs)")
-    p.add_argument("--recipe", required=True)
-    p.add_argument("--overlay", "-O", action="append", default=[])
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--time")
-    p.add_argument("--job-name")
-    p.add_argument("--output-log", help="#SBATCH --output pattern, e.g. logs/%%x_%%j.log")
-    p.add_argument("--container-image")
-    p.add_argument("--container-mounts")
-    p.add_argument("--python", help="python inside the job (default: this one, or 'python' in a container)")
-    p.add_argument("--workdir", help="repository root inside the job (default: this checkout)")
-    p.add_argument("--cpu-smoke", action="store_true", help="plan instead of train, no GPU directives (CPU clusters)")
-    p.add_argument("--no-validate", action="store_true", help="render without importing Bridge")
-    p.add_argument("-o", metavar="FILE", help="write the script here instead of stdout")
-    p.set_defaults(fn=cmd_slurm)

@@ -1,0 +1,46 @@
+"""The public API: the core engine, with Bridge's own validation composed in on request.
+
+The engine never imports Bridge; ``validate=True`` hands it Bridge's validator (which imports Bridge
+when it runs). Everything else is ``mbmem_overlays.core.engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
+
+from .core import engine
+from .core.catalog import Catalog
+
+
+def bridge_validator(cfg: Any, world_size: int | None, env: MutableMapping[str, str] | None):
+    """Bridge's ``runtime_config_update`` on a copy of ``cfg`` (see bridge/validation.py)."""
+    from .bridge.validation import validate_config
+    return validate_config(cfg, world_size=world_size, env=env)
+
+
+def apply_overlay(cfg: Any, overlays: str | Iterable[str], *, env: MutableMapping[str, str] | None = None,
+                  params: Mapping[str, Any] | None = None, world_size: int | None = None,
+                  locked: Mapping[str, Any] | None = None, validate: bool = False,
+                  overlay_dirs: list[str] | None = None, catalog: Catalog | None = None) -> engine.Report:
+    """Apply overlays to a Bridge ``ConfigContainer`` (and ``env``, when given) atomically.
+
+    - ``overlays``: a name or a list; order never matters; aliases accepted.
+    - ``env``: a mutable mapping (e.g. ``os.environ``) to receive environment changes.
+      When None, the process environment is read but not written; the report's
+      ``env_to_export`` lists what to export, and cfg.env_vars carries it.
+    - ``params``: ``{"cpu_offload": {"num_layers": 2}}``, ``{"cpu_offload.num_layers": 2}``,
+      or, with a single overlay, ``{"num_layers": 2}``.
+    - ``locked``: fields the user set explicitly; an overlay that changes one is refused.
+    - ``validate``: also run Bridge's own validation on a copy (imports Bridge); see ``report.validation``.
+    - ``overlay_dirs`` / ``catalog``: where user overlays come from (a caller's catalogue is reused).
+
+    Raises ``OverlayError`` listing every problem; then cfg and env are unchanged.
+    Applying the same overlays twice equals applying them once.
+    """
+    return engine.apply_overlay(cfg, overlays, env=env, params=params, world_size=world_size, locked=locked,
+                                validator=bridge_validator if validate else None, overlay_dirs=overlay_dirs,
+                                catalog=catalog)
+
+
+plan_overlays = engine.plan_overlays
