@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-EXIT_OK = 0
-EXIT_REJECTED = 1
-EXIT_USAGE = 2
+# Exit codes of mbmem apply/slurm/plan/recommend and train.py (documented in README, "Exit codes").
+EXIT_OK = 0          # passed: our rules and Bridge's validation accept the config
+EXIT_REJECTED = 1    # rejected by our rules or by Bridge's validation; nothing was changed
+EXIT_USAGE = 2       # bad arguments or input files
+EXIT_INCOMPLETE = 3  # our rules passed, but Bridge's validation stopped at a check this host cannot run
 
 
 def csv_list(values: list[str] | None) -> list[str]:

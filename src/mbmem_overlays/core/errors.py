@@ -32,3 +32,14 @@ class OverlayError(ValueError):
         count = len(self.problems)
         head = f"{count} problem{'s' if count != 1 else ''} found; nothing was changed:"
         super().__init__("\n".join([head, *(p.render() for p in self.problems)]))
+
+
+class ValidationRejected(OverlayError):
+    """The stack's own validation (Bridge's ``runtime_config_update``) rejected the applied config.
+
+    The apply was rolled back (config and environment unchanged); ``report`` still describes what the
+    overlays would have changed, and ``report.validation`` holds the rejection."""
+
+    def __init__(self, report, problems: list[Problem]):
+        self.report = report
+        super().__init__(problems)
