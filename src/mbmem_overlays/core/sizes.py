@@ -1,16 +1,35 @@
-"""Memory sizes as people write them (80GiB, 80 GB, 85899345920) and as PyTorch prints them."""
+"""Memory sizes as people write them (80GiB, 80 GB, 80G, 85899345920) and as PyTorch prints them.
+
+Parsing is humanfriendly's (``humanfriendly.parse_size``, pinned humanfriendly==10.0): ``KiB/MiB/GiB/TiB``
+are binary, ``KB/MB/GB/TB`` and bare ``K/M/G/T`` are decimal (its documented convention), and a bare
+number is bytes. Every command reads sizes through :func:`parse_size`.
+"""
 
 from __future__ import annotations
 
-import re
+import math
 
+import humanfriendly
+
+# PyTorch's OOM messages print binary units with "iB"; the doctor reads them with this table.
 UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B|B)?\s*$", re.I)
+MAX_BYTES = 1 << 50  # 1 PiB per GPU: anything larger is a typo, and float() of it may overflow
+EXAMPLES = "write e.g. 80GiB (binary), 80GB or 80G (decimal), or a number of bytes such as 85899345920"
 
 
 def parse_size(text: str) -> float:
-    m = SIZE.match(text)
-    if not m:
-        raise ValueError(f"cannot read memory size {text!r}; write e.g. 80GiB, 80GB or 85899345920")
-    return float(m.group(1)) * UNITS[(m.group(2) or "B").lower()]
+    """Bytes in ``text``; ValueError (naming the input and the accepted spellings) for anything else.
+
+    Sizes must be positive and finite: a zero or absurd capacity would make every plan "fit" or none.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"cannot read memory size {text!r} (not text); {EXAMPLES}")
+    shown = text if len(text) <= 60 else text[:57] + "..."  # a 400-digit input must not flood the terminal
+    try:
+        value = humanfriendly.parse_size(text.strip())
+    except humanfriendly.InvalidSize:
+        raise ValueError(f"cannot read memory size {shown!r}; {EXAMPLES}") from None
+    if not (isinstance(value, (int, float)) and 0 < value < MAX_BYTES and math.isfinite(float(value))):
+        raise ValueError(f"memory size {shown!r} must be a positive amount of memory below 1 PiB; {EXAMPLES}")
+    return float(value)
