@@ -1,11 +1,15 @@
-"""``mbmem slurm``: an sbatch script carrying the overlays, validated for nodes x GPUs unless --no-validate."""
+"""``mbmem slurm``: an sbatch script carrying the overlays, validated for nodes x GPUs unless --no-validate.
+
+Order of work: every cheap check of the options first (all problems in one error, before the 20-50 s Bridge
+import), then validation, then the log folder and the script file. Nothing is written when anything fails.
+"""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from .common import EXIT_REJECTED, add_recipe_options, csv_list, recipe_with_overrides
+from .common import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, add_recipe_options, csv_list, \
+    recipe_with_overrides
 
 
 def register(sub) -> None:
@@ -13,51 +17,105 @@ def register(sub) -> None:
     add_recipe_options(p, world_size=None)
     p.add_argument("--overlay", "-O", action="append", default=[])
     p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True,
+                   help="GPUs per node = torchrun processes per node; world size = nodes x this")
+    p.add_argument("--cpus-per-task", type=int,
+                   help="#SBATCH --cpus-per-task for the one task per node (default: Slurm's; the task always gets "
+                        "every CPU the job holds on its node)")
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--time")
     p.add_argument("--job-name")
-    p.add_argument("--output-log", help="#SBATCH --output pattern, e.g. logs/%%x_%%j.log")
-    p.add_argument("--container-image")
-    p.add_argument("--container-mounts")
+    p.add_argument("--output-log", help="#SBATCH --output, e.g. logs/%%x_%%j.log: made absolute and its folder "
+                                        "created now (default: Slurm's slurm-%%j.out in the folder you submit from)")
+    p.add_argument("--container-image", help="pyxis/enroot image; the tasks run inside it")
+    p.add_argument("--container-mounts", help="extra pyxis mounts SRC:DST[,...]; the repository (--workdir) is "
+                                              "always mounted at the same path unless a mount targets it")
     p.add_argument("--python", help="python inside the job (default: this one, or 'python' in a container)")
-    p.add_argument("--workdir", help="repository root inside the job (default: this checkout)")
+    p.add_argument("--workdir", help="repository root as the tasks see it; also the container's workdir "
+                                     "(default: this checkout)")
     p.add_argument("--cpu-smoke", action="store_true", help="plan instead of train, no GPU directives (CPU clusters)")
     p.add_argument("--no-validate", action="store_true", help="render without importing Bridge")
-    p.add_argument("-o", metavar="FILE", help="write the script here instead of stdout")
+    p.add_argument("-o", metavar="FILE", help="write the script here instead of stdout (a new regular file)")
     p.set_defaults(fn=run)
+
+
+def _resolve_overlays(names: list[str], catalog) -> tuple[list[str], list]:
+    from ..core.errors import OverlayError
+    resolved, problems = [], []
+    for name in names:
+        try:
+            resolved.append(catalog.resolve(name).name)
+        except OverlayError as exc:
+            problems += exc.problems
+    return resolved, problems
+
+
+def _launch_requirement_fix(requirement: str) -> str:
+    # "checkpoint.pretrained_checkpoint=<path ...> (why)" -> "--set checkpoint.pretrained_checkpoint=<path ...>"
+    setting = requirement.split(" (", 1)[0]
+    return f"--set {setting}"
 
 
 def run(args) -> int:
     from ..core.catalog import Catalog
-    from ..launch.slurm import render, static_env
-    catalog = Catalog(args.overlay_dir)
-    overlays = [catalog.resolve(n).name for n in csv_list(args.overlay)]
+    from ..core.errors import OverlayError
+    from ..launch import slurm
+    sets = list(args.set)
+    output_log = slurm.absolute_log_path(args.output_log)
+    sbatch = dict(job_name=args.job_name, time=args.time, partition=args.partition, account=args.account)
+    options = dict(recipe=args.recipe, sets=sets, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   cpus_per_task=args.cpus_per_task, python=args.python, workdir=args.workdir,
+                   container_image=args.container_image, container_mounts=args.container_mounts, output=output_log,
+                   **sbatch)
+    try:
+        catalog = Catalog(args.overlay_dir)
+        overlays, overlay_problems = _resolve_overlays(csv_list(args.overlay), catalog)
+        slurm.collect(overlay_problems, slurm.overlay_env_problems(overlays, catalog),
+                      slurm.option_problems(overlays=overlays, **options), slurm.output_file_problems(args.o))
+    except OverlayError as exc:
+        print(f"mbmem slurm: not written: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    code = EXIT_OK
     if args.no_validate:
-        env = static_env(overlays, catalog)
+        env = slurm.static_env(overlays, catalog)
         verdict = "not validated (--no-validate); train.py validates again inside the job"
     else:
         from ..api import apply_overlay
-        cfg, locked, params = recipe_with_overrides(args.recipe, args.set)
+        cfg, locked, params = recipe_with_overrides(args.recipe, sets)
         world = args.nodes * args.gpus_per_node
         # env={}: the script must not depend on the rendering shell's environment
-        report = apply_overlay(cfg, overlays, env={}, params=params, world_size=world, locked=locked, validate=True)
-        if not report.validation.ok:
-            print(f"mbmem slurm: not written: {report.validation.verdict}", file=sys.stderr)
+        report = apply_overlay(cfg, overlays, env={}, params=params, world_size=world, locked=locked, validate=True,
+                               catalog=catalog)
+        v = report.validation
+        if not v.ok:
+            print(f"mbmem slurm: not written: {v.verdict}", file=sys.stderr)
             return EXIT_REJECTED
+        if v.launch_requirements:
+            # Validation stood in a placeholder (e.g. PEFT's pretrained checkpoint): "PASSED" would be untrue for
+            # the job, which has no such placeholder (bridge/validation.py, "PEFT requires a pretrained checkpoint").
+            lines = [f"mbmem slurm: not written: the job needs what validation only had a placeholder for "
+                     f"(world size {world}):"]
+            lines += [f"  - {r}\n    fix: add {_launch_requirement_fix(r)}" for r in v.launch_requirements]
+            print("\n".join(lines), file=sys.stderr)
+            return EXIT_USAGE
         env = report.env_to_export
-        verdict = f"validated for world size {world}: {report.validation.verdict}"
-    text = render(recipe=args.recipe, overlays=overlays, sets=args.set, nodes=args.nodes,
-                  gpus_per_node=args.gpus_per_node, env=env, cpu_smoke=args.cpu_smoke, python=args.python,
-                  workdir=args.workdir, container_image=args.container_image, container_mounts=args.container_mounts,
-                  job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
-                  output=args.output_log)
+        verdict = f"validated for world size {world}: {v.verdict}"
+        if not v.complete:
+            code = EXIT_INCOMPLETE
+    try:
+        text = slurm.render(overlays=overlays, env=env, cpu_smoke=args.cpu_smoke, verdict=verdict, **options)
+        slurm.make_log_folder(output_log)
+        if args.o:
+            slurm.write_script(args.o, text)
+    except OverlayError as exc:
+        print(f"mbmem slurm: not written: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.o:
-        Path(args.o).write_text(text)
-        Path(args.o).chmod(0o755)
         print(f"wrote {args.o} ({verdict})", file=sys.stderr)
     else:
         sys.stdout.write(text)
         print(f"# {verdict}", file=sys.stderr)
-    return 0
+    if output_log:
+        print(f"# job log: {output_log} (folder created)", file=sys.stderr)
+    return code

@@ -1,34 +1,49 @@
 """Render a complete sbatch script that carries the overlays (``mbmem slurm``).
 
-The template is a file a user can read and adapt: ``recipes/slurm/sbatch.sh.tmpl``.
-Rendering never imports Megatron Bridge; validation (on by default) runs the same
-overlay engine and Bridge validation as train.py with world size = nodes x GPUs.
+The template is a file a user can read and adapt: ``recipes/slurm/sbatch.sh.j2`` (Jinja2).
+Rendering never imports Megatron Bridge; validation (on by default, in ``cli/slurm.py``) runs the
+same overlay engine and Bridge validation as train.py with world size = nodes x GPUs.
 
-Quoting: values that end up in ``#SBATCH`` lines must match a conservative pattern
-(sbatch parses those lines itself, so shell quoting cannot protect them); every other
-user value is a single shell word made with ``shlex.quote``, and the training
-arguments travel to each node as positional parameters, never re-parsed by a shell.
+Quoting (issue 15, item 1): Jinja2 inserts each value once and never scans inserted text again, so a
+``{{...}}`` inside a user value stays text. Every ``{{ }}`` in the template must end in one of three
+filters, and the environment's ``finalize`` refuses anything else:
+
+- ``q``: one shell word made with ``shlex.quote``;
+- ``sbatch``: a value of an ``#SBATCH`` line, which sbatch parses itself (shell quoting cannot protect
+  it), so it must match a conservative pattern;
+- ``envname``: an environment variable name, ``[A-Za-z_][A-Za-z0-9_]*`` (issue 15, item 2).
+
+Every problem with the options is collected and raised together in one ``OverlayError``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import re
 import shlex
+import stat
 import sys
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..core import allocconf
 from ..core.catalog import Catalog, data_dir, train_recipe_arg
 from ..core.errors import OverlayError, Problem
 
-TEMPLATE = data_dir("recipes") / "slurm" / "sbatch.sh.tmpl"
+TEMPLATE = data_dir("recipes") / "slurm" / "sbatch.sh.j2"
 CHECKOUT = Path(__file__).resolve().parents[3]  # where train.py lives when running from a clone
-SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.:,@%/+=\-]+$")
+# What sbatch reads verbatim from an "#SBATCH --flag=value" line: no spaces, quotes, '$', ';', newlines.
+SBATCH_SAFE = re.compile(r"[A-Za-z0-9_.:,@%/+=\-]+")
+# POSIX portable names (IEEE Std 1003.1, Base Definitions 8.1); anything else cannot follow `export`.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A recipes/ name or a dotted Python function path (what train.py's recipe= / recipe.function= take).
+RECIPE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+SCRIPT_MODE = 0o755
 
 # The field's standard environment (nvidia-skills/nemo-mbridge-multi-node-slurm.templates.md,
-# slurm-and-launch.md). Overlays add to it; a key the overlays also set keeps the overlay's value
-# only where a rule says so (e.g. NCCL_GRAPH_REGISTER with expandable segments + CUDA graphs).
+# slurm-and-launch.md). Overlays add to it; a key the overlays also set keeps the overlay's value.
 STANDARD_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1",
@@ -37,87 +52,243 @@ STANDARD_ENV = {
     "PYTHONUNBUFFERED": "1",
     "SLURM_UNBUFFEREDIO": "1",
 }
+# Variables the script itself sets for the tasks; inside a container they must win over the image's.
+SCRIPT_ENV = ("MBMEM_WORKDIR", "MBMEM_PYTHON", "MBMEM_NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _bad(field: str, value: str, why: str, fix: str) -> Problem:
+# ----------------------------------------------------------------------------- template filters
+class Word(str):
+    """Text that is safe to insert into the script as it is (made only by the three filters below)."""
+
+
+class UnsafeValue(ValueError):
+    """A value reached the template that no filter accepts (render() reports problems before this)."""
+
+
+def _single_line(text: str) -> str:
+    if any(c in text for c in "\n\r\0"):
+        raise UnsafeValue(f"{text!r} contains a newline or NUL byte")
+    return text
+
+
+def shell_word(value: object) -> Word:
+    return Word(shlex.quote(_single_line(str(value))))
+
+
+def sbatch_value(value: object) -> Word:
+    text = str(value)
+    if not SBATCH_SAFE.fullmatch(text):
+        raise UnsafeValue(f"{text!r} cannot go into an #SBATCH line")
+    return Word(text)
+
+
+def env_name(value: object) -> Word:
+    text = str(value)
+    if not ENV_NAME.fullmatch(text):
+        raise UnsafeValue(f"{text!r} is not an environment variable name")
+    return Word(text)
+
+
+def _only_filtered(value: object) -> object:
+    # Jinja2 calls finalize on every {{ }} result: a bare {{ value }} in the template is an error.
+    if not isinstance(value, Word):
+        raise UnsafeValue(f"template variable {value!r} is neither quoted (| q) nor checked (| sbatch, | envname)")
+    return value
+
+
+def template_environment():
+    import jinja2
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE.parent)), undefined=jinja2.StrictUndefined,
+                             autoescape=False,  # a shell script, not HTML: quoting is the filters' job
+                             finalize=_only_filtered, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters.update(q=shell_word, sbatch=sbatch_value, envname=env_name)
+    return env
+
+
+# ----------------------------------------------------------------------------- checking the options
+def _bad(field: str, value: object, why: str, fix: str) -> Problem:
     return Problem(("slurm",), field, value, why, fix)
 
 
-def sbatch_lines(opts: dict, cpu_smoke: bool) -> tuple[list[str], list[Problem]]:
-    problems: list[Problem] = []
-    lines: list[str] = []
-
-    def add(flag: str, value) -> None:
-        if value is None:
-            return
-        text = str(value)
-        if not SBATCH_SAFE.match(text):
-            problems.append(_bad(f"--{flag}", text, "contains characters sbatch would misread in an #SBATCH line "
-                                 "(spaces, quotes, ';', '$', newlines, ...)",
+def sbatch_problems(values: dict[str, object]) -> list[Problem]:
+    """Values of #SBATCH lines (``None``: not given) that sbatch would misread."""
+    problems = []
+    for flag, value in values.items():
+        if value is not None and not SBATCH_SAFE.fullmatch(str(value)):
+            problems.append(_bad(f"--{flag}", str(value), "contains characters sbatch would misread in an #SBATCH "
+                                 "line (spaces, quotes, ';', '$', newlines, ...)",
                                  f"use only letters, digits and _ . : , @ % / + = - in --{flag}"))
-            return
-        lines.append(f"#SBATCH --{flag}={text}")
-
-    add("job-name", opts.get("job_name") or "mbmem")
-    add("nodes", opts["nodes"])
-    add("ntasks-per-node", 1)
-    if not cpu_smoke:
-        add("gpus-per-node", opts["gpus_per_node"])
-        lines.append("#SBATCH --exclusive")
-    add("time", opts.get("time"))
-    add("partition", opts.get("partition"))
-    add("account", opts.get("account"))
-    add("output", opts.get("output"))
-    return lines, problems
+    return problems
 
 
-def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpus_per_node: int,
-           env: dict[str, str], cpu_smoke: bool = False, python: str | None = None, workdir: str | None = None,
-           container_image: str | None = None, container_mounts: str | None = None, **sbatch) -> str:
+def env_problems(env: dict[str, object], who: tuple[str, ...] = ("slurm",), where: str = "") -> list[Problem]:
+    """Names that cannot follow ``export``, and values that are not single-line text."""
+    problems = []
+    for name, value in env.items():
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            problems.append(Problem(who, "env", name, f"{name!r} is not a valid environment variable name; the "
+                                    "script would put it into an `export` line",
+                                    f"rename it{where} to letters, digits and _, not starting with a digit "
+                                    "(e.g. MY_VAR)"))
+        elif any(c in str(value) for c in "\n\r\0"):
+            problems.append(Problem(who, name, value, "the value contains a newline or NUL byte",
+                                    f"give {name} a single-line value{where}"))
+    return problems
+
+
+def overlay_env_problems(overlays: list[str], catalog: Catalog) -> list[Problem]:
+    """The overlays' environment as declared in their files: checked before anything imports Bridge.
+
+    The engine checks names too; this is the renderer's own check (issue 15, item 2: defense in depth)."""
+    problems = []
+    for name in overlays:
+        spec = catalog.resolve(name)
+        if not isinstance(spec.env, dict):
+            problems.append(Problem((spec.name,), "env", spec.env, f"'env:' in {spec.path} is not a mapping",
+                                    "write env: {VAR: value}"))
+            continue
+        problems += env_problems(spec.env, (spec.name,), f" in {spec.path}")
+    return problems
+
+
+def output_log_problems(output: str | None) -> list[Problem]:
+    """#SBATCH --output: slurmd opens it before the script runs, so its folder must exist; it can only be created
+    at render time when the folder part has no Slurm filename pattern (%j, %x, ...)."""
+    if output is None:
+        return []
+    problems = sbatch_problems({"output": output})
+    if "%" in os.path.dirname(output):
+        problems.append(_bad("--output-log", output, "the folder part contains a Slurm filename pattern (%...); "
+                             "slurmd does not create folders, so it must exist before the job starts",
+                             "put patterns in the file name only, e.g. --output-log logs/%x_%j.log"))
+    return problems
+
+
+def output_file_problems(path: str | None) -> list[Problem]:
+    """``-o FILE``: a new or existing regular file in an existing folder; never a link, device, fifo or folder."""
+    if path is None:
+        return []
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        return [_bad("-o", path, f"the folder {str(folder)!r} does not exist" if not folder.exists()
+                     else f"{str(folder)!r} is not a folder", f"create it first (mkdir -p {shlex.quote(str(folder))}) "
+                     "or choose another path")]
+    try:
+        st = target.lstat()
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        return [_bad("-o", path, f"cannot inspect it: {exc.strerror}", "choose another path")]
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        return [_bad("-o", path, "is a symbolic link; mbmem slurm does not write through links",
+                     "remove the link or choose another path")]
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "a fifo" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+        return [_bad("-o", path, f"is {kind}; mbmem slurm only writes regular files", "choose a file path")]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return [_bad("-o", path, f"the folder {str(folder)!r} is not writable", "choose another path")]
+    return []
+
+
+def option_problems(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpus_per_node: int,
+                    cpus_per_task: int | None = None, python: str | None = None, workdir: str | None = None,
+                    container_image: str | None = None, container_mounts: str | None = None,
+                    output: str | None = None, **sbatch) -> list[Problem]:
+    """Every problem with the options, without importing anything heavy."""
     problems: list[Problem] = []
     if nodes < 1 or gpus_per_node < 1:
         problems.append(_bad("--nodes/--gpus-per-node", f"{nodes}/{gpus_per_node}", "must be at least 1",
                              "e.g. --nodes 4 --gpus-per-node 8"))
-    header, sb_problems = sbatch_lines({"nodes": nodes, "gpus_per_node": gpus_per_node, **sbatch}, cpu_smoke)
-    problems += sb_problems
-    for value in [recipe, *overlays, *sets, python or "", workdir or "", container_image or "", container_mounts or ""]:
-        if "\n" in value or "\r" in value or "\0" in value:
-            problems.append(_bad("argument", value, "contains a newline or NUL byte", "pass single-line values"))
-    if problems:
-        raise OverlayError(problems)
+    if cpus_per_task is not None and cpus_per_task < 1:
+        problems.append(_bad("--cpus-per-task", cpus_per_task, "must be at least 1", "e.g. --cpus-per-task 32"))
+    problems += sbatch_problems({k.replace("_", "-"): v for k, v in sbatch.items()})
+    problems += output_log_problems(output)
+    if not RECIPE_NAME.fullmatch(recipe):
+        problems.append(_bad("--recipe", recipe, "is neither a recipes/ name nor a dotted Python function path",
+                             "e.g. --recipe llama3_8b_pretrain or --recipe llama3_8b_pretrain_config"))
+    for s in sets:
+        key, sep, _ = s.partition("=")
+        if not sep or not key or key.startswith("-") or any(c.isspace() for c in key):
+            problems.append(_bad("--set", s, "is not KEY=VALUE", "e.g. --set model.tensor_model_parallel_size=2"))
+    named = [("--overlay", o) for o in overlays] + [("--set", s) for s in sets] + [
+        ("--recipe", recipe), ("--python", python), ("--workdir", workdir), ("--container-image", container_image),
+        ("--container-mounts", container_mounts)]
+    for flag, value in named:
+        if value is not None and any(c in value for c in "\n\r\0"):
+            problems.append(_bad(flag, value, "contains a newline or NUL byte", "pass single-line values"))
+        elif value == "" and flag != "--set":
+            problems.append(_bad(flag, value, "is empty", f"give {flag} a value or leave the option out"))
+    if container_mounts and not container_image:
+        problems.append(_bad("--container-mounts", container_mounts, "has no effect without --container-image",
+                             "add --container-image IMAGE, or drop --container-mounts"))
+    if container_image and workdir and any(c in workdir for c in ":,"):
+        problems.append(_bad("--workdir", workdir, "contains ':' or ','; pyxis' --container-mounts cannot mount it",
+                             "use a path without ':' and ','"))
+    return problems
 
-    world = nodes * gpus_per_node
+
+# ----------------------------------------------------------------------------- rendering
+def default_workdir() -> str:
+    return str(CHECKOUT if (CHECKOUT / "train.py").is_file() else Path.cwd())
+
+
+def _mount_target(mount: str) -> str:
+    # pyxis: SRC:DST[:FLAGS], or a single PATH mounted at the same path.
+    parts = mount.split(":")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def container_mounts_with_workdir(workdir: str, user_mounts: str | None) -> str:
+    """The user's mounts, plus the repository mounted at the same path unless a mount already targets it."""
+    mounts = [m for m in (user_mounts or "").split(",") if m]
+    if not any(_mount_target(m).rstrip("/") == workdir.rstrip("/") for m in mounts):
+        mounts.insert(0, f"{workdir}:{workdir}")
+    return ",".join(mounts)
+
+
+def train_args(recipe: str, overlays: list[str], sets: list[str], *, cpu_smoke: bool, world_size: int) -> list[str]:
     args = [train_recipe_arg(recipe)]
     if overlays:
         args.append(f"+mem=[{','.join(overlays)}]")
     args += sets
-    if cpu_smoke:
-        # Same script, CPU-only cluster: plan instead of train, for the full world size.
-        args += ["run.dry_run=true", f"run.world_size={world}"]
+    if cpu_smoke:  # same script, CPU-only cluster: plan instead of train, for the full world size
+        args += ["run.dry_run=true", f"run.world_size={world_size}"]
+    return args
+
+
+def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpus_per_node: int,
+           env: dict[str, str], cpu_smoke: bool = False, python: str | None = None, workdir: str | None = None,
+           container_image: str | None = None, container_mounts: str | None = None, cpus_per_task: int | None = None,
+           output: str | None = None, verdict: str = "not validated", **sbatch) -> str:
+    """The sbatch script text. Raises OverlayError listing every problem with the options."""
+    problems = option_problems(recipe=recipe, overlays=overlays, sets=sets, nodes=nodes, gpus_per_node=gpus_per_node,
+                               cpus_per_task=cpus_per_task, python=python, workdir=workdir,
+                               container_image=container_image, container_mounts=container_mounts, output=output,
+                               **sbatch)
     exports = {**STANDARD_ENV, **env}
-    export_lines = [f"export {k}={shlex.quote(v)}" for k, v in exports.items()]
-    srun_extra = ""
-    if container_image:
-        srun_extra += f" --container-image={shlex.quote(container_image)} --no-container-mount-home"
-    if container_mounts:
-        srun_extra += f" --container-mounts={shlex.quote(container_mounts)}"
-    title = (f"{recipe} with overlays [{', '.join(overlays) or 'none'}] on {nodes} node(s) x {gpus_per_node} GPU(s)"
-             + (" — CPU smoke mode (dry-run plan, no GPU directives)" if cpu_smoke else ""))
-    fill = {
-        "TITLE": title.replace("\n", " "),
-        "DATE": _dt.date.today().isoformat(),
-        "SBATCH": "\n".join(header),
-        "EXPORTS": "\n".join(export_lines),
-        "TRAIN_ARGS": "\n".join(f"  {shlex.quote(a)}" for a in args),
-        "WORKDIR": shlex.quote(workdir or str(CHECKOUT if (CHECKOUT / "train.py").is_file() else Path.cwd())),
-        "PYTHON": shlex.quote(python or ("python" if container_image else sys.executable)),
-        "NPROC": str(1 if cpu_smoke else gpus_per_node),
-        "SRUN_EXTRA": srun_extra,
-    }
-    text = TEMPLATE.read_text()
-    for key, value in fill.items():
-        text = text.replace("{{" + key + "}}", value)
-    return text
+    problems += env_problems(exports)
+    if problems:
+        raise OverlayError(problems)
+    world = nodes * gpus_per_node
+    workdir = workdir or default_workdir()
+    title = (f"{recipe} with overlays [{', '.join(overlays) or 'none'}] on "
+             f"{nodes} node(s) x {gpus_per_node} GPU(s)"
+             + (" - CPU smoke mode (dry-run plan, no GPU directives)" if cpu_smoke else ""))
+    values = dict(
+        title=title, date=_dt.date.today().isoformat(), verdict=verdict, cpu_smoke=cpu_smoke,
+        nodes=nodes, gpus_per_node=gpus_per_node, world_size=world, nproc_per_node=1 if cpu_smoke else gpus_per_node,
+        job_name=sbatch.get("job_name") or "mbmem", time=sbatch.get("time"), partition=sbatch.get("partition"),
+        account=sbatch.get("account"), output=output, cpus_per_task=cpus_per_task,
+        exports=list(exports.items()),
+        train_args=train_args(recipe, overlays, sets, cpu_smoke=cpu_smoke, world_size=world),
+        workdir=workdir, python=python or ("python" if container_image else sys.executable),
+        container_image=container_image,
+        container_mounts=container_mounts_with_workdir(workdir, container_mounts) if container_image else None,
+        container_env=",".join([*exports, *SCRIPT_ENV]),
+    )
+    return template_environment().get_template(TEMPLATE.name).render(**values)
 
 
 def static_env(overlays: list[str], catalog: Catalog) -> dict[str, str]:
@@ -130,3 +301,51 @@ def static_env(overlays: list[str], catalog: Catalog) -> dict[str, str]:
             else:
                 env[var] = str(value)
     return env
+
+
+# ----------------------------------------------------------------------------- files
+def absolute_log_path(output: str | None) -> str | None:
+    """#SBATCH --output relative to the folder you render in (sbatch would read it relative to where you submit)."""
+    return None if output is None else os.path.abspath(os.path.expanduser(output))
+
+
+def make_log_folder(output: str | None) -> None:
+    """slurmd opens #SBATCH --output before the script runs and does not create its folder: create it now."""
+    if output:
+        try:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OverlayError([_bad("--output-log", output, f"cannot create its folder: {exc.strerror}",
+                                     "choose a log path in a folder you can create")]) from None
+
+
+def write_script(path: str, text: str) -> None:
+    """Write ``text`` to a new regular file at ``path``: a temporary file in the same folder, its mode set on
+    the file descriptor we created, then renamed over ``path`` (rename replaces a link, never follows it)."""
+    problems = output_file_problems(path)
+    if problems:
+        raise OverlayError(problems)
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), SCRIPT_MODE)
+        problems = output_file_problems(path)  # anything replaced meanwhile is refused as well
+        if problems:
+            raise OverlayError(problems)
+        os.replace(tmp, target)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OverlayError([_bad("-o", path, f"cannot write it: {exc.strerror}", "choose another path")]) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def collect(*groups: Iterable[Problem]) -> None:
+    """Raise one OverlayError with every problem of every group, if any."""
+    problems = [p for g in groups for p in g]
+    if problems:
+        raise OverlayError(problems)
