@@ -1,55 +1,152 @@
-"""User overrides (``KEY=VALUE``) on a real config: Hydra's parser, existence and type checks, atomic."""
+"""User overrides (``KEY=VALUE``) on a real config: Hydra's parser, Bridge's own value conversion,
+existence and type checks, every problem at once, atomic.
+
+Bridge's scripts (scripts/training/run_recipe.py) parse overrides with Hydra's ``OverridesParser`` and
+write them with ``megatron.bridge.training.utils.omegaconf_utils.apply_overrides``, which turns
+strings back into ``torch.dtype`` (``model.params_dtype=bfloat16``), activation functions
+(``model.activation_func=silu``) and ``_target_`` dicts into objects (omegaconf_utils.py,
+``_apply_overrides``). We use the same parser and the same function, on a scratch copy of the field's
+parent, so a value means here what it means in Bridge's scripts; then our checks (the field exists,
+the converted value has the field's type) run before anything is written.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import enum
+import os
 from typing import Any
 
 from ..core.errors import OverlayError, Problem
-from ..core.paths import MISSING, path_problem, read, type_problem, write
+from ..core.paths import MISSING, path_problem, read, split, type_problem, write
 from ..core.values import plain
+
+EXAMPLE = "model.tensor_model_parallel_size=4"
+
+
+def _problem(text: str, field: str, value: Any, message: str, fix: str) -> Problem:
+    return Problem(("override",), field, value, message, fix, check="override")
+
+
+def syntax_problem(text: str) -> Problem | None:
+    """Why ``text`` is not a ``KEY=VALUE`` override (Hydra's grammar), or None. Needs no Bridge."""
+    try:
+        parse_override(text)
+    except OverlayError as exc:
+        return exc.problems[0]
+    return None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``model.tensor_model_parallel_size=4`` -> (path, typed value) with Hydra's own parser."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-    if "=" not in text:
-        raise OverlayError([Problem(("override",), text, None, f"override {text!r} has no '='",
-                                    "write overrides as KEY=VALUE, e.g. model.tensor_model_parallel_size=4")])
+    from hydra.errors import HydraException
+    if not isinstance(text, str) or "=" not in text:
+        raise OverlayError([_problem(text, str(text), None, f"override {text!r} has no '='",
+                                     f"write overrides as KEY=VALUE, e.g. {EXAMPLE}")])
     try:
         ov = OverridesParser.create().parse_override(text)
-    except OverrideParseException as exc:
-        raise OverlayError([Problem(("override",), text, None, f"cannot parse override {text!r}: {exc}",
-                                    "write overrides as KEY=VALUE with Hydra syntax, e.g. model.recompute_modules=[core_attn]")]) from None
-    if ov.is_delete() or ov.is_add() and ov.key_or_group.startswith("~"):
-        raise OverlayError([Problem(("override",), text, None, "deleting config fields is not supported",
-                                    "set the field to null instead, e.g. model.recompute_granularity=null")])
-    return ov.key_or_group, plain(ov.value())
+    except HydraException as exc:  # OverrideParseException and the lexer's own HydraException
+        raise OverlayError([_problem(text, text.partition("=")[0], text.partition("=")[2],
+                                     f"cannot parse override {text!r}: {' '.join(str(exc).split())}",
+                                     "write KEY=VALUE with Hydra syntax: dotted names, lists as [a,b], "
+                                     f"e.g. {EXAMPLE} or model.recompute_modules=[core_attn]")]) from None
+    if ov.is_delete():
+        raise OverlayError([_problem(text, ov.key_or_group, None, "deleting config fields is not supported",
+                                     "set the field to null instead, e.g. model.recompute_granularity=null")])
+    key = ov.key_or_group
+    bad = [part for part in split(key) if not part or part.startswith("__")]
+    if not key or bad:
+        raise OverlayError([_problem(text, key, None,
+                                     f"{key!r} is not a config field path (empty or dunder name: {bad or [key]})",
+                                     f"name a declared field, e.g. {EXAMPLE}")])
+    return key, plain(ov.value())
 
 
-def apply_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
-    """Apply user overrides with existence and type checks; all problems at once; atomic."""
-    items = list(overrides.items()) if isinstance(overrides, dict) else [parse_override(o) for o in overrides]
+def _bridge_value(cfg: Any, path: str, value: Any) -> Any:
+    """``value`` as Bridge's override machinery would store it at ``path`` (a dtype for "bfloat16", ...).
+
+    Bridge's ``apply_overrides`` runs on a shallow copy of the parent dataclass, so the real config is
+    untouched; dict parents (``env_vars``) and non-dataclass parents keep the parsed value, as in Bridge."""
+    *parents, leaf = split(path)
+    parent = read(cfg, ".".join(parents), None) if parents else cfg
+    if not dataclasses.is_dataclass(parent) or isinstance(parent, type):
+        return value
+    from megatron.bridge.training.utils.omegaconf_utils import apply_overrides as bridge_apply_overrides
+    scratch = copy.copy(parent)
+    try:
+        bridge_apply_overrides(scratch, {leaf: copy.deepcopy(value)}, {})
+    except Exception:  # Bridge logs and skips what it cannot set; our type check reports it
+        return value
+    return getattr(scratch, leaf, value)
+
+
+def _kind_problem(current: Any, value: Any) -> str | None:
+    """A text that Bridge could not convert into the field's kind (dtype, enum, function) stays text."""
+    if current is None or value is None or isinstance(current, (bool, int, float, str, list, tuple, dict)):
+        return type_problem(current, value)
+    if isinstance(value, str) and not isinstance(current, (str, os.PathLike)):
+        kind = type(current).__name__
+        hint = (f"one of {[m.name for m in type(current)]}" if isinstance(current, enum.Enum)
+                else f"a {kind} Bridge can convert from text (e.g. bfloat16 for a dtype)")
+        return f"expects a {kind} (currently {current!r}); {value!r} is not {hint}"
+    return None
+
+
+def check_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> tuple[list[tuple[str, Any, Any]], list[Problem]]:
+    """Every override checked, nothing written: ([(path, old, new)] for the valid ones, [problems])."""
+    items: list[tuple[str, Any]] = []
     problems: list[Problem] = []
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        for text in overrides:
+            try:
+                items.append(parse_override(text))
+            except OverlayError as exc:
+                problems += exc.problems
+    valid: list[tuple[str, Any, Any]] = []
     for path, value in items:
         p = path_problem(cfg, path, "override")
         if p:
             problems.append(p)
             continue
         current = read(cfg, path, None)
-        err = type_problem(current, value)
-        if err and not (isinstance(current, float) and isinstance(value, int)):
-            problems.append(Problem(("override",), path, value, f"{path} {err}",
-                                    f"give {path} a {type(current).__name__}, e.g. {path}={current!r}"))
+        new = _bridge_value(cfg, path, value)
+        if isinstance(current, float) and isinstance(new, int) and not isinstance(new, bool):
+            new = float(new)  # Hydra reads 1 as int; a float field keeps its kind
+        err = _kind_problem(current, new)
+        if err:
+            problems.append(_problem(path, path, value, f"{path} {err}",
+                                     f"give {path} a {type(current).__name__}, e.g. {path}={current!r}"))
+            continue
+        valid.append((path, read(cfg, path, MISSING), new))
+    return valid, problems
+
+
+def write_all(cfg: Any, changes: list[tuple[str, Any, Any]]) -> None:
+    """Write every change, or (when one write fails) none: the ones written are undone, and the failure
+    becomes an OverlayError naming the field (a property setter can refuse a value)."""
+    done: list[tuple[str, Any]] = []
+    try:
+        for path, old, new in changes:
+            write(cfg, path, new)
+            done.append((path, old))
+    except Exception as exc:
+        for path, old in reversed(done):
+            write(cfg, path, old)
+        path, _, new = changes[len(done)]
+        raise OverlayError([_problem(path, path, new, f"{path} cannot be set to {new!r}: {type(exc).__name__}: {exc}",
+                                     f"give {path} a value of its declared type")]) from None
+
+
+def apply_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+    """Apply user overrides with existence and type checks; all problems at once; atomic.
+
+    Returns {path: value written} (the fields the user set; overlays may not change them)."""
+    valid, problems = check_overrides(cfg, overrides)
     if problems:
         raise OverlayError(problems)
-    undo: list[tuple[str, Any]] = []
-    try:
-        for path, value in items:
-            undo.append((path, read(cfg, path, MISSING)))
-            write(cfg, path, float(value) if isinstance(read(cfg, path, None), float) and isinstance(value, int) else value)
-    except BaseException:
-        for path, old in reversed(undo):
-            write(cfg, path, old)
-        raise
-    return dict(items)
+    write_all(cfg, valid)
+    return {path: new for path, _, new in valid}

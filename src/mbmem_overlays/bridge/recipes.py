@@ -1,14 +1,22 @@
-"""Real Bridge ``ConfigContainer``s from recipe functions (offline), and facts read off them."""
+"""Real Bridge ``ConfigContainer``s from recipe functions (offline), and facts read off them.
+
+Only recipe functions run: a name is checked against the allowed modules *before* anything is imported
+or called (issue 15 #3: ``os.system``, ``builtins.exit`` and ``os.getcwd`` were accepted), the object
+found must be a plain function defined in an allowed module, and what it returns must be a
+``ConfigContainer``. Allowed are ``megatron.bridge.recipes`` and the modules the user lists in
+``MBMEM_RECIPE_MODULES`` (comma-separated), an explicit opt-in for one's own recipe functions.
+"""
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import os
 import re
 from typing import Any
 
-from ..core.catalog import recipe_file
+from ..core.catalog import data_dir, recipe_file
 from ..core.errors import OverlayError, Problem
 from ..core.paths import read
 from . import hf_offline
@@ -16,35 +24,82 @@ from .overrides import apply_overrides
 from .stack import prepare
 
 RECIPE_PACKAGE = "megatron.bridge.recipes"
+RECIPE_MODULES_ENV = "MBMEM_RECIPE_MODULES"
+_DOTTED = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def allowed_modules() -> list[str]:
+    """``megatron.bridge.recipes`` plus the modules named in ``MBMEM_RECIPE_MODULES``."""
+    extra = [m.strip() for m in os.environ.get(RECIPE_MODULES_ENV, "").split(",") if m.strip()]
+    return [RECIPE_PACKAGE, *extra]
+
+
+def _within(module: str, allowed: list[str]) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+def shipped_recipes() -> list[str]:
+    """train.py's recipe configs (recipes/recipe/*.yaml), without importing anything."""
+    return sorted(p.stem for p in (data_dir("recipes") / "recipe").glob("*.yaml"))
+
+
+def _recipe_problem(name: Any, message: str) -> Problem:
+    return Problem(("recipe",), "recipe", name, message,
+                   f"pass a Bridge recipe function such as llama3_8b_pretrain_config, a dotted path under "
+                   f"{RECIPE_PACKAGE} (megatron.bridge.recipes.llama.llama3_8b_peft_config), or one of train.py's "
+                   f"recipes ({', '.join(shipped_recipes())}); to allow your own module, add it to "
+                   f"{RECIPE_MODULES_ENV}", check="recipe")
+
+
+def recipe_name_problem(name: Any) -> Problem | None:
+    """Why ``name`` may not be used as a recipe function, decided from the text alone (nothing imported)."""
+    if not isinstance(name, str) or not _DOTTED.fullmatch(name) or "__" in name:
+        return _recipe_problem(name, f"{name!r} is not a recipe function name")
+    if name.rpartition(".")[2].startswith("_"):
+        return _recipe_problem(name, f"{name!r} is private, not a recipe function")
+    if "." in name and not _within(name.rpartition(".")[0], allowed_modules()):
+        return _recipe_problem(name, f"{name!r} is outside the recipe modules ({', '.join(allowed_modules())}); "
+                                     "only recipe functions are run")
+    return None
 
 
 def _recipe_function(name: str):
+    problem = recipe_name_problem(name)
+    if problem:
+        raise OverlayError([problem])
     prepare()
+    fn = None
     if "." in name:
         module_name, _, attr = name.rpartition(".")
         try:
-            return getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError):
-            pass
-    recipes = importlib.import_module(RECIPE_PACKAGE)
-    for candidate in (name, f"{name}_config"):
-        fn = getattr(recipes, candidate, None)
-        if callable(fn):
-            return fn
-    known = sorted(n for n in dir(recipes) if n.endswith("_config"))
-    close = difflib.get_close_matches(name if name.endswith("_config") else f"{name}_config", known, n=3)
-    raise OverlayError([Problem(
-        ("recipe",), "recipe", name, f"no Bridge recipe function named {name!r} in {RECIPE_PACKAGE}"
-        + (f"; did you mean {', '.join(close)}?" if close else ""),
-        "pass a recipe function such as llama3_8b_pretrain_config or a dotted path "
-        "(megatron.bridge.recipes.llama.llama3_8b_peft_config); `mbmem recipes` lists them")])
+            fn = getattr(importlib.import_module(module_name), attr, None)
+        except ImportError:
+            fn = None
+    else:
+        recipes = importlib.import_module(RECIPE_PACKAGE)
+        fn = next((getattr(recipes, c) for c in (name, f"{name}_config") if callable(getattr(recipes, c, None))), None)
+    if fn is None:
+        recipes = importlib.import_module(RECIPE_PACKAGE)
+        known = sorted(n for n in dir(recipes) if n.endswith("_config"))
+        leaf = name.rpartition(".")[2]
+        close = difflib.get_close_matches(leaf if leaf.endswith("_config") else f"{leaf}_config", known, n=3)
+        raise OverlayError([_recipe_problem(name, f"no Bridge recipe function named {name!r}"
+                                            + (f"; did you mean {', '.join(close)}?" if close else ""))])
+    # A re-exported helper (os.getcwd imported into a recipe module) is not a recipe: check where it is defined.
+    if not inspect.isfunction(fn) or not _within(getattr(fn, "__module__", "") or "", allowed_modules()):
+        raise OverlayError([_recipe_problem(name, f"{name!r} is {type(fn).__name__} "
+                                            f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}, "
+                                            "not a recipe function of the recipe modules")])
+    return fn
 
 
 def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
     """Build a real ConfigContainer from a Bridge recipe function (offline)."""
     fn = _recipe_function(name)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise OverlayError([_recipe_problem(name, f"recipe.kwargs must be a mapping, got {kwargs!r}")])
     try:
-        return fn(**(kwargs or {}))
+        cfg = fn(**(kwargs or {}))
     except OverlayError:
         raise
     except Exception as exc:  # recipes fail offline with "Failed to load configuration from <id>"
@@ -54,19 +109,37 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
             raise OverlayError([Problem(
                 ("recipe",), "recipe", name,
                 f"recipe {name} needs the Hugging Face config of {hub_id}, which is not available offline "
-                f"({type(exc).__name__}: {text.splitlines()[0][:200]})",
+                f"({type(exc).__name__}: {text.splitlines()[0][:200] if text else ''})",
                 f"provide its config.json (architecture numbers only) at {hf_offline.expected_path(hub_id)}, "
                 f"or put <org>--<name>/config.json under a directory listed in {hf_offline.USER_DIRS_ENV}")]) from None
         raise OverlayError([Problem(("recipe",), "recipe", name,
                                     f"recipe {name} failed to build: {type(exc).__name__}: {text[:400]}",
-                                    "check the recipe arguments (recipe.kwargs / --recipe-arg)")]) from None
+                                    "check the recipe arguments (recipe.kwargs in train.py)")]) from None
+    from megatron.bridge.training.config import ConfigContainer
+    if not isinstance(cfg, ConfigContainer):
+        raise OverlayError([_recipe_problem(name, f"{name} returned {type(cfg).__name__}, not a ConfigContainer")])
+    return cfg
+
+
+def spec_problems(spec: Any) -> list[Problem]:
+    """A recipes/recipe/*.yaml node ({function, kwargs, overrides}) checked without importing Bridge."""
+    if not isinstance(spec, dict) or not spec.get("function"):
+        shipped = ", ".join(f"recipe={n}" for n in shipped_recipes())
+        return [Problem(("recipe",), "recipe", None, "no recipe selected (train.py has no default recipe)",
+                        f"add one of: {shipped}; or recipe.function=<Bridge recipe function>; "
+                        "for LoRA overlays (lora_sp_regather) pick a *_peft recipe", check="recipe")]
+    problems = [p for p in [recipe_name_problem(spec["function"])] if p]
+    for key in ("kwargs", "overrides"):
+        if spec.get(key) is not None and not isinstance(spec.get(key), dict):
+            problems.append(_recipe_problem(spec.get(key), f"recipe.{key} must be a mapping, got {spec.get(key)!r}"))
+    return problems
 
 
 def build_from_spec(spec: dict[str, Any]):
     """A recipe config as in recipes/recipe/*.yaml: {function, kwargs, overrides (reshaping the base recipe)}."""
-    if not spec.get("function"):
-        raise OverlayError([Problem(("recipe",), "recipe.function", None, "no recipe selected",
-                                    "add recipe=<name> (see recipes/recipe/) or recipe.function=<Bridge recipe function>")])
+    problems = spec_problems(spec)
+    if problems:
+        raise OverlayError(problems)
     cfg = build_recipe(spec["function"], spec.get("kwargs") or {})
     if spec.get("overrides"):
         apply_overrides(cfg, dict(spec["overrides"]))
@@ -80,6 +153,15 @@ def load_recipe(name: str):
     return build_recipe(name) if path is None else build_from_spec(yaml.safe_load(path.read_text()) or {})
 
 
+def recipe_function_name(name: str) -> str:
+    """The Bridge function behind a train.py recipe name (its YAML's ``function``), else the name itself."""
+    import yaml
+    path = recipe_file(name) if isinstance(name, str) else None
+    if path is None:
+        return name
+    return str((yaml.safe_load(path.read_text()) or {}).get("function") or name)
+
+
 def _hub_id_from_error(text: str) -> str | None:
     m = re.search(r"(?:from|for|load(?:ing)?)\s+['\"]?([\w.-]+/[\w.-]+)", text)
     if m and ("offline" in text.lower() or "Failed to load" in text or "not found" in text.lower()
@@ -88,21 +170,63 @@ def _hub_id_from_error(text: str) -> str | None:
     return None
 
 
+def world_size_problem(value: Any, where: str) -> Problem | None:
+    """A world size must be a positive integer (issue 15 #12: 0 and negatives were planned as fitting)."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not (text.isascii() and text.isdigit()) \
+            or int(text) < 1:
+        return Problem(("run",), where, value, f"world size must be a positive integer (number of GPUs), got {value!r}",
+                       f"give the number of GPUs, e.g. {where}=8", check="world_size")
+    return None
+
+
 def world_size_for(cfg: Any, given: int | None) -> tuple[int, bool]:
     """(world size, assumed?): the given one, else WORLD_SIZE, else the smallest the layout allows (TP*PP*CP)."""
-    if given:
+    if given is not None:
+        problem = world_size_problem(given, "world_size")
+        if problem:
+            raise OverlayError([problem])
         return int(given), False
     if os.environ.get("WORLD_SIZE"):
+        problem = world_size_problem(os.environ["WORLD_SIZE"], "WORLD_SIZE")
+        if problem:
+            raise OverlayError([problem])
         return int(os.environ["WORLD_SIZE"]), False
     m = cfg.model
     return (m.tensor_model_parallel_size or 1) * (m.pipeline_model_parallel_size or 1) * (m.context_parallel_size or 1), True
 
 
-def recipe_kind(cfg: Any) -> str:
-    """'finetune' when the recipe fine-tunes (PEFT or a pretrained checkpoint), else 'pretrain'."""
-    if read(cfg, "peft", None) is not None or read(cfg, "checkpoint.pretrained_checkpoint", None):
-        return "finetune"
-    return "pretrain"
+def training_mode(function: str | None, cfg: Any) -> tuple[str, str]:
+    """('pretrain' | 'finetune', why) as Bridge chooses it.
+
+    Bridge's generic launcher (scripts/training/run_recipe.py, ``infer_train_mode``) reads the recipe
+    name: "pretrain" means pretrain(), "finetune"/"sft"/"peft" mean finetune(). Where the name says
+    neither (or both), the config decides: a PEFT config or a pretrained checkpoint needs finetune(),
+    which loads it (training/finetune.py:50)."""
+    leaf = (function or "").rpartition(".")[2].lower()
+    has_pretrain = "pretrain" in leaf
+    has_finetune = any(word in leaf for word in ("finetune", "sft", "peft"))
+    if has_pretrain != has_finetune:
+        mode = "pretrain" if has_pretrain else "finetune"
+        return mode, f"the recipe name {leaf!r}, as Bridge's scripts/training/run_recipe.py decides"
+    if read(cfg, "peft", None) is not None:
+        return "finetune", "the config has PEFT (the recipe name does not say)"
+    if read(cfg, "checkpoint.pretrained_checkpoint", None):
+        return "finetune", "the config loads a pretrained checkpoint (the recipe name does not say)"
+    return "pretrain", "neither the recipe name nor the config asks for fine-tuning"
+
+
+def recipe_kind(cfg: Any, function: str | None = None) -> str:
+    """'finetune' or 'pretrain' (see ``training_mode``)."""
+    return training_mode(function, cfg)[0]
+
+
+def finetune_requirement(cfg: Any) -> str | None:
+    """finetune() asserts a checkpoint to start from (training/finetune.py:50); None when one is set."""
+    if read(cfg, "checkpoint.pretrained_checkpoint", None) or read(cfg, "checkpoint.load", None):
+        return None
+    return ("checkpoint.pretrained_checkpoint=<path to the base model's Megatron checkpoint> (Bridge's finetune() "
+            "asserts a pretrained checkpoint or checkpoint.load, training/finetune.py:50)")
 
 
 def model_summary(cfg: Any) -> dict[str, Any]:

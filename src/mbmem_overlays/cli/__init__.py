@@ -1,5 +1,8 @@
 """``mbmem``: one thin module per command; ``list``, ``explain``, ``doctor`` and ``slurm --no-validate``
-never import Megatron Bridge or torch (each command imports what it needs when it runs)."""
+never import Megatron Bridge or torch (each command imports what it needs when it runs).
+
+Every failure is a message and an exit code (README "Exit codes"), never a traceback; under
+``--json`` the failure is also a JSON object on stdout, so stdout is never empty."""
 
 from __future__ import annotations
 
@@ -9,29 +12,59 @@ from collections.abc import Sequence
 
 from ..core.errors import OverlayError
 from . import apply, doctor, explain, list_overlays, plan, recommend, slurm
-from .common import EXIT_REJECTED
+from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
 
 COMMANDS = (list_overlays, explain, apply, doctor, slurm, plan, recommend)
 
 
+class CommandLineError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str):
+        self.parser, self.message = parser, message
+        super().__init__(message)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line raises instead of exiting, so ``main`` can answer in JSON too."""
+
+    def error(self, message: str):
+        raise CommandLineError(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mbmem", description="Validated memory overlays for Megatron Bridge.")
+    p = Parser(prog="mbmem", description="Validated memory overlays for Megatron Bridge.")
     p.add_argument("--overlay-dir", action="append", default=[],
                    help="extra directory of overlay YAML files (also MBMEM_OVERLAY_DIRS)")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for command in COMMANDS:
         command.register(sub)
     return p
 
 
+def _fail(exc: BaseException, code: int, prefix: str, as_json: bool) -> int:
+    print(f"{prefix}: {exc}", file=sys.stderr)
+    if as_json:
+        from ..core.report import render_error_json
+        print(render_error_json(exc, code))
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    as_json = "--json" in argv
+    try:
+        args = parser.parse_args(argv)
+    except CommandLineError as exc:
+        exc.parser.print_usage(sys.stderr)
+        return _fail(exc, EXIT_USAGE, f"{exc.parser.prog}: error", as_json)
+    as_json = bool(getattr(args, "json", False))
+    prefix = f"mbmem {args.command}"
     try:
         return args.fn(args)
+    except UsageError as exc:
+        return _fail(exc, EXIT_USAGE, prefix, as_json)
     except OverlayError as exc:
-        print(f"mbmem {args.command}: {exc}", file=sys.stderr)
-        return EXIT_REJECTED
+        return _fail(exc, EXIT_REJECTED, prefix, as_json)
     except BrokenPipeError:
         return 0
     except KeyboardInterrupt:

@@ -1,14 +1,37 @@
-"""What several commands share: exit codes, list/``--set`` parsing, building the user's recipe."""
+"""What several commands share: exit codes, argument types, list/``--set`` parsing, the checks that need
+no Bridge (run before the 20-30 s import), and building the user's recipe."""
 
 from __future__ import annotations
 
+import argparse
+import shlex
 from typing import Any
 
-# Exit codes of mbmem apply/slurm/plan/recommend and train.py (documented in README, "Exit codes").
-EXIT_OK = 0          # passed: our rules and Bridge's validation accept the config
-EXIT_REJECTED = 1    # rejected by our rules or by Bridge's validation; nothing was changed
-EXIT_USAGE = 2       # bad arguments or input files
-EXIT_INCOMPLETE = 3  # our rules passed, but Bridge's validation stopped at a check this host cannot run
+from ..core.errors import OverlayError, Problem
+# Exit codes of mbmem apply/slurm/plan/recommend and train.py (README, "Exit codes"); defined in core.report
+# so that train.py's body (launch/) returns the same ones.
+from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE  # noqa: F401  (re-exported)
+
+
+class UsageError(OverlayError):
+    """The command line itself is wrong (found before anything was built): exit code 2."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type of --world-size and other counts: 0 and negatives are refused while parsing."""
+    value = text.strip() if isinstance(text, str) else text
+    if not (isinstance(value, str) and value.isascii() and value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"must be a positive integer (e.g. 8), got {text!r}")
+    return int(value)
+
+
+def size_arg(text: str) -> float:
+    """argparse type of --gpu-memory: core.sizes.parse_size (80GiB, 80GB, 80G, bytes)."""
+    from ..core.sizes import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def csv_list(values: list[str] | None) -> list[str]:
@@ -32,6 +55,48 @@ def split_sets(sets: list[str]) -> tuple[list[str], dict[str, object]]:
     return overrides, params
 
 
+def catalog_for(overlay_dirs: list[str] | None):
+    """The overlay catalogue; a bad overlay directory is a usage error (exit 2), not a rejection."""
+    from ..core.catalog import Catalog
+    try:
+        return Catalog(overlay_dirs)
+    except OverlayError as exc:
+        raise UsageError(exc.problems) from None
+
+
+def overlay_problems(names: list[str], params: dict[str, Any], catalog) -> list[Problem]:
+    """Unknown overlays and bad parameters, from the YAML files alone (no config, no Bridge)."""
+    from ..core import engine
+    problems: list[Problem] = []
+    specs = []
+    for name in names:
+        try:
+            spec = catalog.resolve(name)
+        except OverlayError as exc:
+            problems += exc.problems
+            continue
+        if spec.name not in {s.name for s in specs}:
+            specs.append(spec)
+    # The engine's own parameter check (the same messages as at apply time).
+    problems += engine._normalize_params(specs, params, catalog)[1]
+    return problems
+
+
+def preflight(recipe: str | None, names: list[str], params: dict[str, Any], overrides: list[str],
+              catalog) -> list[Problem]:
+    """Every problem visible without Bridge, all at once: the recipe name, overlays, parameters, and
+    the syntax of each override (issue 17: cheap errors before the import)."""
+    from ..bridge.overrides import syntax_problem
+    from ..bridge.recipes import recipe_name_problem
+    from ..core.catalog import recipe_file
+    problems: list[Problem] = []
+    if recipe is not None and recipe_file(recipe) is None:
+        problems += [p for p in [recipe_name_problem(recipe)] if p]
+    problems += overlay_problems(names, params, catalog)
+    problems += [p for p in map(syntax_problem, overrides) if p]
+    return problems
+
+
 def recipe_with_overrides(recipe: str, sets: list[str]) -> tuple[Any, dict[str, Any], dict[str, object]]:
     """(config, the fields the user set, overlay parameters) from ``--recipe`` and ``--set`` (imports Bridge)."""
     from ..bridge.overrides import apply_overrides
@@ -40,6 +105,41 @@ def recipe_with_overrides(recipe: str, sets: list[str]) -> tuple[Any, dict[str, 
     cfg = load_recipe(recipe)
     locked = apply_overrides(cfg, overrides)
     return cfg, locked, params
+
+
+def build_with_overrides(recipe: str, overrides: list[str]) -> tuple[Any, list[tuple[str, Any, Any]], list[Problem]]:
+    """(config with the valid overrides written, [(path, old, new)], [override problems]).
+
+    Unlike ``recipe_with_overrides`` a bad override does not stop here, so the caller can report it
+    together with the overlays' problems (issue 15 #14: all violations at once). The config is our own
+    fresh build, so writing the valid overrides changes nothing of the user's."""
+    from ..bridge.overrides import check_overrides, write_all
+    from ..bridge.recipes import load_recipe
+    from ..bridge.stack import prepare, progress
+    prepare()
+    with progress(f"building recipe {recipe}"):
+        cfg = load_recipe(recipe)
+    changes, problems = check_overrides(cfg, overrides)
+    write_all(cfg, changes)
+    return cfg, changes, problems
+
+
+def shown_changes(changes: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """User overrides for display: a new dict key shows None as its old value."""
+    from ..core.paths import MISSING
+    return [(path, None if old is MISSING else old, new) for path, old, new in changes]
+
+
+def train_command(recipe: str, overlays: list[str], sets: list[str], world_size: int | None) -> str:
+    """The train.py command line equivalent to an ``mbmem`` invocation (the "next step" to paste)."""
+    from ..core.catalog import train_recipe_arg
+    words = ["python", "train.py", train_recipe_arg(recipe)]
+    if overlays:
+        words.append(f"+mem=[{','.join(overlays)}]")
+    words += sets
+    if world_size:
+        words.append(f"run.world_size={world_size}")
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def add_recipe_options(p, *, world_size: str | None) -> None:
@@ -51,4 +151,5 @@ def add_recipe_options(p, *, world_size: str | None) -> None:
                    help="Bridge override (model.tensor_model_parallel_size=4) or overlay parameter "
                         "(mem.cpu_offload.num_layers=2)")
     if world_size:
-        p.add_argument("--world-size", type=int, required=world_size == "required", default=None)
+        p.add_argument("--world-size", type=positive_int, required=world_size == "required", default=None,
+                       help="number of GPUs to validate for (a positive integer)")

@@ -1,12 +1,37 @@
-"""Turning a Report into text or JSON. Kept apart from the engine, which returns data."""
+"""Turning a Report into text or JSON, and into the exit code every entry point returns.
+
+Kept apart from the engine, which returns data. The exit codes live here (the lowest layer both
+``launch/`` and ``cli/`` may import); ``cli.common`` re-exports them. README "Exit codes" documents them.
+"""
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Iterable
+from dataclasses import asdict
 from typing import Any
 
 from .engine import Report
+from .errors import OverlayError
+
+EXIT_OK = 0          # passed: our rules and Bridge's validation accept the config
+EXIT_REJECTED = 1    # rejected by our rules or by Bridge's validation; nothing was changed
+EXIT_USAGE = 2       # bad arguments or input files
+EXIT_INCOMPLETE = 3  # our rules passed, but Bridge's validation stopped at a check this host cannot run
+
+SCHEMA_VERSION = 1   # of every --json / run.json=true object; bump when a key changes meaning
+
+
+def exit_code(report: Report) -> int:
+    """0 passed (or not validated), 1 rejected, 3 incomplete: a host that could not finish Bridge's
+    validation must not look like a pass to a script (issue 14 item 6)."""
+    v = report.validation
+    if v is None:
+        return EXIT_OK
+    if not v.ok:
+        return EXIT_REJECTED
+    return EXIT_OK if v.complete else EXIT_INCOMPLETE
 
 
 def section(title: str, items, marker: str = "-") -> list[str]:
@@ -28,8 +53,30 @@ def _layout(summary: dict[str, Any], world_size: int | None, dp: int | None) -> 
     return f"world size {world_size}: {text}" if world_size else text
 
 
+def validation_lines(v) -> list[str]:
+    """The verdict, and for an incomplete one exactly which upstream checks did not run."""
+    if v is None:
+        return ["validation: not run (Bridge's own validation was skipped)"]
+    lines = [f"validation: {v.verdict}"]
+    if v.ok and not v.complete:
+        stopped = [n for n in v.not_checkable if "validation stopped here" in n] or v.not_checkable[-1:]
+        lines += [f"  stopped at: {n}" for n in stopped]
+        lines.append("  not run here: every check of Bridge's runtime_config_update after that one "
+                     "(megatron-core TransformerConfig/DDP/optimizer finalize checks that follow it)")
+        lines += [f"  not checkable here: {n}" for n in v.not_checkable if n not in stopped]
+        lines.append(f"  exit code {EXIT_INCOMPLETE} (incomplete): run the same command on a host with "
+                     "Transformer Engine to finish the validation")
+    else:
+        lines += [f"  not checkable here: {n}" for n in v.not_checkable]
+    lines += [f"  needed at launch: {n}" for n in v.launch_requirements]
+    return lines
+
+
 def render_text(report: Report, *, recipe: str | None = None, summary: dict[str, Any] | None = None,
-                world_size: int | None = None) -> str:
+                world_size: int | None = None, user_changes: Iterable[tuple[str, Any, Any]] = (),
+                verbose: bool = False, next_step: str | None = None) -> str:
+    """Short by default: the changes (the user's overrides marked ``[you]``), the verdict, the next step.
+    ``verbose`` adds the parameters and the list of rules checked (issue 17, "Fast, quiet, visible")."""
     v = report.validation
     lines: list[str] = []
     if recipe:
@@ -42,28 +89,37 @@ def render_text(report: Report, *, recipe: str | None = None, summary: dict[str,
         if summary:
             lines.append("layout: " + _layout(summary, world_size, getattr(v, "data_parallel_size", None)))
     lines.append("overlays: " + (", ".join(report.overlays) or "(none)"))
-    for name, params in report.params.items():
-        if params:
-            lines.append(f"  {name}: " + ", ".join(f"{k}={val!r}" for k, val in params.items()))
-    lines.append("changes:" if report.changes else "changes: none")
+    if verbose:
+        for name, params in report.params.items():
+            if params:
+                lines.append(f"  {name}: " + ", ".join(f"{k}={val!r}" for k, val in params.items()))
+    user_changes = list(user_changes)
+    lines.append("changes:" if report.changes or user_changes else "changes: none")
+    lines += [f"  [you] {path}: {old!r} -> {new!r}" for path, old, new in user_changes]
     lines += [f"  {c.render()}" for c in report.changes]
     lines += section("environment to export (before CUDA is initialized)",
                      (f"export {k}={shlex.quote(v)}" for k, v in sorted(report.env_to_export.items())), marker="")
     lines += section("warnings", report.warnings, marker="!")
     lines += section("notes", report.notes)
-    lines.append(f"rules checked: {len(report.checks)} ({', '.join(report.checks)})")
-    if v is not None:
-        lines.append(f"validation: {v.verdict}")
-        lines += [f"  not checkable here: {n}" for n in v.not_checkable]
-        lines += [f"  needed at launch: {n}" for n in v.launch_requirements]
+    if verbose:
+        lines.append(f"rules checked: {len(report.checks)} ({', '.join(report.checks)})")
+    else:
+        lines.append(f"rules checked: {len(report.checks)} (-v lists them)")
+    lines += validation_lines(v)
+    if next_step:
+        lines.append(f"next: {next_step}")
     return "\n".join(lines)
 
 
-def to_dict(report: Report, **extra: Any) -> dict[str, Any]:
+def to_dict(report: Report, *, user_changes: Iterable[tuple[str, Any, Any]] = (), **extra: Any) -> dict[str, Any]:
     v = report.validation
     out = {
+        "schema_version": SCHEMA_VERSION,
+        "ok": exit_code(report) == EXIT_OK,
+        "exit_code": exit_code(report),
         "overlays": list(report.overlays),
         "params": report.params,
+        "user_overrides": [{"target": p, "old": old, "new": new} for p, old, new in user_changes],
         "changes": [{"overlay": c.overlay, "target": c.target, "old": c.old, "new": c.new} for c in report.changes],
         "env_to_export": report.env_to_export,
         "warnings": report.warnings,
@@ -80,3 +136,17 @@ def to_dict(report: Report, **extra: Any) -> dict[str, Any]:
 
 def render_json(report: Report, **extra: Any) -> str:
     return json.dumps(to_dict(report, **extra), indent=2, default=repr)
+
+
+def error_dict(message: str, code: int, *, problems: Iterable[Any] = (), **extra: Any) -> dict[str, Any]:
+    """The JSON object of a failed command: never an empty stdout under --json."""
+    return {"schema_version": SCHEMA_VERSION, "ok": False, "exit_code": code,
+            "error": message, "problems": [asdict(p) for p in problems], **extra}
+
+
+def render_error_json(exc: BaseException, code: int, **extra: Any) -> str:
+    problems = exc.problems if isinstance(exc, OverlayError) else []
+    report = getattr(exc, "report", None)
+    if isinstance(report, Report):  # ValidationRejected: what the overlays would have changed, and the verdict
+        extra["report"] = to_dict(report)
+    return json.dumps(error_dict(str(exc), code, problems=problems, **extra), indent=2, default=repr)
