@@ -69,9 +69,11 @@ class Cluster:
         raise RuntimeError(f"slurm did not come up: {out.stdout} {out.stderr} "
                            f"{(r / 'slurmctld.log').read_text()[-2000:] if (r / 'slurmctld.log').exists() else ''}")
 
-    def submit(self, script: Path, workdir: Path) -> int:
-        out = subprocess.run(["sbatch", "--parsable", f"--chdir={workdir}", f"--output={workdir}/slurm-%j.out",
-                              str(script)], capture_output=True, text=True, env=self.env, check=True)
+    def submit(self, script: Path, workdir: Path, output: str | None = "slurm-%j.out") -> int:
+        """sbatch the script from ``workdir``; ``output=None`` keeps the script's own #SBATCH --output."""
+        log = [f"--output={workdir}/{output}"] if output else []
+        out = subprocess.run(["sbatch", "--parsable", f"--chdir={workdir}", *log, str(script)],
+                             capture_output=True, text=True, env=self.env, check=True)
         return int(out.stdout.strip().split(";")[0])
 
     def wait(self, job: int, timeout: float = 600) -> str:

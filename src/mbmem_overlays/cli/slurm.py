@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, add_recipe_options, csv_list, \
-    recipe_with_overrides
+from .common import (EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, add_recipe_options, build_with_overrides,
+                     catalog_for, csv_list, preflight, split_sets)
 
 
 def register(sub) -> None:
@@ -40,17 +40,6 @@ def register(sub) -> None:
     p.set_defaults(fn=run)
 
 
-def _resolve_overlays(names: list[str], catalog) -> tuple[list[str], list]:
-    from ..core.errors import OverlayError
-    resolved, problems = [], []
-    for name in names:
-        try:
-            resolved.append(catalog.resolve(name).name)
-        except OverlayError as exc:
-            problems += exc.problems
-    return resolved, problems
-
-
 def _launch_requirement_fix(requirement: str) -> str:
     # "checkpoint.pretrained_checkpoint=<path ...> (why)" -> "--set checkpoint.pretrained_checkpoint=<path ...>"
     setting = requirement.split(" (", 1)[0]
@@ -58,21 +47,24 @@ def _launch_requirement_fix(requirement: str) -> str:
 
 
 def run(args) -> int:
-    from ..core.catalog import Catalog
-    from ..core.errors import OverlayError
+    from ..core.errors import OverlayError, ValidationRejected
     from ..launch import slurm
     sets = list(args.set)
+    overrides, params = split_sets(sets)
     output_log = slurm.absolute_log_path(args.output_log)
     sbatch = dict(job_name=args.job_name, time=args.time, partition=args.partition, account=args.account)
     options = dict(recipe=args.recipe, sets=sets, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, python=args.python, workdir=args.workdir,
                    container_image=args.container_image, container_mounts=args.container_mounts, output=output_log,
                    **sbatch)
-    try:
-        catalog = Catalog(args.overlay_dir)
-        overlays, overlay_problems = _resolve_overlays(csv_list(args.overlay), catalog)
-        slurm.collect(overlay_problems, slurm.overlay_env_problems(overlays, catalog),
-                      slurm.option_problems(overlays=overlays, **options), slurm.output_file_problems(args.o))
+    try:  # every cheap check, all problems in one error, before anything imports Bridge (issue 15 #14)
+        catalog = catalog_for(args.overlay_dir)
+        names = csv_list(args.overlay)
+        mine = slurm.option_problems(overlays=names, **options)
+        recipe_ok = not any(p.field == "--recipe" for p in mine)
+        shared = preflight(args.recipe if recipe_ok else None, names, params, overrides, catalog)
+        overlays = [catalog.resolve(n).name for n in names] if not shared else []
+        slurm.collect(shared, mine, slurm.overlay_env_problems(overlays, catalog), slurm.output_file_problems(args.o))
     except OverlayError as exc:
         print(f"mbmem slurm: not written: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -82,11 +74,16 @@ def run(args) -> int:
         verdict = "not validated (--no-validate); train.py validates again inside the job"
     else:
         from ..api import apply_overlay
-        cfg, locked, params = recipe_with_overrides(args.recipe, sets)
+        cfg, changes, problems = build_with_overrides(args.recipe, overrides)
+        if problems:
+            raise OverlayError(problems)
         world = args.nodes * args.gpus_per_node
-        # env={}: the script must not depend on the rendering shell's environment
-        report = apply_overlay(cfg, overlays, env={}, params=params, world_size=world, locked=locked, validate=True,
-                               catalog=catalog)
+        try:
+            # env={}: the script must not depend on the rendering shell's environment
+            report = apply_overlay(cfg, overlays, env={}, params=params, world_size=world,
+                                   locked={path: new for path, _, new in changes}, validate=True, catalog=catalog)
+        except ValidationRejected as exc:
+            report = exc.report
         v = report.validation
         if not v.ok:
             print(f"mbmem slurm: not written: {v.verdict}", file=sys.stderr)

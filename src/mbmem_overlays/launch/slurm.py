@@ -208,10 +208,6 @@ def option_problems(*, recipe: str, overlays: list[str], sets: list[str], nodes:
     if not RECIPE_NAME.fullmatch(recipe):
         problems.append(_bad("--recipe", recipe, "is neither a recipes/ name nor a dotted Python function path",
                              "e.g. --recipe llama3_8b_pretrain or --recipe llama3_8b_pretrain_config"))
-    for s in sets:
-        key, sep, _ = s.partition("=")
-        if not sep or not key or key.startswith("-") or any(c.isspace() for c in key):
-            problems.append(_bad("--set", s, "is not KEY=VALUE", "e.g. --set model.tensor_model_parallel_size=2"))
     named = [("--overlay", o) for o in overlays] + [("--set", s) for s in sets] + [
         ("--recipe", recipe), ("--python", python), ("--workdir", workdir), ("--container-image", container_image),
         ("--container-mounts", container_mounts)]
