@@ -1,23 +1,24 @@
 """python train.py recipe=<name> '+mem=[a,b]' [mem.<overlay>.<param>=v] [KEY=VALUE ...] [run.dry_run=true]
 
 Plans (CPU, or run.dry_run=true) or launches (GPU node, under torchrun) a Megatron Bridge
-recipe with validated memory overlays. See README.md.
+recipe with validated memory overlays. There is no default recipe: pick one. See README.md.
+Exit codes: 0 passed, 1 rejected, 2 usage, 3 validation incomplete (README "Exit codes");
+under -m, the worst job's code after every job has run.
 """
 
 import sys
 
 import hydra
 
-from mbmem_overlays.launch.hydra_entry import hydra_argv, run
+from mbmem_overlays.launch.hydra_entry import finish, run_job, startup
 
 
 @hydra.main(version_base="1.3", config_path="recipes", config_name="train")
 def main(cfg) -> None:
-    code = run(cfg)
-    if code:
-        sys.exit(code)
+    run_job(cfg)  # records the job's exit code; never exits, so a -m sweep runs every job
 
 
 if __name__ == "__main__":
-    sys.argv = hydra_argv(sys.argv)
+    sys.argv = startup(sys.argv)
     main()
+    sys.exit(finish())

@@ -56,12 +56,38 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise OverlayError([_problem(text, ov.key_or_group, None, "deleting config fields is not supported",
                                      "set the field to null instead, e.g. model.recompute_granularity=null")])
     key = ov.key_or_group
-    bad = [part for part in split(key) if not part or part.startswith("__")]
-    if not key or bad:
-        raise OverlayError([_problem(text, key, None,
-                                     f"{key!r} is not a config field path (empty or dunder name: {bad or [key]})",
-                                     f"name a declared field, e.g. {EXAMPLE}")])
+    problem = key_problem(key)
+    if problem:
+        raise OverlayError([problem])
     return key, plain(ov.value())
+
+
+def key_problem(key: Any) -> Problem | None:
+    """Only declared fields are settable: no empty segment (``model..x``), no dunder (``model.__class__``)."""
+    bad = [part for part in split(key) if not part or part.startswith("__")] if isinstance(key, str) else [key]
+    if not key or bad:
+        return _problem(str(key), str(key), None,
+                        f"{key!r} is not a config field path (empty or dunder name: {bad or [key]})",
+                        f"name a declared field, e.g. {EXAMPLE}")
+    return None
+
+
+def request_problems(names: list[str], params: dict[str, Any], catalog) -> list[Problem]:
+    """Unknown overlays and bad parameters, from the overlay YAML files alone (no config, no Bridge):
+    the engine's own parameter check, so the messages are the ones apply would give."""
+    from ..core import engine
+    problems: list[Problem] = []
+    specs = []
+    for name in names:
+        try:
+            spec = catalog.resolve(name)
+        except OverlayError as exc:
+            problems += exc.problems
+            continue
+        if spec.name not in {s.name for s in specs}:
+            specs.append(spec)
+    problems += engine._normalize_params(specs, params, catalog)[1]
+    return problems
 
 
 def _bridge_value(cfg: Any, path: str, value: Any) -> Any:
@@ -99,7 +125,12 @@ def check_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> tuple[li
     items: list[tuple[str, Any]] = []
     problems: list[Problem] = []
     if isinstance(overrides, dict):
-        items = list(overrides.items())
+        for key, value in overrides.items():
+            problem = key_problem(key)
+            if problem:
+                problems.append(problem)
+            else:
+                items.append((key, value))
     else:
         for text in overrides:
             try:

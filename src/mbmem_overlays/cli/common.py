@@ -64,35 +64,17 @@ def catalog_for(overlay_dirs: list[str] | None):
         raise UsageError(exc.problems) from None
 
 
-def overlay_problems(names: list[str], params: dict[str, Any], catalog) -> list[Problem]:
-    """Unknown overlays and bad parameters, from the YAML files alone (no config, no Bridge)."""
-    from ..core import engine
-    problems: list[Problem] = []
-    specs = []
-    for name in names:
-        try:
-            spec = catalog.resolve(name)
-        except OverlayError as exc:
-            problems += exc.problems
-            continue
-        if spec.name not in {s.name for s in specs}:
-            specs.append(spec)
-    # The engine's own parameter check (the same messages as at apply time).
-    problems += engine._normalize_params(specs, params, catalog)[1]
-    return problems
-
-
 def preflight(recipe: str | None, names: list[str], params: dict[str, Any], overrides: list[str],
               catalog) -> list[Problem]:
     """Every problem visible without Bridge, all at once: the recipe name, overlays, parameters, and
     the syntax of each override (issue 17: cheap errors before the import)."""
-    from ..bridge.overrides import syntax_problem
+    from ..bridge.overrides import request_problems, syntax_problem
     from ..bridge.recipes import recipe_name_problem
     from ..core.catalog import recipe_file
     problems: list[Problem] = []
     if recipe is not None and recipe_file(recipe) is None:
         problems += [p for p in [recipe_name_problem(recipe)] if p]
-    problems += overlay_problems(names, params, catalog)
+    problems += request_problems(names, params, catalog)
     problems += [p for p in map(syntax_problem, overrides) if p]
     return problems
 

@@ -4,6 +4,15 @@ Hydra composes ``+mem=[a,b]`` last-wins and silently (ecosystem-notes.md), so
 the selected overlays are taken from the keys under ``mem`` (each option file is
 ``# @package mem.<name>``) and applied through the same engine as
 ``apply_overlay``: order-independent, all violations at once.
+
+Order of work, cheapest first (issue 17, "Fast, quiet, visible"): the process environment and
+``run.*`` options, the recipe name, the overlays and their parameters are checked before Bridge is
+imported; then the recipe is built and the overrides (with Bridge's own value conversion) are
+checked together with every overlay rule; then Bridge validates a copy.
+
+Under ``-m`` (multirun) every job starts from the environment the sweep started with (a dry run
+never writes ``os.environ``; a launch exports only validated names), no job exits the process, and
+``finish()`` reports each job's verdict and returns a non-zero code if any job failed.
 """
 
 from __future__ import annotations
@@ -11,14 +20,51 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..core.catalog import RESERVED_KEY, Catalog
-from ..core.errors import OverlayError, Problem
+from ..core.errors import OverlayError, Problem, ValidationRejected
+from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, SCHEMA_VERSION
 
 HYDRA_KEYS = ("recipe", "mem", "run", "hydra", "bridge")
+RUNS_DIR_ENV = "MBMEM_RUNS_DIR"
+# A POSIX shell variable name; anything else must never reach an `export` line or os.environ
+# (issue 15 #2: `X=1; touch /tmp/pwned #` as a name).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class UsageError(OverlayError):
+    """train.py was given something it cannot use (found before Bridge is imported): exit 2."""
+
+
+@dataclass
+class JobResult:
+    number: int
+    overrides: str
+    code: int
+
+
+SWEEP_START_ENV: dict[str, str] | None = None  # os.environ when train.py started (before any job)
+JOBS: list[JobResult] = []
+
+
+def _register_resolvers() -> None:
+    """``${mbmem_pid:}`` in train.yaml's sweep folder: two sweeps started in the same microsecond by two
+    processes still get different folders (issue 15 #7)."""
+    from omegaconf import OmegaConf
+    if not OmegaConf.has_resolver("mbmem_pid"):
+        OmegaConf.register_new_resolver("mbmem_pid", lambda: str(os.getpid()))
+
+
+_register_resolvers()
+
+
+# ---------------------------------------------------------------- before Hydra: the command line
 
 
 def hydra_argv(argv: list[str], catalog: Catalog | None = None) -> list[str]:
@@ -54,6 +100,54 @@ def hydra_argv(argv: list[str], catalog: Catalog | None = None) -> list[str]:
     return out
 
 
+def runs_dir_problem(environ: dict[str, str] | os._Environ = os.environ) -> Problem | None:
+    """``MBMEM_RUNS_DIR`` must be a directory (or creatable): Hydra makes its run folders there before
+    any of our code runs, and a file in the way gave a traceback (issue 15 #10)."""
+    raw = environ.get(RUNS_DIR_ENV)
+    if not raw:
+        return None
+    path = Path(raw)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return Problem(("run",), RUNS_DIR_ENV, raw, f"{existing} is not a directory, so run records cannot go under it",
+                       f"point {RUNS_DIR_ENV} at a directory (export {RUNS_DIR_ENV}=$HOME/mbmem-runs) or unset it",
+                       check="runs_dir")
+    if existing is not None and not os.access(existing, os.W_OK):
+        return Problem(("run",), RUNS_DIR_ENV, raw, f"{existing} is not writable",
+                       f"point {RUNS_DIR_ENV} at a writable directory or unset it", check="runs_dir")
+    return None
+
+
+def rank_of(environ) -> tuple[int, Problem | None]:
+    """This process's rank from ``RANK`` (torchrun sets it); a non-integer is a clear error, not a traceback."""
+    raw = environ.get("RANK", "0")
+    text = str(raw).strip()
+    if text.isascii() and text.isdigit():
+        return int(text), None
+    return 0, Problem(("run",), "RANK", raw, f"RANK={raw!r} in the environment is not a process rank",
+                      "unset RANK (torchrun sets it for each process) or export RANK=0", check="rank")
+
+
+def startup(argv: list[str]) -> list[str]:
+    """train.py's first step, before Hydra: checks that must precede Hydra's own folder making, and the
+    argument rewrite. Exits 2 with a message (never a traceback) when something is wrong."""
+    global SWEEP_START_ENV
+    SWEEP_START_ENV = dict(os.environ)
+    problems = [p for p in (runs_dir_problem(), rank_of(os.environ)[1]) if p]
+    try:
+        catalog = Catalog()
+    except OverlayError as exc:
+        problems += exc.problems
+        catalog = None
+    if problems:
+        _print_error(UsageError(problems), as_json="run.json=true" in argv)
+        sys.exit(EXIT_USAGE)
+    return hydra_argv(argv, catalog)
+
+
+# ---------------------------------------------------------------- one job
+
+
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(node, dict) and node:
         out: dict[str, Any] = {}
@@ -63,11 +157,24 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: node} if prefix else {}
 
 
-def selected_overlays(mem: dict[str, Any] | None, catalog: Catalog) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """Overlay names and parameters from the composed ``mem`` node."""
+def selected_overlays(mem: Any, catalog: Catalog) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Overlay names and parameters from the composed ``mem`` node; every problem at once."""
     names, params, problems = [], {}, []
+    if mem is not None and not isinstance(mem, dict):
+        raise UsageError([Problem(("mem",), "mem", mem, "mem must hold the selected overlays",
+                                  "select overlays with +mem=name or '+mem=[a,b]'")])
     for name, node in (mem or {}).items():
-        spec = catalog.resolve(name)
+        try:
+            spec = catalog.resolve(name)
+        except OverlayError as exc:
+            problems += exc.problems
+            continue
+        if node is not None and not isinstance(node, dict):  # +mem.cpu_offload=5
+            problems.append(Problem((name,), f"mem.{name}", node,
+                                    f"mem.{name} holds the overlay's parameters, not a value",
+                                    f"select it with +mem={name} and set a parameter with mem.{name}.<param>=value "
+                                    f"(`mbmem explain {name}` lists them)"))
+            continue
         node = dict(node or {})
         declared = node.pop(RESERVED_KEY, None)
         if declared is not None and declared != spec.raw.get(RESERVED_KEY):
@@ -77,7 +184,7 @@ def selected_overlays(mem: dict[str, Any] | None, catalog: Catalog) -> tuple[lis
         names.append(spec.name)
         params[spec.name] = node
     if problems:
-        raise OverlayError(problems)
+        raise UsageError(problems)
     return names, params
 
 
@@ -102,66 +209,213 @@ def cuda_available() -> bool:
         return False
 
 
+@dataclass
+class RunOptions:
+    dry_run: bool | str = "auto"
+    world_size: int | None = None
+    validate: bool = True
+    json: bool = False
+    plan: bool = False
+    gpu_memory: float | None = None
+    verbose: bool = False
+
+
+def run_options(node: Any) -> tuple[RunOptions, list[Problem]]:
+    """``run.*`` checked and typed (issue 15 #10/#12: run.world_size=abc or 0, run.gpu_memory=abc)."""
+    from ..bridge.recipes import world_size_problem
+    from ..core.sizes import parse_size
+    node = node if isinstance(node, dict) else {}
+    opts, problems = RunOptions(), []
+
+    def bad(key: str, value: Any, message: str, fix: str) -> None:
+        problems.append(Problem(("run",), f"run.{key}", value, message, fix, check="run_option"))
+
+    for key in ("validate", "json", "plan", "verbose"):
+        value = node.get(key, getattr(opts, key))
+        if isinstance(value, bool):
+            setattr(opts, key, value)
+        else:
+            bad(key, value, f"run.{key} must be true or false", f"run.{key}=true or run.{key}=false")
+    dry = node.get("dry_run", "auto")
+    if dry == "auto" or isinstance(dry, bool):
+        opts.dry_run = dry
+    else:
+        bad("dry_run", dry, "run.dry_run must be auto, true or false", "run.dry_run=true (plan only)")
+    if node.get("world_size") is not None:
+        problem = world_size_problem(node["world_size"], "run.world_size")
+        if problem:
+            problems.append(problem)
+        else:
+            opts.world_size = int(node["world_size"])
+    if node.get("gpu_memory") is not None:
+        try:
+            opts.gpu_memory = parse_size(str(node["gpu_memory"]))
+        except ValueError as exc:
+            bad("gpu_memory", node["gpu_memory"], str(exc), "run.gpu_memory=80GiB")
+    return opts, problems
+
+
 def run(cfg) -> int:
-    """The body of train.py's Hydra main. Returns the exit code."""
+    """The body of train.py's Hydra main. Returns the exit code; never exits the process."""
     from omegaconf import OmegaConf
-    from hydra.core.hydra_config import HydraConfig
-
-    from ..api import apply_overlay
-    from ..bridge.overrides import apply_overrides
-    from ..bridge.recipes import build_from_spec, model_summary, recipe_kind, world_size_for
-    from ..core.report import render_json, render_text, to_dict
-
-    rank = int(os.environ.get("RANK", "0"))
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:  # e.g. an ${oc.env:...} that does not resolve
+        return _print_error(UsageError([Problem(("run",), "config", None, f"the composed config does not resolve: {exc}",
+                                                "fix the ${...} interpolation in your overrides")]), as_json=False)
+    run_node = container.get("run") if isinstance(container.get("run"), dict) else {}
+    as_json = run_node.get("json") is True
+    rank, rank_problem = rank_of(os.environ)
     say = print if rank == 0 else (lambda *a, **k: None)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    run_cfg = container.get("run") or {}
-    recipe = container.get("recipe") or {}
+    try:
+        return _plan_and_launch(container, say, rank, [rank_problem] if rank_problem else [])
+    except UsageError as exc:
+        return _print_error(exc, as_json and rank == 0, EXIT_USAGE)
+    except OverlayError as exc:
+        return _print_error(exc, as_json and rank == 0, EXIT_REJECTED)
+
+
+def _plan_and_launch(container: dict[str, Any], say, rank: int, problems: list[Problem]) -> int:
+    from ..bridge.overrides import request_problems
+    from ..bridge.recipes import spec_problems
+    opts, option_problems = run_options(container.get("run"))
+    problems += option_problems
+    recipe = container.get("recipe")
+    problems += spec_problems(recipe)
     try:
         catalog = Catalog(_search_path_dirs())
-        names, params = selected_overlays(container.get("mem"), catalog)
-        dry = run_cfg.get("dry_run", "auto")
-        dry = (not cuda_available()) if dry == "auto" else bool(dry)
-        function = recipe.get("function")
-        bcfg = build_from_spec(recipe)
-        locked = apply_overrides(bcfg, _flatten(container.get("bridge") or {}))
-        world_size, world_assumed = world_size_for(bcfg, run_cfg.get("world_size"))
-        baseline = copy.deepcopy(bcfg) if run_cfg.get("plan") else None   # the plan starts before the overlays
-        report = apply_overlay(bcfg, names, env=os.environ, params=params, world_size=world_size, locked=locked,
-                               validate=bool(run_cfg.get("validate", True)), catalog=catalog)
     except OverlayError as exc:
-        print(f"train.py: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(problems + exc.problems) from None
+    try:
+        names, params = selected_overlays(container.get("mem"), catalog)
+    except OverlayError as exc:
+        names, params = [], {}
+        problems += exc.problems
+    problems += request_problems(names, params, catalog)
+    if problems:
+        raise UsageError(problems)
+    return _with_bridge(container, opts, recipe, names, params, catalog, say, rank)
+
+
+def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, params, catalog, say, rank) -> int:
+    from hydra.core.hydra_config import HydraConfig
+
+    from ..api import apply_overlay, plan_overlays
+    from ..bridge.overrides import check_overrides, write_all
+    from ..bridge.recipes import (build_from_spec, finetune_requirement, model_summary, training_mode,
+                                  world_size_for)
+    from ..bridge.stack import prepare, progress
+    from ..core.report import exit_code, render_json, render_text, to_dict
+    function = recipe["function"]
+    prepare()
+    with progress(f"building recipe {function}"):
+        bcfg = build_from_spec(recipe)
+    changes, problems = check_overrides(bcfg, _flatten(container.get("bridge") or {}))
+    write_all(bcfg, changes)
+    locked = {path: new for path, _, new in changes}
+    world_size, world_assumed = world_size_for(bcfg, opts.world_size)
+    # The environment the sweep started with: a job never sees what an earlier job exported (issue 15 #7).
+    env = dict(SWEEP_START_ENV if SWEEP_START_ENV is not None else os.environ)
+    if problems:  # the overrides' problems together with the overlays' (issue 15 #14)
+        try:
+            plan_overlays(bcfg, names, env=env, params=params, world_size=world_size, locked=locked, catalog=catalog)
+        except OverlayError as exc:
+            problems += [p for p in exc.problems if p not in problems]
+        raise OverlayError(problems)
+    baseline = copy.deepcopy(bcfg) if opts.plan else None   # the plan starts before the overlays
+    try:
+        with progress("applying overlays" + ("; Bridge validates a copy" if opts.validate else "")):
+            report = apply_overlay(bcfg, names, env=env, params=params, world_size=world_size, locked=locked,
+                                   validate=opts.validate, catalog=catalog)
+    except ValidationRejected as exc:  # rolled back; print what was tried and Bridge's verdict
+        report = exc.report
+    bad_names = env_name_problems(report, bcfg)
+    if bad_names:
+        raise OverlayError(bad_names)
+    mode, why = training_mode(function, bcfg)
+    needs = finetune_requirement(bcfg) if mode == "finetune" else None
+    if needs and report.validation is not None and not any("pretrained_checkpoint" in n for n in report.validation.launch_requirements):
+        report.validation.launch_requirements.append(needs)
+    dry = (not cuda_available()) if opts.dry_run == "auto" else bool(opts.dry_run)
+    code = exit_code(report)
+    entry = f"megatron.bridge.training.{mode}.{mode}(cfg, forward_step)"
     summary = model_summary(bcfg)
-    kind = recipe_kind(bcfg)
+    user = [(p, None if o is _missing() else o, n) for p, o, n in changes]
     plan = None
-    if baseline is not None and (report.validation is None or report.validation.ok):
-        from ..core.sizes import parse_size
+    if baseline is not None and code in (EXIT_OK, EXIT_INCOMPLETE):
         from ..memory.steps import build_plan
-        capacity = parse_size(str(run_cfg["gpu_memory"])) if run_cfg.get("gpu_memory") else None
-        plan = build_plan(baseline, names, world=world_size, recipe=function, params=params, capacity=capacity,
+        plan = build_plan(baseline, names, world=world_size, recipe=function, params=params, capacity=opts.gpu_memory,
                           locked=locked, catalog=catalog)
-    if run_cfg.get("json"):
+    if opts.json:
         extra = {"plan": plan.as_dict()} if plan else {}
-        say(render_json(report, recipe=function, model=summary, mode="dry-run" if dry else kind, **extra))
+        say(render_json(report, user_changes=user, recipe=function, model=summary,
+                        mode="dry-run" if dry else mode, entry_point=entry, mode_reason=why, **extra))
     else:
-        say(render_text(report, recipe=function, summary=summary, world_size=world_size))
+        say(render_text(report, recipe=function, summary=summary, world_size=world_size, user_changes=user,
+                        verbose=opts.verbose, next_step=_next_step(code, dry, opts, entry, why)))
         if plan:
             from ..memory.steps import render_plan
             say(render_plan(plan))
         if world_assumed:
             say(f"(world size {world_size} = TP*PP*CP assumed; set run.world_size=N to plan for N GPUs)")
-    output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else run_cfg.get("record_dir")
+    output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else container["run"].get("record_dir")
     if output_dir:
-        _save_record(output_dir, bcfg, to_dict(report, recipe=function, model=summary), rank)
-    ok = report.validation is None or report.validation.ok
-    if dry or not ok:
-        if run_cfg.get("json"):  # the JSON object already carries the mode and the verdict; keep stdout one object
-            return 0 if ok else 1
-        say(f"mode: dry run ({'no CUDA device' if run_cfg.get('dry_run') == 'auto' else 'run.dry_run=true'}); "
-            f"a GPU node would run Bridge {kind}()" if ok else "verdict: rejected; nothing was launched")
-        return 0 if ok else 1
-    return _launch(bcfg, kind)
+        _save_record(output_dir, bcfg, to_dict(report, user_changes=user, recipe=function, model=summary,
+                                                entry_point=entry), rank)
+    if code != EXIT_OK or dry:
+        return code
+    if needs:
+        raise UsageError([Problem(("recipe",), "checkpoint.pretrained_checkpoint", None,
+                                  f"Bridge's finetune() cannot start without a checkpoint: {needs}",
+                                  "add checkpoint.pretrained_checkpoint=/path/to/megatron/checkpoint")])
+    export_environment(report, bcfg)
+    return _launch(bcfg, mode)
+
+
+def _missing():
+    from ..core.paths import MISSING
+    return MISSING
+
+
+def _next_step(code: int, dry: bool, opts: RunOptions, entry: str, why: str) -> str:
+    if code == EXIT_REJECTED:
+        return "verdict: rejected; nothing was launched. Fix what Bridge reports above and run again"
+    if code == EXIT_INCOMPLETE:
+        return "nothing was launched; finish the validation on a host with Transformer Engine (exit code 3)"
+    reason = "run.dry_run=true" if opts.dry_run is True else "no CUDA device"
+    if dry:
+        return f"dry run ({reason}); under torchrun on a GPU node train.py calls {entry} (chosen by {why})"
+    return f"launching {entry} (chosen by {why})"
+
+
+def env_name_problems(report, bcfg=None) -> list[Problem]:
+    """Names that may not be exported: not ``[A-Za-z_][A-Za-z0-9_]*`` (issue 15 #2). Checked before
+    anything is printed as an ``export`` line or written to ``os.environ``."""
+    from ..core.paths import read
+    env_vars = read(bcfg, "env_vars", None) if bcfg is not None else None
+    names = list(report.env_to_export) + list(env_vars if isinstance(env_vars, dict) else {})
+    return [Problem(("environment",), str(n), report.env_to_export.get(n),
+                    f"{n!r} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
+                    "fix the variable name in the overlay file or the recipe's env_vars", check="env_name")
+            for n in dict.fromkeys(names) if not (isinstance(n, str) and ENV_NAME.fullmatch(n))]
+
+
+def export_environment(report, bcfg) -> None:
+    """Export the overlays' environment into this process, before CUDA is initialized; nothing is
+    exported unless every name is valid."""
+    problems = env_name_problems(report, bcfg)
+    if problems:
+        raise OverlayError(problems)
+    os.environ.update(report.env_to_export)
+
+
+def _print_error(exc: OverlayError, as_json: bool, code: int = EXIT_USAGE) -> int:
+    print(f"train.py: {exc}", file=sys.stderr)
+    if as_json:
+        from ..core.report import render_error_json
+        print(render_error_json(exc, code))
+    return code
 
 
 def _save_record(output_dir: str, bcfg: Any, report: dict[str, Any], rank: int) -> None:
@@ -176,18 +430,78 @@ def _save_record(output_dir: str, bcfg: Any, report: dict[str, Any], rank: int) 
         (out / "bridge_config.yaml").write_text(f"# could not serialize: {exc}\n")
 
 
-def _launch(bcfg: Any, kind: str) -> int:
-    # The overlays' environment is already in os.environ (apply_overlay(env=os.environ)) and
-    # CUDA has not allocated yet, so the allocator reads the new settings.
+def _launch(bcfg: Any, mode: str) -> int:
+    # The overlays' environment was exported by export_environment and CUDA has not allocated yet,
+    # so the allocator reads the new settings.
     from megatron.bridge.training.gpt_step import forward_step
     callbacks = None
     if os.environ.get("MBMEM_METRICS_DIR"):  # GPU smoke tests record memory and step time (gpu_harness.py)
         from .gpu_harness import make_recorder
         callbacks = [make_recorder(os.environ["MBMEM_METRICS_DIR"])]
-    if kind == "finetune":
+    if mode == "finetune":
         from megatron.bridge.training.finetune import finetune
         finetune(bcfg, forward_step, callbacks=callbacks)
     else:
         from megatron.bridge.training.pretrain import pretrain
         pretrain(bcfg, forward_step, callbacks=callbacks)
     return 0
+
+
+# ---------------------------------------------------------------- a run or a sweep
+
+
+def run_job(cfg) -> int:
+    """One Hydra job: its exit code is recorded, never raised, so a ``-m`` sweep runs every job
+    (issue 17: a sweep stopped at the first rejected job). A dry run that hits a bug reports it
+    as an internal error for this job; a launch lets training errors propagate as they are."""
+    from hydra.core.hydra_config import HydraConfig
+    number, overrides = len(JOBS), ""
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        number = hc.job.get("num", number) or number
+        overrides = " ".join(hc.overrides.task)
+    try:
+        code = run(cfg)
+    except Exception as exc:
+        if not _planning_only(cfg):
+            raise
+        print(f"train.py: internal error ({type(exc).__name__}: {exc}); please report it with the command line. "
+              f"Set MBMEM_DEBUG=1 for the traceback.", file=sys.stderr)
+        if os.environ.get("MBMEM_DEBUG"):
+            traceback.print_exc()
+        code = EXIT_REJECTED
+    JOBS.append(JobResult(number, overrides, code))
+    return code
+
+
+def _planning_only(cfg) -> bool:
+    try:
+        dry = cfg.run.dry_run
+    except Exception:
+        return True
+    return dry is True or (dry == "auto" and not cuda_available())
+
+
+VERDICTS = {EXIT_OK: "passed", EXIT_REJECTED: "rejected", EXIT_USAGE: "usage error", EXIT_INCOMPLETE: "incomplete"}
+
+
+def finish() -> int:
+    """train.py's exit code: the job's, or for a sweep the worst one, after listing every job's verdict."""
+    if not JOBS:
+        return EXIT_OK
+    if len(JOBS) > 1:
+        counts = {}
+        for job in JOBS:
+            counts[VERDICTS.get(job.code, f"exit {job.code}")] = counts.get(VERDICTS.get(job.code, f"exit {job.code}"), 0) + 1
+        print(f"sweep: {len(JOBS)} jobs; " + ", ".join(f"{n} {v}" for v, n in counts.items()), file=sys.stderr)
+        for job in JOBS:
+            print(f"  #{job.number} {VERDICTS.get(job.code, 'exit ' + str(job.code))} (exit {job.code}): {job.overrides}",
+                  file=sys.stderr)
+    codes = {job.code for job in JOBS}
+    for code in (EXIT_REJECTED, EXIT_USAGE, EXIT_INCOMPLETE):  # the most serious outcome decides
+        if code in codes:
+            return code
+    return max(codes)
+
+
+__all__ = ["hydra_argv", "run", "run_job", "finish", "startup", "selected_overlays", "SCHEMA_VERSION"]
