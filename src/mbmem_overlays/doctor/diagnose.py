@@ -1,89 +1,428 @@
-"""From what the logs show to a diagnosis, its confidence and the next command
-(nvidia-skills/nemo-mbridge-perf-memory-tuning.SKILL.md, Failure Diagnosis)."""
+"""From what the logs show to a verdict, its confidence, ranked remedies and the next command.
+
+Decision table: nvidia-skills/nemo-mbridge-perf-memory-tuning.SKILL.md, Failure Diagnosis and Quick
+Decision. Rules of honesty (issue 16):
+- a number that was not read is "unknown"; the confidence is "high" only when every number the verdict
+  needs was read;
+- fragmentation advice (expandable_segments) only when free + reserved-but-unallocated covers the failed
+  request; otherwise capacity remedies first;
+- expandable_segments does not exist before torch 2.1: there the fragmentation remedy is max_split_size_mb;
+- ranks killed by SIGTERM/SIGKILL after another rank's OOM are victims, not headroom;
+- the world size comes from the launcher/Slurm lines, never from "the highest rank seen".
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from ..core.catalog import train_recipe_arg
+from . import command as C
 from .known import CONFIG_FIXES, EXTRA_CONFIG
-from .parse import Findings
+from .parse import OOM, Event, Findings
+
+GiB = 1 << 30
+SCHEMA_VERSION = 2
+# Exit code per verdict (README, "OOM doctor").
+EXIT_CODES = {"diagnosed": 0, "unreadable": 2, "no_oom": 3, "unsure": 4}
+
+# Costs as documented (memory/costs.py holds the same numbers with their sources; kept as text here so the
+# default doctor never imports the memory layer).
+COST = {
+    "expandable_segments": "zero throughput cost (memory-tuning skill, Quick Decision 1)",
+    "max_split_size_mb": "no model change; may cost some allocator reuse (PyTorch CUDA semantics, memory management)",
+    "sequence_parallel": "no extra communication volume (reduce-scatter/all-gather replace all-reduce)",
+    "selective_recompute": "small for core_attn; ~16% for mlp on Llama3-70B (activation-recompute skill)",
+    "micro_batch": "fewer samples per micro-step: lower GEMM efficiency, same global batch",
+    "dist_optimizer": "~1-2% (memory-tuning skill, Parallelism resizing)",
+    "full_recompute": "~+33% compute (activation-recompute skill, Full-layer recompute)",
+    "cpu_offload": "PCIe transfer per offloaded layer (cpu-offloading skill)",
+    "optimizer_offload": "~1.9x step time at 25%, ~4.2x at 100% (cpu-offloading skill, Known Limitations)",
+}
+
 
 @dataclass
 class Diagnosis:
-    kind: str            # fragmentation | capacity | configuration | none | unreadable
+    kind: str            # fragmentation | capacity | other_processes | nccl | workspace | driver | registration |
+    #                      host_oom | configuration | allocator_unknown | none | unreadable
+    verdict: str         # diagnosed | unsure | no_oom | unreadable
     summary: str
     confidence: str      # high | medium | low
     next_command: str | None
+    command_check: str
     reasons: list[str]
+    remedies: list[dict]
     why_not: list[str]
+    notes: list[str]
+    unknown: list[str]
     evidence: list[str]
     ranks: dict
+    rank: int | None = None
+    also: list[str] = field(default_factory=list)
+    savings: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
 
 
-def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / (1 << 30):.2f} GiB"
+def gib(n: float | None) -> str:
+    return "unknown" if n is None else f"{n / GiB:.2f} GiB"
 
 
-def diagnose(f: Findings, recipe: str | None = None) -> Diagnosis:
-    recipe = recipe or f.recipe or "<recipe>"
-    recipe_arg = train_recipe_arg(recipe) if recipe != "<recipe>" else "recipe=<recipe>"
-    expandable = any("expandable_segments:True" in v.split(",") for v in f.alloc_conf.values())
-    ranks = {str(o.rank if o.rank is not None else "?"): {k: v for k, v in asdict(o).items() if k not in ("rank",)}
-             for o in f.ooms}
-    why_not = _why_not(f)
-    base = f"python train.py {recipe_arg}"
-    if f.config_errors:
-        rule, where, line = f.config_errors[0]
-        diag, fix, overlay = CONFIG_FIXES.get(rule) or next(
-            ((v[1], v[2], v[3]) for k, v in EXTRA_CONFIG.items() if v[0] == rule), (rule, "see `mbmem explain`", ""))
-        return Diagnosis("configuration", f"configuration error: {diag} (rule {rule})", "high",
-                         f"{base} {overlay}".strip() if overlay else None,
-                         [f"{where}: the job failed at start-up with a known configuration error; fix: {fix}",
-                          "`mbmem apply`/`train.py run.dry_run=true` catches this before launch"],
-                         why_not, f.evidence, ranks)
-    if not f.ooms:
-        msg = "no CUDA/HIP out-of-memory message or known configuration error found"
-        kind = "unreadable" if f.unreadable and f.unreadable == len(f.files) and not f.bytes_read else "none"
-        return Diagnosis(kind, msg + (f" ({'; '.join(f.problems)})" if f.problems else ""), "high", None, [], [],
-                         f.evidence, ranks)
-    worst = max(f.ooms, key=lambda o: (o.reserved_unallocated or 0))
+def at(where: str) -> str:
+    return f"[{where}]"
+
+
+def rank_text(rank: int | None) -> str:
+    return f"rank {rank}" if rank is not None else "the failing process (rank not shown in the log)"
+
+
+@dataclass
+class Context:
+    """What the log says about the job, with where it says it."""
+    torch: tuple[int, int] | None
+    torch_where: str
+    torch_from_format: bool
+    expandable: bool
+    expandable_source: str
+    overlays: list[str]
+    launch: C.Launch
+    world: int | None
+    world_where: str
+
+    @property
+    def expandable_exists(self) -> bool | None:
+        return None if self.torch is None else self.torch >= (2, 1)
+
+
+def _context(f: Findings, recipe: str | None) -> Context:
+    launch = C.parse_launch(f.command.value if f.command else None, f.command.where if f.command else "",
+                            recipe or f.recipe)
+    if recipe and launch.kind == "template":
+        launch = C.parse_launch(None, "", recipe)
+    catalog, _ = C.load_catalog()
+    overlays = [catalog.aliases.get(o, o) if catalog else o for o in C.overlays_in(launch)]  # canonical names
+    torch, torch_where, from_format = None, "", False
+    if f.torch_version:
+        torch, torch_where = f.torch_version.value, f.torch_version.where
+    else:  # the message format itself dates the torch release (ecosystem-notes.md, the PyTorch OOM message)
+        for o in f.ooms:
+            if o.format.startswith("torch <="):
+                torch, torch_where, from_format = (2, 0), o.where, True
+                break
+            if o.format.startswith("torch 2.1") or o.format == "torch >= 2.1":
+                torch, torch_where, from_format = (2, 1), o.where, True
+    conf = {var: s for var, s in f.alloc_conf.items()}
+    expandable, source = False, ""
+    for var, seen in conf.items():
+        if "expandable_segments:True" in seen.value.split(","):
+            expandable, source = True, f"{var}={seen.value} set in the job's environment {at(seen.where)}"
+    if "expandable_segments" in overlays:
+        expandable = True
+        source = f"overlay +mem=expandable_segments on the launch command {at(launch.where)}" + (
+            f"; also {source}" if source else "")
+    world = f.world.value if f.world else None
+    return Context(torch, torch_where, from_format, expandable, source, overlays, launch, world,
+                   f.world.where if f.world else "")
+
+
+# ----------------------------------------------------------------------------- allocator OOM numbers
+def other_processes(o: OOM) -> tuple[int | None, str]:
+    """Bytes other processes hold on this GPU, and how that was decided. PyTorch lists every process NVML
+    reports, itself as "this process" unless a PID namespace (a container) hides it (c10 CUDACachingAllocator)."""
+    if not o.processes:
+        return None, "no per-process list in the message (NVML unavailable or the line was cut)"
+    total = sum(b or 0 for _, b in o.processes)
+    if o.self_in_use is not None:
+        return total, "every 'Process N' listed is another process"
+    if len(o.processes) == 1:
+        return 0, f"the only process listed (PID {o.processes[0][0]}) is taken to be this one, seen from a container"
+    reserved = (o.allocated + o.reserved_unallocated) if None not in (o.allocated, o.reserved_unallocated) else None
+    if reserved is not None:
+        own = min(o.processes, key=lambda p: abs((p[1] or 0) - reserved))
+        how = f"PID {own[0]} is taken to be this process (closest to PyTorch's {gib(reserved)} reserved)"
+    else:
+        own = max(o.processes, key=lambda p: p[1] or 0)
+        how = f"PID {own[0]} (the largest) is taken to be this process"
+    return total - (own[1] or 0), how
+
+
+def assess(o: OOM, expandable: bool) -> tuple[str, list[str], list[str]]:
+    """(fragmentation | capacity | other_processes | unknown, reasons with citations, numbers not read)."""
+    missing = [n for n, v in (("the requested size", o.requested), ("the free memory", o.free),
+                              ("reserved-but-unallocated", o.reserved_unallocated)) if v is None]
+    where = at(o.where)
+    who = rank_text(o.rank)
     reasons: list[str] = []
-    frag_signals = 0
-    if worst.reserved_unallocated is not None and worst.requested:
-        if worst.reserved_unallocated >= worst.requested:
-            frag_signals += 2
-            reasons.append(f"rank {worst.rank}: {_gib(worst.reserved_unallocated)} reserved-but-unallocated >= the "
-                           f"{_gib(worst.requested)} request: the memory exists but is fragmented")
-        elif worst.capacity and worst.reserved_unallocated >= 0.02 * worst.capacity:
-            frag_signals += 1
-            reasons.append(f"rank {worst.rank}: {_gib(worst.reserved_unallocated)} reserved-but-unallocated "
-                           f"({100 * worst.reserved_unallocated / worst.capacity:.1f}% of capacity)")
-    oom_ranks = {o.rank for o in f.ooms if o.rank is not None}
-    world = max(f.ranks_seen | f.failed_ranks | oom_ranks, default=-1) + 1
-    if world > 1 and len(oom_ranks) == 1:
-        frag_signals += 1
-        reasons.append(f"only rank {next(iter(oom_ranks))} of {world} ranks seen ran out of memory; the others had headroom")
+    others, how = other_processes(o)
+    if o.allowed is not None:
+        reasons.append(f"{who}: the process was limited to {gib(o.allowed)} by set_per_process_memory_fraction {where}")
+    if missing:
+        return "unknown", [f"{who}: the message does not show {', '.join(missing)} {where}"
+                           + (" (truncated)" if o.partial else "")] + reasons, missing
+    avail = o.free + o.reserved_unallocated
     if expandable:
-        return Diagnosis("capacity", "genuine capacity limit: the OOM happened with expandable_segments already set",
-                         "high" if not worst.partial else "medium", f"mbmem recommend --recipe {recipe} --world-size "
-                         f"{max(world, 1)} --gpu-memory {_gib(worst.capacity).replace(' ', '')}",
-                         [f"{f.alloc_where}: PYTORCH_*ALLOC_CONF already has expandable_segments:True",
-                          "memory-tuning skill, Failure Diagnosis: 'OOM with expandable_segments already set' -> "
-                          "increase PP, use the distributed optimizer, or add recompute", *reasons],
-                         why_not, f.evidence, ranks)
-    if frag_signals >= 1:
-        conf = "high" if frag_signals >= 2 else "medium"
-        return Diagnosis("fragmentation", "allocator fragmentation: reserved-but-unallocated memory could have served "
-                         "the request", conf, f"{base} +mem=expandable_segments",
-                         [*reasons, "expandable_segments:True is not set in the logged environment",
-                          "memory-tuning skill, Quick Decision step 1: zero throughput cost, no model change"],
-                         why_not, f.evidence, ranks)
-    return Diagnosis("capacity", "likely a genuine capacity limit (little reserved-but-unallocated memory)", "medium",
-                     f"{base} +mem=expandable_segments",
-                     [*reasons, f"rank {worst.rank}: {_gib(worst.allocated)} allocated of {_gib(worst.capacity)}",
-                      "expandable_segments is still the first, free step (memory-tuning skill, Quick Decision); "
-                      f"if it still OOMs: mbmem recommend --recipe {recipe}"], why_not, f.evidence, ranks)
+        reasons.append(f"{who}: OOM with expandable_segments already on: {gib(o.requested)} requested, "
+                       f"{gib(o.free)} free + {gib(o.reserved_unallocated)} reserved-but-unallocated {where}")
+        if others and others >= GiB and avail + others >= o.requested:
+            return "other_processes", reasons + [f"other processes hold {gib(others)} on this GPU ({how}) {where}"], []
+        return "capacity", reasons, []
+    if avail >= o.requested:
+        reasons.append(f"{who}: {gib(o.free)} free + {gib(o.reserved_unallocated)} reserved-but-unallocated = "
+                       f"{gib(avail)} >= the {gib(o.requested)} request: the memory exists but is fragmented {where}")
+        return "fragmentation", reasons, []
+    shortfall = o.requested - avail
+    reasons.append(f"{who}: {gib(o.free)} free + {gib(o.reserved_unallocated)} reserved-but-unallocated = {gib(avail)} "
+                   f"< the {gib(o.requested)} request (short by {gib(shortfall)}): defragmenting cannot serve it {where}")
+    if others is not None and others >= GiB and avail + others >= o.requested:
+        reasons.append(f"other processes hold {gib(others)} on this GPU ({how}); without them the request fits {where}")
+        return "other_processes", reasons, []
+    if others:
+        reasons.append(f"other processes hold {gib(others)} on this GPU ({how}) {where}")
+    return "capacity", reasons, []
+
+
+# ----------------------------------------------------------------------------- evidence from config values
+def _flag(f: Findings, key: str) -> bool | None:
+    seen = f.config.get(key)
+    if seen is None:
+        return None
+    v = str(seen.value).lower()
+    return True if v in ("true", "1", "yes") else False if v in ("false", "0", "no", "none", "null") else None
+
+
+def _int(f: Findings, key: str) -> int | None:
+    seen = f.config.get(key)
+    return int(seen.value) if seen is not None and str(seen.value).isdigit() and len(str(seen.value)) < 9 else None
+
+
+def config_notes(f: Findings, ctx: Context) -> list[str]:
+    """Settings in the log that cannot be what the user meant, or that decide the remedies."""
+    notes = []
+    offload, layers = _flag(f, "cpu_offloading"), _int(f, "cpu_offloading_num_layers")
+    if offload and layers == 0:
+        s = f.config["cpu_offloading_num_layers"]
+        notes.append(f"CPU offloading is enabled but cpu_offloading_num_layers is 0: it offloads nothing "
+                     f"{at(f.config['cpu_offloading'].where)} {at(s.where)}; set mem.cpu_offload.num_layers to >= 1 "
+                     "(it must stay below num_layers) or drop the overlay")
+    rg = f.config.get("recompute_granularity")
+    if rg and str(rg.value).lower() == "selective" and str(f.config.get("recompute_modules", rg).value) in ("[]", "None"):
+        notes.append(f"recompute_granularity is selective with no recompute_modules: nothing is recomputed {at(rg.where)}")
+    tp = f.layout.get("tp")
+    if tp and tp > 1 and _flag(f, "sequence_parallel") is False:
+        notes.append(f"TP={tp} with sequence_parallel off {at(f.config['sequence_parallel'].where)}: the LayerNorm/"
+                     "dropout activations are replicated on every TP rank")
+    if _flag(f, "cpu_offloading") and f.layout.get("pp", 1) > 1:
+        notes.append(f"CPU offloading with PP={f.layout['pp']} > 1 {at(f.layout_where['pp'])}: megatron-core refuses it")
+    return notes
+
+
+# ----------------------------------------------------------------------------- remedies
+def capacity_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
+    """The memory-tuning skill's ladder (Quick Decision 2-7, Failure Diagnosis 'genuine capacity limit'),
+    minus what the log shows is already on or cannot work here."""
+    out: list[C.Remedy] = []
+    have = set(ctx.overlays)
+    rg = str(f.config["recompute_granularity"].value).lower() if "recompute_granularity" in f.config else None
+    tp, pp, dp = f.layout.get("tp"), f.layout.get("pp"), f.layout.get("dp")
+    offload, layers = _flag(f, "cpu_offloading") or "cpu_offload" in have, _int(f, "cpu_offloading_num_layers")
+    if offload and layers == 0:  # what the user meant: offload something (the log shows 0 layers)
+        out.append(C.Remedy("cpu_offload", "make CPU offloading offload something: num_layers 0 -> 1",
+                            overlay="cpu_offload", params={"num_layers": 1}, cost=COST["cpu_offload"]))
+    if offload:  # core/rules offload.py cpu_offload_recompute: activation offloading excludes recompute
+        rg = "excluded"
+    if tp and tp > 1 and _flag(f, "sequence_parallel") is False and "sequence_parallel" not in have:
+        out.append(C.Remedy("sequence_parallel", f"turn sequence parallelism on (TP={tp})", overlay="sequence_parallel",
+                            cost=COST["sequence_parallel"]))
+    if rg not in ("selective", "full", "excluded") and not have & {"selective_recompute", "full_recompute"}:
+        out.append(C.Remedy("selective_recompute", "recompute the narrowest module in backward (selective recompute)",
+                            overlay="selective_recompute", cost=COST["selective_recompute"]))
+    mbs = _int(f, "micro_batch_size")
+    if mbs and mbs > 1:
+        out.append(C.Remedy("micro_batch", f"halve the micro-batch ({mbs} -> {mbs // 2}); activations scale with it",
+                            overrides={"train.micro_batch_size": mbs // 2}, cost=COST["micro_batch"]))
+    if _flag(f, "use_distributed_optimizer") is not True and "dist_optimizer" not in have \
+            and (dp is None or dp > 1):
+        out.append(C.Remedy("dist_optimizer", "shard optimizer state across data-parallel ranks",
+                            overlay="dist_optimizer", cost=COST["dist_optimizer"]))
+    if rg not in ("full", "excluded") and "full_recompute" not in have:
+        out.append(C.Remedy("full_recompute", "recompute whole layers (full recompute)", overlay="full_recompute",
+                            remove_overlays=("selective_recompute",), cost=COST["full_recompute"]))
+    if pp == 1 and not offload and "cpu_offload" not in have:
+        out.append(C.Remedy("cpu_offload", "offload one layer's activations to the CPU (PP=1)", overlay="cpu_offload",
+                            cost=COST["cpu_offload"]))
+    if _flag(f, "optimizer_cpu_offload") is not True and "optimizer_offload" not in have:
+        out.append(C.Remedy("optimizer_offload", "keep optimizer state on the CPU (last resort)",
+                            overlay="optimizer_offload", cost=COST["optimizer_offload"]))
+    return out
+
+
+def defrag_remedy(ctx: Context, f: Findings) -> C.Remedy:
+    current = next((s.value for s in f.alloc_conf.values()), None)
+    if ctx.torch is not None and ctx.torch < (1, 10):  # max_split_size_mb arrived in torch 1.10
+        return C.Remedy("upgrade_torch", f"torch {ctx.torch[0]}.{ctx.torch[1]} has neither expandable_segments nor "
+                        "max_split_size_mb: upgrade torch (>= 2.1 for expandable_segments)", cost="an upgrade",
+                        command="pip install 'torch>=2.1'", command_note="an upgrade, not a training command")
+    if ctx.expandable_exists is False:
+        return C.Remedy("max_split_size_mb", f"torch {ctx.torch[0]}.{ctx.torch[1]} predates expandable_segments "
+                        "(torch >= 2.1): stop the allocator splitting large blocks with max_split_size_mb, or upgrade "
+                        "torch and use expandable_segments",
+                        env=C.merged_alloc_env(current, "max_split_size_mb", "512"), cost=COST["max_split_size_mb"])
+    if ctx.launch.kind in ("train.py", "template"):
+        return C.Remedy("expandable_segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the overlay merges it "
+                        "with your other allocator keys)", overlay="expandable_segments",
+                        cost=COST["expandable_segments"])
+    return C.Remedy("expandable_segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                    env=C.merged_alloc_env(current, "expandable_segments", "True"), cost=COST["expandable_segments"])
+
+
+def nccl_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
+    # NCCL environment variables (NCCL docs, Environment Variables): NCCL_BUFFSIZE (4 MiB default per
+    # channel and peer), NCCL_NVLS_ENABLE (NVLink SHARP buffers, large on NVSwitch systems), channels.
+    nvls = f.nvls is not None
+    out = [C.Remedy("nccl_nvls_off", "disable NVLink SHARP: its buffers are the largest NCCL allocation on "
+                    "NVSwitch systems", env={"NCCL_NVLS_ENABLE": "0"}, cost="NVLS speeds all-reduce on NVSwitch; "
+                    "small-to-moderate collective slowdown"),
+           C.Remedy("nccl_buffsize", "halve NCCL's per-channel buffers (NCCL_BUFFSIZE, 4 MiB default)",
+                    env={"NCCL_BUFFSIZE": "2097152"}, cost="slightly lower bandwidth on large messages"),
+           C.Remedy("fewer_communicators", "create fewer communicators: every process group (TP, PP, DP, CP, EP and "
+                    "their combinations) allocates its own NCCL buffers; drop extra groups (e.g. ddp.nccl_ub, "
+                    "TP-comm-overlap) or reduce the parallel dimensions that are > 1", cost="depends on the feature")]
+    if nvls:
+        out[0].action += f" (NVLS is in use {at(f.nvls.where)})"
+    else:
+        out[0], out[1] = out[1], out[0]
+    return out
+
+
+def registration_remedy(f: Findings, ctx: Context) -> tuple[C.Remedy, list[str]]:
+    """NCCL user buffers + expandable segments (memory-tuning skill, Failure Diagnosis; core/rules allocator.py
+    expandable_segments_nccl_ub; NeMo's PerfEnvPlugin drops expandable_segments in this case: ecosystem-notes.md)."""
+    who = []
+    if ctx.expandable:
+        who.append(f"expandable_segments was set by: {ctx.expandable_source}")
+    else:
+        who.append("expandable_segments:True was not seen in the log (it may come from the recipe's env_vars or the "
+                   "container's environment)")
+    ub = f.config.get("nccl_ub")
+    ub_cmd = next((a for a in ctx.launch.args if "nccl_ub" in a or a == "--use-nccl-ub"), None)
+    if ub_cmd:
+        who.append(f"NCCL user buffers were turned on by `{ub_cmd}` on the launch command {at(ctx.launch.where)}")
+    elif ub is not None:
+        who.append(f"NCCL user buffers: nccl_ub={ub.value} in the printed config {at(ub.where)} (the recipe's setting)")
+    else:
+        who.append("ddp.nccl_ub was not printed in the log (the recipe or a launcher default set it)")
+    if "expandable_segments" in ctx.overlays:
+        r = C.Remedy("drop_expandable", "drop the expandable_segments overlay and keep NCCL user buffers",
+                     remove_overlays=("expandable_segments",), cost="fragmentation relief is lost")
+    elif ctx.expandable and f.alloc_conf:
+        current = next(iter(f.alloc_conf.values())).value
+        r = C.Remedy("drop_expandable", "run without expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF and keep NCCL "
+                     f"user buffers (remove it where it is set {at(ctx.expandable_source.split('[')[-1].rstrip(']'))})",
+                     env=C.alloc_env_without(current, "expandable_segments"), cost="fragmentation relief is lost")
+    else:
+        r = C.Remedy("nccl_ub_off", "turn NCCL user buffers off", overrides={"ddp.nccl_ub": False},
+                     cost="loses the user-buffer communication speed-up")
+    return r, who
+
+
+# ----------------------------------------------------------------------------- the diagnosis
+def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Diagnosis:
+    """``planner``: optional callable (remedies, ctx, findings) -> (remedies with savings, status text,
+    full validator) from plan.py, used only with --plan (it imports Bridge)."""
+    ctx = _context(f, recipe)
+    catalog, catalog_error = C.load_catalog()
+    ranks = {str(o.rank) if o.rank is not None else "unknown": {k: v for k, v in asdict(o).items() if k != "rank"}
+             for o in f.ooms}
+    notes = config_notes(f, ctx)
+    why_not = _why_not(f)
+    victims = _victims(f)
+    base = dict(why_not=why_not, notes=notes, evidence=f.evidence, ranks=ranks)
+
+    def done(kind, verdict, summary, confidence, reasons, remedies, unknown=(), rank=None, also=(), next_cmd=None):
+        reasons = list(reasons) + _world_reasons(f, ctx, victims)
+        cmd, check, savings = next_cmd, "", ""
+        if remedies and planner is not None:
+            remedies, savings, validator = planner(remedies, ctx, f)
+        else:
+            validator = None
+            if remedies and kind in ("capacity", "workspace", "other_processes", "nccl", "driver", "host_oom"):
+                savings = ("savings not computed: run `mbmem doctor --plan ...` with Megatron Bridge installed to "
+                           "compute what each remedy saves for this recipe and layout")
+        if remedies and cmd is None and remedies[0].command:
+            cmd, check = remedies[0].command, remedies[0].command_note or "not a training command: nothing to validate"
+        elif remedies and cmd is None:
+            cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator)
+        elif cmd:
+            check = "not a training command: nothing to validate"
+        return Diagnosis(kind, verdict, summary, confidence, cmd, check, reasons, [_remedy_dict(r) for r in remedies],
+                         unknown=list(unknown), rank=rank, also=list(also), savings=savings, **base)
+
+    if f.config_errors:
+        return _configuration(f, ctx, done)
+    regs = [e for e in f.events if e.family == "registration"]
+    if regs:
+        remedy, who = registration_remedy(f, ctx)
+        e = regs[0]
+        return done("registration", "diagnosed", "NCCL user-buffer registration failed: NCCL user buffers and "
+                    "expandable segments are incompatible (memory-tuning skill, Failure Diagnosis)",
+                    "high" if ctx.expandable else "medium",
+                    [f"{rank_text(e.rank)}: {e.detail} failed {at(e.where)}", *who,
+                     "fix: turn one of them off (NeMo's PerfEnvPlugin drops expandable_segments when NCCL user "
+                     "buffers are on: ecosystem-notes.md)"],
+                    [remedy], rank=e.rank, also=_also(f, "registration"))
+    device_events = [e for e in f.events if e.family in ("nccl", "workspace", "driver")]
+    if f.ooms:
+        return _allocator(f, ctx, done, victims)
+    if device_events:
+        return _device_event(f, ctx, done, device_events)
+    host = [e for e in f.events if e.family in ("host_oom", "host_killed", "sigkill")]
+    if host:
+        return _host(f, ctx, done, host)
+    kind = "unreadable" if f.unreadable and f.unreadable == len(f.files) and not f.bytes_read else "none"
+    msg = "no CUDA/HIP out-of-memory message, OOM-killer record or known configuration error found"
+    d = done(kind, "unreadable" if kind == "unreadable" else "no_oom",
+             msg + (f" ({'; '.join(f.problems)})" if f.problems else ""),
+             "high" if f.bytes_read and not f.long_lines else "medium", [], [])
+    return d
+
+
+def _remedy_dict(r: C.Remedy) -> dict:
+    d = {"name": r.name, "action": r.action, "cost": r.cost, "saves_bytes": None if r.saves is None else int(r.saves),
+         "command": r.command}
+    if r.overlay:
+        d["overlay"] = r.overlay
+    for k in ("params", "overrides", "env"):
+        if getattr(r, k):
+            d[k] = getattr(r, k)
+    if r.remove_overlays:
+        d["remove_overlays"] = list(r.remove_overlays)
+    return d
+
+
+def _next_command(ctx: Context, remedy: C.Remedy, catalog, catalog_error, f: Findings, validator) -> tuple[str, str]:
+    tokens, overlays = C.apply_remedy(ctx.launch, remedy, catalog)
+    text = C.render_tokens(tokens)
+    if ctx.launch.kind == "megatron-lm":
+        return text, ("not validated: a Megatron-LM command (the doctor validates train.py overlays); "
+                      "the flags are megatron-core's argument names")
+    if ctx.launch.kind == "other":
+        return text, "not validated: the launch command is not train.py, so only environment remedies are applied"
+    if not remedy.overlay and not remedy.remove_overlays and not remedy.overrides:
+        prefix = "" if ctx.launch.kind == "train.py" else "recipe not seen in the log: fill in <recipe>; "
+        return text, prefix + "environment change only: no overlay to validate"
+    params = {k: v for k, v in C.params_in(C.parse_launch(text)).items()}
+    problems = C.check_catalog(overlays, params, f.layout, catalog) if catalog else [catalog_error or "no catalogue"]
+    if problems:
+        return text, "NOT VALID: " + "; ".join(problems)
+    if validator is not None:
+        status = validator(overlays, params, text)
+        return text, status
+    where = "" if ctx.launch.kind == "train.py" else "recipe not seen in the log: fill in <recipe>; "
+    return text, (where + "checked against the overlay catalogue (names, parameters, no two overlays writing one "
+                  "field, the layout rules the log shows); not validated on the recipe's config: add --plan with "
+                  "Megatron Bridge installed, or run `mbmem apply --recipe R --overlay ...` before launching")
 
 
 def _why_not(f: Findings) -> list[str]:
@@ -103,3 +442,250 @@ def _why_not(f: Findings) -> list[str]:
         out.append(f"PP={pp * 2} would fit more easily but halves DP ({f.layout['dp']} -> {max(1, f.layout['dp'] // 2)}): "
                    "~6% throughput")
     return out
+
+
+def _victims(f: Findings) -> dict[int, Event]:
+    failing = {o.rank for o in f.ooms} | {e.rank for e in f.events if e.family in ("nccl", "workspace", "driver")}
+    return {e.rank: e for e in f.events if e.family in ("sigterm", "sigkill") and e.rank is not None
+            and e.rank not in failing}
+
+
+def _world_reasons(f: Findings, ctx: Context, victims: dict[int, Event]) -> list[str]:
+    out = []
+    failing = sorted({o.rank for o in f.ooms if o.rank is not None})
+    if ctx.world:
+        out.append(f"world size {ctx.world} {at(ctx.world_where)}; OOM reported by "
+                   + (f"rank(s) {', '.join(map(str, failing))}" if failing else "a process whose rank is not shown"))
+    elif f.ooms:
+        out.append("world size unknown (no torchrun/Slurm/launcher line in the log)")
+    if victims and (f.ooms or any(e.family in ("nccl", "workspace", "driver") for e in f.events)):
+        ranks = sorted(victims)
+        first = victims[ranks[0]]
+        out.append(f"rank(s) {', '.join(map(str, ranks[:16]))}{' ...' if len(ranks) > 16 else ''} were stopped by "
+                   f"SIGTERM/SIGKILL after the OOM {at(first.where)}: victims of the failure, not ranks with headroom "
+                   "(their memory is unknown)")
+    return out
+
+
+def _also(f: Findings, primary: str) -> list[str]:
+    names = {"nccl": "NCCL out-of-memory", "workspace": "cuBLAS/cuDNN workspace allocation failure",
+             "driver": "CUDA driver-level allocation failure", "host_oom": "host OOM-killer record",
+             "host_killed": "a process 'Killed' by the shell", "registration": "NCCL buffer registration failure"}
+    seen = []
+    for e in f.events:
+        if e.family in names and e.family != primary and not any(names[e.family] in s for s in seen):
+            seen.append(f"{names[e.family]} {at(e.where)}")
+    if f.ooms and primary != "allocator":
+        seen.append(f"PyTorch allocator OOM {at(f.ooms[0].where)}")
+    return seen
+
+
+def _configuration(f: Findings, ctx: Context, done) -> Diagnosis:
+    rule, where, line = f.config_errors[0]
+    diag, fix, overlay = CONFIG_FIXES.get(rule) or next(
+        ((v[1], v[2], v[3]) for k, v in EXTRA_CONFIG.items() if v[0] == rule), (rule, "see `mbmem explain`", ""))
+    reasons = [f"the job failed at start-up with a known configuration error {at(where)}; fix: {fix}",
+               "`mbmem apply`/`train.py run.dry_run=true` catches this before launch"]
+    if rule == "expandable_segments_nccl_ub":
+        remedy, who = registration_remedy(f, ctx)
+        remedies = [remedy]
+        reasons += who
+    elif overlay:
+        name = overlay.split("=", 1)[1]
+        remove = ("cpu_offload",) if rule.startswith("cpu_offload") else ()
+        remedies = [C.Remedy(name, fix, overlay=name, remove_overlays=remove)]
+    else:
+        remedies = []
+    return done("configuration", "diagnosed", f"configuration error: {diag} (rule {rule})", "high", reasons, remedies,
+                also=_also(f, "configuration"))
+
+
+def _allocator(f: Findings, ctx: Context, done, victims) -> Diagnosis:
+    results = [(o, *assess(o, ctx.expandable)) for o in f.ooms]
+    kinds = {k for _, k, _, _ in results}
+    known = [r for r in results if r[1] != "unknown"]
+    reasons: list[str] = []
+    unknown = sorted({m for _, _, _, miss in results for m in miss})
+    for o, k, rs, _ in results[:8]:
+        reasons += rs
+    if len(results) > 8:
+        reasons.append(f"... and {len(results) - 8} more OOM message(s)")
+    if ctx.expandable:
+        reasons.append(f"expandable_segments is already on: {ctx.expandable_source}")
+    if "capacity" in kinds:
+        kind = "capacity"
+    elif "other_processes" in kinds:
+        kind = "other_processes"
+    elif "fragmentation" in kinds:
+        kind = "fragmentation"
+    else:
+        kind = "allocator_unknown"
+    lead = next((r for r in results if r[1] == kind), results[0])[0]
+    complete = not unknown
+    also = _also(f, "allocator")
+    if ctx.expandable_exists is not None:
+        reasons.append(f"torch {ctx.torch[0]}.{ctx.torch[1]}{'+' if ctx.torch_from_format else ''} "
+                       f"{'(from the message format) ' if ctx.torch_from_format else ''}{at(ctx.torch_where)}")
+    if kind == "fragmentation":
+        remedy = defrag_remedy(ctx, f)
+        remedies = [remedy] + capacity_remedies(f, ctx)
+        reasons.append("expandable_segments:True is not set in the logged environment" if not ctx.expandable else "")
+        if ctx.expandable_exists is False:
+            reasons.append("expandable_segments needs torch >= 2.1, so it is not prescribed here")
+        else:
+            reasons.append("memory-tuning skill, Quick Decision step 1: zero throughput cost, no model change")
+        summary = "allocator fragmentation: free + reserved-but-unallocated memory covers the failed request"
+        conf = "high" if complete else "medium"
+    elif kind == "capacity":
+        remedies = capacity_remedies(f, ctx)
+        summary = ("genuine capacity limit: the OOM happened with expandable_segments already on" if ctx.expandable
+                   else "genuine capacity limit: free + reserved-but-unallocated memory is smaller than the request")
+        reasons.append("memory-tuning skill, Failure Diagnosis: genuine capacity limit -> distributed optimizer, "
+                       "recompute, or more PP; expandable_segments would not serve this request")
+        conf = "high" if complete else "medium"
+    elif kind == "other_processes":
+        remedies = _other_process_remedies(f, ctx, lead) + capacity_remedies(f, ctx)
+        summary = "other processes on the GPU hold the memory the request needed"
+        conf = "high" if complete else "medium"
+        reasons.append("the remedy is about the other processes, not fragmentation")
+    else:
+        remedy = defrag_remedy(ctx, f)
+        remedies = [remedy] + capacity_remedies(f, ctx)
+        summary = ("out of memory, but the message does not show the numbers needed to tell fragmentation from a "
+                   "capacity limit (" + ", ".join(unknown) + " unknown)")
+        reasons.append(f"first step: {remedy.name}, the skill's zero-cost first step (Quick Decision 1); if the job "
+                       "still fails, it is a capacity limit: take the next remedies in order")
+        conf = "low"
+    reasons = [r for r in reasons if r]
+    if ctx.expandable and ctx.expandable_exists is False:
+        reasons.append("expandable_segments is set, but this torch predates it: the setting is ignored")
+    verdict = "unsure" if conf == "low" else "diagnosed"
+    if len(known) < len(results) and known:
+        reasons.append(f"{len(results) - len(known)} of {len(results)} OOM message(s) were cut before their numbers; "
+                       "the verdict rests on the others")
+    return done(kind, verdict, summary, conf, reasons, remedies, unknown, lead.rank, also)
+
+
+NVIDIA_SMI = "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv"
+
+
+def _engine_share(f: Findings, shortfall: float | None, capacity: float | None) -> tuple[str, str, str] | None:
+    """(knob, current value, new value) for a colocated inference engine's memory share, if the log shows it.
+    The new value gives back the shortfall (plus 2% of the GPU), rounded up to 0.05; else 0.1 less."""
+    seen = f.config.get("gpu_memory_utilization") or f.config.get("mem_fraction_static")
+    if seen is None:
+        return None
+    try:
+        old = float(seen.value)
+    except ValueError:
+        return None
+    if not 0 < old <= 1:
+        return None
+    cut = 0.1
+    if shortfall and capacity:
+        cut = max(0.05, -(-(shortfall / capacity + 0.02) // 0.05) * 0.05)
+    new = round(max(0.05, old - cut), 2)
+    knob = "gpu_memory_utilization" if "gpu_memory_utilization" in f.config else "mem_fraction_static"
+    return knob, seen.value, f"{new:g}"
+
+
+def _other_process_remedies(f: Findings, ctx: Context, o: OOM | None = None) -> list[C.Remedy]:
+    eng = f.inference_engine
+    out = []
+    shortfall = None
+    if o is not None and None not in (o.requested, o.free, o.reserved_unallocated):
+        shortfall = max(0, o.requested - o.free - o.reserved_unallocated)
+    share = _engine_share(f, shortfall, o.capacity if o is not None else None)
+    if share:
+        knob, old, new = share
+        seen = f.config[knob]
+        if f.verl:  # verl's rollout config names the share gpu_memory_utilization for vLLM and SGLang alike
+            cmd = f"actor_rollout_ref.rollout.gpu_memory_utilization={new}"
+            note = (f"an override for the verl command {at(f.verl.where)} (was {knob}={old} {at(seen.where)}); not an "
+                    "overlay, so not validated by the engine")
+        else:
+            cmd = f"--{knob.replace('_', '-')} {new}"
+            note = (f"the inference engine's own option (was {knob}={old} {at(seen.where)}); not an overlay, so not "
+                    "validated by the engine")
+        out.append(C.Remedy("inference_engine_share", f"lower the colocated inference engine's memory share {knob} "
+                            f"{old} -> {new}, or make it sleep/offload (weights and KV cache) before the training step",
+                            cost="smaller KV cache for rollouts", command=cmd, command_note=note))
+    elif eng or f.memory_saver:
+        out.append(C.Remedy("inference_engine_share", "lower the colocated inference engine's memory share "
+                            "(gpu_memory_utilization / mem_fraction_static), or make it sleep/offload before the "
+                            "training step", cost="smaller KV cache for rollouts", command=NVIDIA_SMI,
+                            command_note="lists what holds the GPU; the engine's setting is not in the log"))
+    out.append(C.Remedy("other_processes", "stop or move the other processes on this GPU (one training process per "
+                        "GPU)", cost="none for training", command=NVIDIA_SMI,
+                        command_note="lists the processes holding the GPU; nothing to validate"))
+    return out
+
+
+def _device_event(f: Findings, ctx: Context, done, events: list[Event]) -> Diagnosis:
+    order = {"nccl": 0, "workspace": 1, "driver": 2}
+    e = min(events, key=lambda x: order[x.family])
+    fam = e.family
+    also = _also(f, fam)
+    unknown = ["the requested size", "the free memory", "reserved-but-unallocated"]
+    if fam == "nccl":
+        reasons = [f"{rank_text(e.rank)}: NCCL could not allocate device memory for its communicator buffers "
+                   f"{at(e.where)}" + (f" ({e.detail} bytes)" if e.detail else ""),
+                   "NCCL allocates outside PyTorch's caching allocator, so expandable_segments does not help; reduce "
+                   "NCCL's own buffers or the number of communicators, then leave headroom"]
+        return done("nccl", "diagnosed", "NCCL ran out of device memory for communicator buffers", "medium",
+                    reasons, nccl_remedies(f, ctx) + capacity_remedies(f, ctx)[:2], unknown, e.rank, also)
+    if fam == "workspace":
+        reasons = [f"{rank_text(e.rank)}: {e.detail}: cuBLAS/cuDNN could not allocate its workspace or handle "
+                   f"{at(e.where)}",
+                   "the library allocates when the GPU is already full: the caching allocator holds the memory, so "
+                   "this is a capacity problem reported by the library instead of PyTorch's OOM message"]
+        rem = capacity_remedies(f, ctx)
+        return done("workspace", "diagnosed", "cuBLAS/cuDNN workspace allocation failed: the GPU was full",
+                    "medium", reasons, rem, unknown, e.rank, also)
+    saver = f.memory_saver or (f.inference_engine if f.inference_engine else None)
+    reasons = [f"{rank_text(e.rank)}: {e.detail} {at(e.where)}: a driver-level allocation (cuMemCreate/cudaMalloc "
+               "outside the caching allocator's message) failed"]
+    if saver is not None:
+        reasons.append(f"a memory-saver / colocated engine is in the log ({saver.value} {at(saver.where)}): the mapping "
+                       "failed because the memory it released was taken, or the engine did not release it")
+        rem = _other_process_remedies(f, ctx) + capacity_remedies(f, ctx)
+        return done("driver", "diagnosed", "CUDA driver-level allocation failed while re-mapping memory (memory saver "
+                    "/ colocated inference engine)", "medium", reasons, rem, unknown, e.rank, also)
+    if ctx.expandable:
+        reasons.append(f"expandable_segments maps memory with cuMemCreate: {ctx.expandable_source}; its growth "
+                       "failing means the GPU is full (a capacity limit)")
+    rem = capacity_remedies(f, ctx)
+    return done("driver", "diagnosed", "CUDA driver-level allocation failed: the device had no memory left",
+                "medium" if ctx.expandable else "low", reasons, rem, unknown, e.rank, also)
+
+
+def _host(f: Findings, ctx: Context, done, events: list[Event]) -> Diagnosis:
+    confirmed = [e for e in events if e.family == "host_oom"]
+    e = (confirmed or events)[0]
+    reasons = [f"{rank_text(e.rank)}: {e.detail} {at(e.where)}"]
+    remedies = []
+    offload = [o for o in ctx.overlays if o in ("optimizer_offload", "cpu_offload")]
+    if _flag(f, "optimizer_cpu_offload") or "optimizer_offload" in offload:
+        remedies.append(C.Remedy("optimizer_offload_fraction", "keep less optimizer state in host memory "
+                                 "(optimizer offload fraction 1.0 -> 0.5)", overlay="optimizer_offload",
+                                 params={"fraction": 0.5}, cost="more GPU memory for optimizer state"))
+    remedies.append(C.Remedy("host_memory", "give the job the node's memory (Slurm --mem=0), fewer dataloader workers "
+                             "per rank, and no other jobs on the node", cost="none"))
+    if confirmed:
+        reasons.append("the kernel's OOM killer (or Slurm's cgroup) killed it: host RAM, not GPU memory")
+        summary, conf = "host out of memory: the OOM killer ended the process (host RAM, not GPU memory)", "high"
+        check = None
+    else:
+        reasons.append("SIGKILL / exit 137 / 'Killed' is what the OOM killer sends, but a scheduler or a user can "
+                       "send it too; the kernel log would confirm it")
+        summary, conf = "probably host out of memory: the process was SIGKILLed (exit 137) with no GPU OOM", "medium"
+        check = (f"sacct -j {f.slurm_job} --format=JobID,State,ExitCode,MaxRSS,ReqMem" if f.slurm_job
+                 else "dmesg -T | grep -iE 'out of memory|oom-kill|killed process'")
+    if check:
+        return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=_also(f, "host_oom"),
+                    next_cmd=check)
+    if remedies and remedies[0].overlay:
+        return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=_also(f, "host_oom"))
+    return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=_also(f, "host_oom"),
+                next_cmd=(f"sacct -j {f.slurm_job} --format=JobID,State,ExitCode,MaxRSS,ReqMem" if f.slurm_job else
+                          "free -g  # then request more host memory (#SBATCH --mem=0) or lower dataloader workers"))

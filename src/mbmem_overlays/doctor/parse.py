@@ -1,77 +1,56 @@
-"""Reading job logs for the doctor: OOM messages, configuration errors, allocator settings, layout.
+"""What a job log shows, for the doctor: failures of every OOM family, configuration errors, and the
+context needed to judge them (torch version, world size, layout, config values, the launch command).
 
-Streams any number of logs (plain or gzip, single- or multi-rank, Slurm output)
-in fixed-size blocks: one compiled trigger regex scans each block in C and only
-the lines it hits are decoded and parsed, so throughput is high and memory stays
-flat whatever the log size. Never imports torch or Megatron Bridge.
+Streams any number of logs (read.py: plain or gzip, files, globs or stdin) and parses only the lines
+holding a trigger literal, each bounded in length, with the linear patterns of patterns.py. Every value
+keeps the file and line it was read from, so each claim of the diagnosis can cite it. A number that
+was not in the log stays None ("unknown"); nothing is filled in by guessing.
 
-Decision table: nvidia-skills/nemo-mbridge-perf-memory-tuning.SKILL.md, Failure
-Diagnosis. OOM message formats: ecosystem-notes.md, "The PyTorch OOM message".
-Configuration errors: the oracle fragments of core/rules (known.py; bridge-config-surface.md).
+Never imports torch or Megatron Bridge. Sources: patterns.py (message formats), known.py (the rules'
+configuration error fragments), nvidia-skills/nemo-mbridge-perf-memory-tuning.SKILL.md (Failure Diagnosis).
 """
 
 from __future__ import annotations
 
-import glob
-import gzip
 import re
-import sys
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import Any
 
-from ..core.sizes import UNITS
+from . import patterns as P
+from . import read
 from .known import config_fragments
 
-BLOCK = 4 << 20
-MAX_EVIDENCE = 12
+MAX_EVIDENCE = 40
+MAX_RECORDS = 256          # OOM messages and events kept per kind (a log can repeat one a million times)
+MAX_LINE_KEPT = 400        # characters of a cited line kept in the report
 
-_SIZE = r"([\d.]+)\s*(bytes|[KMGT]iB|[KMG]B)"
-# Current format (torch >= 2.1; "capacty" typo in ~2.1), CUDA or HIP (ecosystem-notes.md).
-OOM_NEW = re.compile(
-    r"(?P<dev>CUDA|HIP) out of memory\. Tried to allocate " + _SIZE.replace("(", "(?P<req>", 1).replace(r"\s*(", r"\s*(?P<req_u>", 1)
-    + r"\. GPU (?P<gpu>\d+) has a total capac(?:i)?ty of " + r"(?P<tot>[\d.]+)\s*(?P<tot_u>bytes|[KMGT]iB)"
-    + r" of which (?P<free>[\d.]+)\s*(?P<free_u>bytes|[KMGT]iB) is free\."
-    + r"(?:.*?Of the allocated memory (?P<alloc>[\d.]+)\s*(?P<alloc_u>bytes|[KMGT]iB) is allocated by PyTorch, "
-    + r"(?:with (?P<priv>[\d.]+)\s*(?P<priv_u>bytes|[KMGT]iB) allocated in private pools.*?, )?"
-    + r"and (?P<ru>[\d.]+)\s*(?P<ru_u>bytes|[KMGT]iB) is reserved by PyTorch but unallocated)?")
-# torch <= 2.0: "(GPU 0; 79.15 GiB total capacity; 70.1 GiB already allocated; 1.2 GiB free; 75.0 GiB reserved in total by PyTorch)"
-OOM_OLD = re.compile(
-    r"(?P<dev>CUDA|HIP) out of memory\. Tried to allocate (?P<req>[\d.]+)\s*(?P<req_u>bytes|[KMGT]iB) \(GPU (?P<gpu>\d+); "
-    r"(?P<tot>[\d.]+)\s*(?P<tot_u>bytes|[KMGT]iB) total capacity; (?P<alloc>[\d.]+)\s*(?P<alloc_u>bytes|[KMGT]iB) already allocated; "
-    r"(?P<free>[\d.]+)\s*(?P<free_u>bytes|[KMGT]iB) free; (?:(?P<allowed>[\d.]+)\s*(?P<allowed_u>bytes|[KMGT]iB) allowed; )?"
-    r"(?P<res>[\d.]+)\s*(?P<res_u>bytes|[KMGT]iB) reserved in total by PyTorch")
-OOM_ANY = re.compile(r"(CUDA|HIP) out of memory|OutOfMemoryError")
-RANK = re.compile(r"^\s*(?:\[(?:rank|default)(\d+)\]:|(\d+): )")
-RANK_PREFIXES = re.compile(rb"\[(?:rank|default)(\d+)\]:")
-ALLOC_SET = re.compile(r"(?:^|[\s'\"])(?:export\s+)?(PYTORCH_(?:CUDA_|HIP_)?ALLOC_CONF)\s*[=:]\s*['\"]?([^'\"\s]*)")
-LAYOUT = {
-    "tp": re.compile(r"\b(?:tensor_model_parallel_size|TP)\s*[=:]\s*(\d+)"),
-    "pp": re.compile(r"\b(?:pipeline_model_parallel_size|PP)\s*[=:]\s*(\d+)"),
-    "vpp": re.compile(r"\b(?:virtual_pipeline_model_parallel_size|VPP)\s*[=:]\s*(\d+)"),
-    "dp": re.compile(r"\b(?:data_parallel_size|DP)\s*[=:]\s*(\d+)"),
-}
-RECIPE = re.compile(r"(?:--recipe[= ]|recipe=)([\w.]+)")
-TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-
-def _triggers() -> tuple[bytes, ...]:
-    """Literals that any interesting line contains. bytes.find scans at memchr speed; a regex
-    alternation of the same patterns ran ~10x slower (Python's re cannot prefilter alternations)."""
-    literals = {b"out of memory", b"OutOfMemoryError", b"ALLOC_CONF", b"parallel_size", b"P=", b"P: ", b"P:",
-                b"recipe", b"rank ", b"exitcode", b"NCCL_GRAPH_REGISTER"}
-    # Configuration errors are raised as ValueError/AssertionError/RuntimeError lines: "Error" finds them all,
-    # and the fragments are matched on those lines only.
-    literals.add(b"Error")
-    return tuple(sorted(literals))
+# Literals any interesting line contains: bytes.find scans at memchr speed (read.py). "Error" is not one:
+# it flooded the parser (issue 15, item 17); configuration errors are found by their own fragments.
+TRIGGERS = (
+    b"out of memory", b"OutOfMemoryError", b"OUT_OF_MEMORY", b"Out of memory", b"ALLOC_FAILED", b"NOT_ENOUGH_WORKSPACE",
+    b"memory_error", b"cudaErrorMemoryAllocation", b"hipErrorOutOfMemory", b"cuMem", b"ibv_reg", b"ncclCommRegister",
+    b"ncclMemAlloc", b"NCCL WARN", b"Cuda failure", b"oom-kill", b"oom_kill", b"OOMKilled", b"OOM Killed", b"Killed",
+    b"exitcode", b"exit code", b"Exit code", b"exit status", b"ExitCode", b"SIGKILL", b"SIGTERM", b"Signal ",
+    b"ALLOC_CONF", b"orch version", b"orch==", b"orch: ", b"orch_version", b"WORLD_SIZE", b"world size", b"world_size",
+    b"nproc", b"nnodes", b"SLURM_NTASKS", b"SLURM_NPROCS", b"SLURM_JOB_ID", b"--ntasks", b"--nodes", b"StepId=",
+    b"parallel size", b"parallel_size", b"batch_size", b"seq_length", b"recompute", b"offload", b"distributed_optimizer",
+    b"nccl_ub", b"sequence_parallel", b"num_layers", b"memory_utilization", b"mem_fraction", b"sleep_mode",
+    b"cuda_graph", b"P=", b"P:", b"P =", b"recipe", b"rank ", b"python", b"torchrun", b"srun ", b"NCCL_GRAPH_REGISTER",
+    b"memory_saver", b"memory saver", b"vllm", b"vLLM", b"sglang", b"SGLang", b"register", b"CUresult", b"NVLS",
+    b"WorkerDict", b"TaskRunner", b"verl",
+)
 
 
-def to_bytes(value: str | None, unit: str | None) -> int | None:
-    if value is None or unit is None:
-        return None
-    return int(float(value) * UNITS[unit.lower()])
+@dataclass
+class Seen:
+    value: Any
+    where: str
+    line: str = ""
 
 
 @dataclass
 class OOM:
+    """One PyTorch caching-allocator OOM message. None = the number was not in the log."""
     rank: int | None
     where: str
     requested: int | None = None
@@ -80,165 +59,320 @@ class OOM:
     allocated: int | None = None
     reserved_unallocated: int | None = None
     private_pools: int | None = None
+    allowed: int | None = None
+    self_in_use: int | None = None
+    processes: list = field(default_factory=list)       # [(pid, bytes)] as printed, self possibly among them
     device: str = "CUDA"
+    format: str = ""
+    gpu: int | None = None
     partial: bool = False
+    wrapped: bool = False
+    line: str = ""
+
+
+@dataclass
+class Event:
+    """A failure line that is not the allocator's message, or a kill signal."""
+    family: str           # nccl | workspace | driver | registration | host_oom | host_killed | sigkill | sigterm
+    rank: int | None
+    where: str
+    line: str
+    detail: str = ""
 
 
 @dataclass
 class Findings:
     files: list[str] = field(default_factory=list)
     ooms: list[OOM] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     config_errors: list[tuple[str, str, str]] = field(default_factory=list)   # (rule id, where, line)
-    alloc_conf: dict[str, str] = field(default_factory=dict)                  # var -> value seen
-    alloc_where: str = ""
+    alloc_conf: dict[str, Seen] = field(default_factory=dict)                 # var -> value seen
+    config: dict[str, Seen] = field(default_factory=dict)                     # config key -> value printed
     layout: dict[str, int] = field(default_factory=dict)
+    layout_where: dict[str, str] = field(default_factory=dict)
+    torch_version: Seen | None = None                                         # value: (major, minor)
+    world: Seen | None = None                                                 # value: int; line says how
+    command: Seen | None = None                                               # value: the launch command text
     recipe: str | None = None
+    slurm_job: str | None = None
+    inference_engine: Seen | None = None
+    memory_saver: Seen | None = None
+    nvls: Seen | None = None
+    verl: Seen | None = None
     ranks_seen: set[int] = field(default_factory=set)
-    failed_ranks: set[int] = field(default_factory=set)
-    problems: list[str] = field(default_factory=list)                        # unreadable / binary / empty inputs
+    failed_ranks: dict[int, Seen] = field(default_factory=dict)               # torchrun summary: rank -> exitcode
+    problems: list[str] = field(default_factory=list)
     bytes_read: int = 0
-    unreadable: int = 0                                                       # files we could not read as logs
+    unreadable: int = 0
+    long_lines: int = 0
     evidence: list[str] = field(default_factory=list)
+    _world_rank: int = 99
+
+    @property
+    def alloc_where(self) -> str:
+        return next((s.where for s in self.alloc_conf.values()), "")
 
     def cite(self, where: str, line: str) -> None:
-        if len(self.evidence) < MAX_EVIDENCE:
-            self.evidence.append(f"{where}: {line.strip()[:300]}")
+        entry = f"{where}: {clip(line)}"
+        if len(self.evidence) < MAX_EVIDENCE and entry not in self.evidence:
+            self.evidence.append(entry)
 
 
-def _open(path: str) -> BinaryIO:
-    if path == "-":
-        return sys.stdin.buffer
-    f = open(path, "rb")
-    if f.peek(2)[:2] == b"\x1f\x8b" if hasattr(f, "peek") else False:
-        f.close()
-        return gzip.open(path, "rb")
-    return f
-
-
-def expand(paths: list[str]) -> list[str]:
-    out: list[str] = []
-    for p in paths:
-        hits = sorted(glob.glob(p)) if p != "-" and any(c in p for c in "*?[") else [p]
-        out += hits or [p]
-    return out
-
-
-def _lines(stream: BinaryIO, triggers: tuple[bytes, ...], findings: Findings) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) for the lines holding a trigger literal; reads fixed-size blocks."""
-    carry, lineno = b"", 1
-    while True:
-        block = stream.read(BLOCK)
-        if not block and not carry:
-            break
-        findings.bytes_read += len(block)
-        data = carry + block
-        cut = data.rfind(b"\n") + 1
-        if block and cut == 0 and len(data) < BLOCK * 4:
-            carry = data  # one very long line: keep reading (bounded)
-            continue
-        work, carry = (data[:cut], data[cut:]) if (cut and block) else (data, b"")
-        findings.ranks_seen.update(int(r) for r in set(RANK_PREFIXES.findall(work)))
-        spans: set[tuple[int, int]] = set()
-        for lit in triggers:
-            i = work.find(lit)
-            while i >= 0:
-                start = work.rfind(b"\n", 0, i) + 1
-                end = work.find(b"\n", i)
-                end = len(work) if end < 0 else end
-                spans.add((start, end))
-                i = work.find(lit, end)
-        pos = 0
-        for start, end in sorted(spans):
-            lineno += work.count(b"\n", pos, start)
-            pos = start
-            yield lineno, work[start:end]
-        lineno += work.count(b"\n", pos)
-        if not block:
-            break
+def clip(line: str) -> str:
+    line = line.strip()
+    return line if len(line) <= MAX_LINE_KEPT else line[:MAX_LINE_KEPT] + " [...]"
 
 
 def scan(paths: list[str]) -> Findings:
     findings = Findings()
-    triggers, fragments = _triggers(), config_fragments()
-    for path in expand(paths):
+    fragments = config_fragments()
+    triggers = TRIGGERS + tuple(frag.encode() for frag in fragments)
+    for path in read.expand(paths):
         findings.files.append(path)
-        try:
-            stream = _open(path)
-        except OSError as exc:
-            findings.problems.append(f"{path}: cannot read ({exc.strerror or exc})")
+        src = read.Source(path)
+        stream = read.open_log(path, src)
+        if stream is None:
+            findings.problems += src.problems
             findings.unreadable += 1
             continue
+        state: dict[str, Any] = {}
         try:
-            head = stream.peek(8192)[:8192] if hasattr(stream, "peek") else b""
+            try:
+                head = stream.peek(8192)[:8192] if hasattr(stream, "peek") else b""
+            except read.READ_ERRORS as exc:
+                head, src.problems = b"", src.problems + [f"{path}: not a readable log ({type(exc).__name__}: {exc})"]
             # Logs carry no NUL bytes at their start (a crashed node can leave NULs at the end, which is fine).
             if head.count(b"\0") >= 8:
                 findings.unreadable += 1
-                findings.problems.append(f"{path}: looks like a binary file, not a log (NUL bytes); skipped")
+                src.problems.append(f"{path}: looks like a binary file, not a log (NUL bytes); skipped")
                 continue
-            before = findings.bytes_read
-            for lineno, raw in _lines(stream, triggers, findings):
-                _parse_line(raw.decode("utf-8", errors="replace"), f"{path}:{lineno}", findings, fragments)
-            if findings.bytes_read == before:
-                findings.problems.append(f"{path}: empty")
-        except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            findings.problems.append(f"{path}: read failed part-way ({exc}); diagnosing what was read")
+            for lineno, raw, after in read.trigger_lines(stream, triggers, src):
+                findings.ranks_seen.update(int(r) for r in P.RANK_PREFIXES.findall(raw[:64]))
+                parse_line(raw.decode("utf-8", errors="replace"), f"{path}:{lineno}", findings, fragments, state,
+                           after)
+            if src.bytes_read == 0 and not src.problems:
+                src.problems.append(f"{path}: empty")
+            if src.long_lines:
+                src.problems.append(f"{path}: {src.long_lines} line(s) longer than {read.MAX_LINE // 1024} KiB were "
+                                    "parsed only around their trigger words")
         finally:
-            if stream is not sys.stdin.buffer:
-                stream.close()
+            findings.bytes_read += src.bytes_read
+            findings.long_lines += src.long_lines
+            findings.problems += src.problems
+            if src.bytes_read == 0 and any("read failed" in p or "not a readable" in p for p in src.problems):
+                findings.unreadable += 1
+            if path != "-":
+                try:
+                    stream.close()
+                except read.READ_ERRORS:
+                    pass
     return findings
 
 
-def _parse_line(line: str, where: str, f: Findings, fragments: dict[str, str]) -> None:
-    m = RANK.match(line)
-    rank = int(m.group(1) or m.group(2)) if m else None
+def rank_of(line: str) -> tuple[int | None, str]:
+    """(rank from the line's prefix, the line without it)."""
+    m = P.RANK_PREFIX.match(line)
+    if not m:
+        return None, line
+    return int(next(g for g in m.groups() if g is not None)), line[m.end():]
+
+
+def parse_line(line: str, where: str, f: Findings, fragments: dict[str, str], state: dict, after: bytes = b"") -> None:
+    rank, body = rank_of(line)
     if rank is not None:
         f.ranks_seen.add(rank)
-    if OOM_ANY.search(line):
-        _parse_oom(line, where, rank, f)
+    if "out of memory. " in body and P.TORCH_ANCHOR.search(body):
+        _torch_oom(body, where, rank, f, after)
+    elif "OutOfMemoryError" in body and "Tried to allocate" not in body and "out of memory" not in body:
+        pass  # the exception's class alone on a traceback line: the message line follows
+    else:
+        _other_failures(body, where, rank, f)
+    _signals(body, where, rank, f, state)
     for frag, rule in fragments.items():
-        if frag in line:
+        if frag in body:
             if not any(r == rule for r, _, _ in f.config_errors):
-                f.config_errors.append((rule, where, line.strip()))
+                f.config_errors.append((rule, where, clip(body)))
                 f.cite(where, line)
             break
-    if "ALLOC_CONF" in line and "try setting PYTORCH" not in line and "If reserved but unallocated" not in line:
-        for var, value in ALLOC_SET.findall(line):
-            if value:
-                f.alloc_conf[var] = value
-                f.alloc_where = where
-                f.cite(where, line)
-    for key, rx in LAYOUT.items():
-        lm = rx.search(line)
-        if lm and key not in f.layout:
-            f.layout[key] = int(lm.group(1))
-    rm = RECIPE.search(line)
-    if rm and not f.recipe:
-        f.recipe = rm.group(1)
-    tm = TORCHRUN_RANK.match(line)
-    if tm:
-        f.failed_ranks.add(int(tm.group(1)))
+    _context(body, where, f)
 
 
-def _parse_oom(line: str, where: str, rank: int | None, f: Findings) -> None:
-    m = OOM_NEW.search(line)
-    if m:
-        oom = OOM(rank, where, to_bytes(m["req"], m["req_u"]), to_bytes(m["tot"], m["tot_u"]),
-                  to_bytes(m["free"], m["free_u"]), to_bytes(m["alloc"], m["alloc_u"]),
-                  to_bytes(m["ru"], m["ru_u"]), to_bytes(m["priv"], m["priv_u"]), m["dev"],
-                  partial=m["ru"] is None)
-    elif (m := OOM_OLD.search(line)):
-        alloc, res = to_bytes(m["alloc"], m["alloc_u"]), to_bytes(m["res"], m["res_u"])
-        oom = OOM(rank, where, to_bytes(m["req"], m["req_u"]), to_bytes(m["tot"], m["tot_u"]),
-                  to_bytes(m["free"], m["free_u"]), alloc, max(0, res - alloc), None, m["dev"])
-    else:
-        if "Tried to allocate" not in line and "out of memory" not in line:
-            return  # e.g. "torch.OutOfMemoryError" alone on a traceback line: the message line follows
-        oom = OOM(rank, where, partial=True,
-                  device="HIP" if "HIP" in line else "CUDA")
-        rm = re.search(r"Tried to allocate " + _SIZE, line)
-        if rm:
-            oom.requested = to_bytes(rm.group(1), rm.group(2))
-    key = (oom.rank, oom.requested, oom.reserved_unallocated)
-    if not any((o.rank, o.requested, o.reserved_unallocated) == key for o in f.ooms):
+def _add_event(f: Findings, ev: Event) -> None:
+    if sum(1 for e in f.events if e.family == ev.family) < MAX_RECORDS:
+        f.events.append(ev)
+        f.cite(ev.where, ev.line)
+
+
+def _torch_oom(body: str, where: str, rank: int | None, f: Findings, after: bytes) -> None:
+    fields = P.torch_oom_fields(body)
+    wrapped = False
+    if not fields["complete"] and after:
+        joined = _join_wrapped(body, after, rank)
+        if joined is not None:
+            more = P.torch_oom_fields(joined[0])
+            if sum(v is not None for v in more.values()) > sum(v is not None for v in fields.values()):
+                fields, wrapped = more, True
+                path, _, lineno = where.rpartition(":")
+                where = f"{path}:{lineno}-{int(lineno) + joined[1]}" if lineno.isdigit() else where
+    oom = OOM(rank, where, fields["requested"], fields.get("capacity"), fields.get("free"), fields.get("allocated"),
+              fields.get("reserved_unallocated"), fields.get("private_pools"), fields["allowed"],
+              fields["self_in_use"], fields["processes"], fields["device"], fields["format"], fields.get("gpu"),
+              partial=not fields["complete"], wrapped=wrapped, line=clip(body))
+    key = (oom.rank, oom.requested, oom.reserved_unallocated, oom.free)
+    if len(f.ooms) < MAX_RECORDS and not any((o.rank, o.requested, o.reserved_unallocated, o.free) == key for o in f.ooms):
         f.ooms.append(oom)
-        f.cite(where, line)
+        f.cite(where, body)
+
+
+# Words of the allocator's message (ecosystem-notes.md): a wrap that cut one of them is rejoined without a space.
+_MESSAGE_WORDS = frozenset(re.findall(r"[A-Za-z-]+", "CUDA HIP out of memory Tried to allocate GPU has a total capacity capacty "
+                                      "of which is free Including non-PyTorch this process Process memory in use allowed "
+                                      "Of the allocated memory is allocated by PyTorch with private pools and reserved "
+                                      "but unallocated If large try setting expandable_segments avoid fragmentation "
+                                      "already in total cached"))
+_NEW_RECORD = re.compile(r"^\s{0,8}(?:Traceback|File \"|iteration|\[|[\w.]{0,40}Error\b|[\w.]{0,40}Exception\b|\d{4}-\d\d-\d\d)")
+
+
+def _join_wrapped(body: str, after: bytes, rank: int | None) -> tuple[str, int] | None:
+    """The message with the following lines that continue it: same rank prefix (other ranks' lines may be
+    interleaved), not the start of a new record, at most 8 lines; a word cut by the wrap is rejoined."""
+    out, taken, last = body.rstrip(), 0, 0
+    for index, raw in enumerate(after.split(b"\n")[:12], start=1):
+        text = raw.decode("utf-8", errors="replace")
+        r, rest = rank_of(text)
+        if r != rank and (r is not None or rank is not None):
+            continue  # another rank's line interleaved between the pieces
+        if not rest.strip() or _NEW_RECORD.match(rest) or "out of memory" in rest or taken >= 8:
+            break
+        rest = rest.strip()
+        left, right = re.search(r"[A-Za-z-]*$", out).group(0), re.match(r"[A-Za-z-]*", rest).group(0)
+        glue = "" if left and right and left + right in _MESSAGE_WORDS and left not in _MESSAGE_WORDS else " "
+        out += glue + rest
+        taken, last = taken + 1, index
+        if "but unallocated" in out or "reserved in total" in out or "cached)" in out:
+            break
+    return (out, last) if taken else None
+
+
+def _other_failures(body: str, where: str, rank: int | None, f: Findings) -> None:
+    if ("ibv_reg" in body or "egister" in body or "ncclMemAlloc" in body) and (m := P.REGISTRATION.search(body)):
+        _add_event(f, Event("registration", rank, where, clip(body), m.group(1)))
+        return
+    if "NCCL" in body or "nccl" in body or "Cuda failure" in body:
+        if P.NCCL_OOM.search(body):
+            nb = P.NCCL_BYTES.search(body)
+            _add_event(f, Event("nccl", rank, where, clip(body), nb.group(1) if nb else ""))
+            return
+    if "ALLOC_FAILED" in body or "WORKSPACE" in body or "memory_error" in body:
+        if m := P.WORKSPACE.search(body):
+            _add_event(f, Event("workspace", rank, where, clip(body), m.group(1)))
+            return
+    if ("OUT_OF_MEMORY" in body or "MemoryAllocation" in body or "out of memory" in body or "cuMem" in body
+            or "OutOfMemory" in body or "CUresult" in body) and (m := P.DRIVER.search(body)):
+        saver = P.MEMORY_SAVER.search(body)
+        _add_event(f, Event("driver", rank, where, clip(body), m.group(1) + (f" ({saver.group(0)})" if saver else "")))
+        return
+    if "oom" in body or "OOM" in body or "Out of memory" in body or "out of memory" in body:
+        if m := P.HOST_OOM.search(body):
+            _add_event(f, Event("host_oom", rank, where, clip(body), m.group(1)))
+            return
+    if "Killed" in body and P.SHELL_KILLED.search(body):
+        _add_event(f, Event("host_killed", rank, where, clip(body), "Killed"))
+
+
+def _signals(body: str, where: str, rank: int | None, f: Findings, state: dict) -> None:
+    tm = P.TORCHRUN_RANK.match(body)
+    if tm:
+        state["torchrun_rank"] = int(tm.group(1))
+        return
+    em = P.TORCHRUN_EXIT.match(body)
+    if em and state.get("torchrun_rank") is not None:
+        failed, code = state.pop("torchrun_rank"), int(em.group(1))
+        f.failed_ranks[failed] = Seen(code, where, clip(body))
+        if code in (-9, -15):  # torchrun's failure summary: the rank died of SIGKILL / SIGTERM
+            _add_event(f, Event("sigkill" if code == -9 else "sigterm", failed, where, clip(body), f"exitcode {code}"))
+        return
+    if ("SIG" in body or "exit" in body or "Exit" in body or "Signal" in body) and "Killed" not in body:
+        if P.SIGTERM_VICTIM.search(body):
+            _add_event(f, Event("sigterm", rank, where, clip(body), "SIGTERM"))
+        elif P.EXIT_137.search(body):
+            _add_event(f, Event("sigkill", rank, where, clip(body), "SIGKILL / exit 137"))
+
+
+def _context(body: str, where: str, f: Findings) -> None:
+    if "ALLOC_CONF" in body and "try setting PYTORCH" not in body and "If reserved but unallocated" not in body:
+        for var, value in P.ALLOC_SET.findall(body):
+            if value and not value.startswith("$"):
+                f.alloc_conf[var] = Seen(value, where, clip(body))
+                f.cite(where, body)
+    if "orch" in body and f.torch_version is None and (vm := P.TORCH_VERSION.search(body)):
+        major, minor = int(vm.group(1)), int(vm.group(2))
+        if 1 <= major <= 9:
+            f.torch_version = Seen((major, minor), where, clip(body))
+            f.cite(where, body)
+    _world(body, where, f)
+    values = [(m.group(1), m.group(2).strip("'\"")) for m, _ in zip(P.CONFIG_VALUE.finditer(body), range(64))]
+    for key, value in values:
+        if key not in f.config:
+            f.config[key] = Seen(value, where, clip(body))
+    _layout(body, where, f, values)
+    if f.command is None or "train.py" in body:
+        _command(body, where, f)
+    if "recipe" in body and not f.recipe and (rm := re.search(r"(?:--recipe[= ]|recipe=|recipe\.function=)([\w.]{1,120})", body)):
+        f.recipe = rm.group(1)
+    if "SLURM_JOB_ID" in body or "StepId=" in body:
+        jm = P.SLURM_JOB.search(body)
+        if jm and not f.slurm_job:
+            f.slurm_job = next(g for g in jm.groups() if g)
+    if f.inference_engine is None and (im := P.INFERENCE_ENGINE.search(body)):
+        f.inference_engine = Seen(im.group(1), where, clip(body))
+    if f.nvls is None and "NVLS" in body:
+        f.nvls = Seen("NVLS", where, clip(body))
+    if f.verl is None and ("WorkerDict" in body or "TaskRunner" in body or "verl" in body):
+        f.verl = Seen("verl", where, clip(body))
+    if f.memory_saver is None and ("saver" in body or "sleep" in body) and (sm := P.MEMORY_SAVER.search(body)):
+        f.memory_saver = Seen(sm.group(0), where, clip(body))
+
+
+def _world(body: str, where: str, f: Findings) -> None:
+    for priority, (kind, rx) in enumerate(P.WORLD):
+        if priority >= f._world_rank:
+            return
+        m = rx.search(body)
+        if not m:
+            continue
+        groups = [int(g) for g in m.groups()]
+        value = groups[0] if len(groups) == 1 else groups[0] * groups[1]
+        if value >= 1:
+            f.world = Seen(value, where, clip(body))
+            f._world_rank = priority
+            f.cite(where, body)
+        return
+
+
+_LAYOUT_KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+                "virtual_pipeline_model_parallel_size": "vpp", "context_parallel_size": "cp",
+                "expert_model_parallel_size": "ep", "data_parallel_size": "dp"}
+
+
+def _layout(body: str, where: str, f: Findings, values: list[tuple[str, str]]) -> None:
+    found = [(_LAYOUT_KEYS[k], int(v)) for k, v in values if k in _LAYOUT_KEYS and v.isdigit() and len(v) < 7]
+    found += [(m.group(1)[0].lower() + "p", int(m.group(2))) for m in P.MEGATRON_LM_SIZES.finditer(body)]
+    found += [(m.group(1).lower(), int(m.group(2))) for m in P.LAYOUT_SHORT.finditer(body)]
+    for short, value in found:
+        if short not in f.layout:
+            f.layout[short] = value
+            f.layout_where[short] = where
+
+
+def _command(body: str, where: str, f: Findings) -> None:
+    if 'File "' in body or "Traceback" in body:
+        return
+    m = P.LAUNCH.search(body)
+    if not m or not P.SCRIPT.search(body, m.end()):
+        return
+    text = body[m.start():].strip()
+    if f.command is None or "train.py" in text or "recipe" in text:
+        f.command = Seen(text, where, clip(body))
+        f.cite(where, body)
+

@@ -1,0 +1,98 @@
+"""``mbmem doctor --plan``: what each remedy saves for the job in the log, and a full validation of the
+next command. Needs Megatron Bridge (the recipe is built); the default doctor never imports this module.
+
+The savings come from the memory model (memory/model.py ``estimate``/``from_config``) on the recipe with
+the overrides and overlays the log's launch command shows, at the world size the log shows; remedies are
+then ranked by the numbers: those whose saving covers the failed request's shortfall first (cheapest
+first, the ladder order), then the others by saving.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from . import command as C
+
+GiB = 1 << 30
+SKIP_OVERRIDE_PREFIXES = ("recipe", "run.", "hydra", "mem.", "+")
+
+
+def make_planner(recipe: str | None) -> Callable:
+    def planner(remedies: list[C.Remedy], ctx, f) -> tuple[list[C.Remedy], str, Callable | None]:
+        name = recipe or f.recipe
+        if not name:
+            return remedies, "savings not computed: the recipe is not in the log; give --recipe", None
+        try:
+            from ..bridge.overrides import apply_overrides
+            from ..bridge.recipes import load_recipe, world_size_for
+            from ..bridge.stack import prepare
+            from ..core.engine import apply_overlay, plan_overlays
+            from ..core.errors import OverlayError
+            from ..memory import model as M
+        except ImportError as exc:
+            return remedies, f"savings not computed: Megatron Bridge is not importable ({exc})", None
+        try:
+            prepare()
+            cfg = load_recipe(name)
+            sets = [f"{k}={v}" for k, v in C.overrides_in(ctx.launch).items()
+                    if not k.startswith(SKIP_OVERRIDE_PREFIXES)]
+            locked = apply_overrides(cfg, sets) if sets else {}
+            world, _ = world_size_for(cfg, ctx.world)
+        except Exception as exc:  # noqa: BLE001 — any failure to build the recipe is reported, never raised
+            return remedies, f"savings not computed: recipe {name!r} could not be built ({type(exc).__name__}: {exc})", None
+        base_overlays = list(ctx.overlays)
+        base_params = {k: C._typed(v) for k, v in C.params_in(ctx.launch).items()}
+
+        def footprint(overlays: list[str], params: dict, extra_sets: dict) -> float | None:
+            work = copy.deepcopy(cfg)
+            try:
+                if extra_sets:
+                    apply_overrides(work, extra_sets)
+                apply_overlay(work, overlays, env={}, params=params, world_size=world, locked=locked)
+                return M.estimate(*M.from_config(work, world)).footprint
+            except (OverlayError, ValueError, TypeError, AttributeError):
+                return None
+
+        before = footprint(base_overlays, base_params, {})
+        for r in remedies:
+            if before is None or r.env or not (r.overlay or r.overrides) or r.overlay == "expandable_segments":
+                continue
+            overlays = [o for o in base_overlays if o not in r.remove_overlays]
+            if r.overlay and r.overlay not in overlays:
+                overlays.append(r.overlay)
+            params = {**base_params, **{f"{r.overlay}.{k}": v for k, v in r.params.items()}}
+            after = footprint(overlays, params, dict(r.overrides))
+            r.saves = None if after is None else max(0.0, before - after)
+        shortfall = _shortfall(f)
+        ranked = _rank(remedies, shortfall)
+        text = (f"savings from the memory model on {name}, world size {world}"
+                + (f"; the failed request was short by {shortfall / GiB:.2f} GiB" if shortfall else ""))
+
+        def validator(overlays: list[str], params: dict, command_text: str) -> str:
+            try:
+                plan_overlays(copy.deepcopy(cfg), overlays, env={}, params={k: C._typed(v) for k, v in params.items()},
+                              world_size=world, locked=locked)
+            except OverlayError as exc:
+                return "NOT VALID (engine, on the recipe): " + "; ".join(p.message for p in exc.problems)
+            return f"validated by the engine on recipe {name} at world size {world} (Bridge's config)"
+
+        return ranked, text, validator
+    return planner
+
+
+def _shortfall(f) -> float | None:
+    gaps = [o.requested - o.free - o.reserved_unallocated for o in f.ooms
+            if None not in (o.requested, o.free, o.reserved_unallocated)]
+    gaps = [g for g in gaps if g > 0]
+    return max(gaps) if gaps else None
+
+
+def _rank(remedies: list[C.Remedy], shortfall: float | None) -> list[C.Remedy]:
+    """Remedies the model cannot price keep their place in front; the priced ones: covering the shortfall
+    first (in the ladder's cost order), then the rest by saving, largest first; a remedy saving nothing last."""
+    fixed = [r for r in remedies if r.saves is None]
+    priced = [r for r in remedies if r.saves is not None]
+    covering = [r for r in priced if shortfall is not None and r.saves >= shortfall]
+    rest = sorted((r for r in priced if r not in covering), key=lambda r: -r.saves)
+    return fixed + covering + rest

@@ -1,0 +1,167 @@
+"""Reading logs for the doctor: files, globs, stdin, plain or gzip, in fixed-size blocks.
+
+Only the lines holding a trigger literal come back, so memory stays flat whatever the log size.
+Each line handed on is bounded: a line longer than MAX_LINE is not parsed whole, only in windows
+around its trigger literals (issue 15, item 15: no parse step may see unbounded text). A flood of
+short trigger lines takes the dense path: one C-level split per block and each distinct line parsed
+once (issue 15, item 17: 180 MB of short lines must not collapse the throughput).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterator
+
+BLOCK = 4 << 20
+MAX_CARRY = 4 * BLOCK          # a line still without a newline after this many bytes is cut here
+MAX_LINE = 16 << 10            # lines longer than this are parsed in windows around their triggers
+WINDOW_BEFORE, WINDOW_AFTER = 256, 2048
+MAX_WINDOWS = 32               # windows parsed per long line
+SPARSE_HITS = 2000             # more trigger hits than this in one block: dense path
+SEEN_LIMIT = 65536             # distinct lines remembered for the dense path (then forgotten and restarted)
+SEEN_LINE = 512                # only short lines are remembered: memory stays bounded (SEEN_LIMIT x SEEN_LINE)
+GZIP_MAGIC = b"\x1f\x8b"
+READ_ERRORS = (OSError, EOFError, zlib.error, ValueError)   # ValueError: read on a closed stream
+
+
+@dataclass
+class Source:
+    """One input as the reader saw it."""
+    name: str
+    bytes_read: int = 0
+    problems: list[str] = field(default_factory=list)
+    long_lines: int = 0
+    gzip: bool = False
+
+
+def expand(paths: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        hits = sorted(glob.glob(p)) if p != "-" and any(c in p for c in "*?[") else [p]
+        out += hits or [p]
+    return out
+
+
+def _stdin() -> BinaryIO | None:
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None or stream.closed:
+        return None
+    return stream
+
+
+def open_log(path: str, src: Source) -> BinaryIO | None:
+    """The decompressed byte stream, or None with the reason in ``src.problems``."""
+    if path == "-":
+        raw = _stdin()
+        if raw is None:
+            src.problems.append("-: standard input is closed; pipe a log in (`cat job.log | mbmem doctor -`) "
+                                "or give a file name")
+            return None
+    else:
+        try:
+            raw = open(path, "rb")
+        except OSError as exc:
+            src.problems.append(f"{path}: cannot read ({exc.strerror or exc})")
+            return None
+    try:
+        head = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
+    except READ_ERRORS as exc:
+        src.problems.append(f"{path}: cannot read ({exc})")
+        return None
+    if head == GZIP_MAGIC:  # the gzip magic, on files and on stdin alike (issue 15, item 18)
+        src.gzip = True
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    return raw
+
+
+def _pieces(line: bytes, triggers: tuple[bytes, ...], src: Source) -> list[bytes]:
+    """A short line whole; a long one as windows around its trigger literals (bounded count)."""
+    if len(line) <= MAX_LINE:
+        return [line]
+    src.long_lines += 1
+    starts: list[int] = []
+    for lit in triggers:
+        i = line.find(lit)
+        while i >= 0 and len(starts) < 4 * MAX_WINDOWS:
+            starts.append(i)
+            i = line.find(lit, i + WINDOW_AFTER)
+    windows: list[tuple[int, int]] = []
+    for i in sorted(starts):
+        lo, hi = max(0, i - WINDOW_BEFORE), i + WINDOW_AFTER
+        if windows and lo <= windows[-1][1]:
+            windows[-1] = (windows[-1][0], max(hi, windows[-1][1]))
+            if windows[-1][1] - windows[-1][0] > MAX_LINE:   # a run of overlapping hits stays bounded too
+                windows[-1] = (windows[-1][0], windows[-1][0] + MAX_LINE)
+        else:
+            windows.append((lo, hi))
+        if len(windows) >= MAX_WINDOWS:
+            break
+    return [line[a:b] for a, b in windows]
+
+
+def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+    """(line number, bounded line text, the text after it in the block (for wrapped messages))."""
+    carry, lineno = b"", 1
+    seen: set[bytes] = set()
+    while True:
+        try:
+            block = stream.read(BLOCK)
+        except READ_ERRORS as exc:
+            src.problems.append(f"{src.name}: read failed part-way ({type(exc).__name__}: {exc}); "
+                                "diagnosing what was read")
+            block = b""
+            if not carry:
+                break
+        src.bytes_read += len(block)
+        data = carry + block
+        cut = data.rfind(b"\n") + 1
+        if block and cut == 0 and len(data) < MAX_CARRY:
+            carry = data  # one long line: keep reading, bounded by MAX_CARRY
+            continue
+        work, carry = (data[:cut], data[cut:]) if (cut and block) else (data, b"")
+        present = tuple(lit for lit in triggers if lit in work)
+        if present:
+            hits = sum(work.count(lit) for lit in present)
+            lines = _dense(work, present, seen, src) if hits > SPARSE_HITS else _sparse(work, present, src)
+            for offset, line, after in lines:
+                yield lineno + offset, line, after
+        lineno += work.count(b"\n")
+        if not block:
+            break
+
+
+def _sparse(work: bytes, present: tuple[bytes, ...], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+    spans: set[tuple[int, int]] = set()
+    for lit in present:
+        i = work.find(lit)
+        while i >= 0:
+            start = work.rfind(b"\n", 0, i) + 1
+            end = work.find(b"\n", i)
+            end = len(work) if end < 0 else end
+            spans.add((start, end))
+            i = work.find(lit, end)
+    pos, offset = 0, 0
+    for start, end in sorted(spans):
+        offset += work.count(b"\n", pos, start)
+        pos = start
+        after = work[end + 1:end + 1 + WINDOW_AFTER]
+        for piece in _pieces(work[start:end], present, src):
+            yield offset, piece, after
+
+
+def _dense(work: bytes, present: tuple[bytes, ...], seen: set[bytes], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+    # A flood: each distinct line is parsed once (the first time), whatever its count.
+    for offset, line in enumerate(work.split(b"\n")):
+        if len(line) <= SEEN_LINE:
+            if line in seen:
+                continue
+            if len(seen) >= SEEN_LIMIT:
+                seen.clear()
+            seen.add(line)
+        if any(lit in line for lit in present):
+            for piece in _pieces(line, present, src):
+                yield offset, piece, b""
