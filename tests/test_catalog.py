@@ -61,14 +61,16 @@ def test_user_overlay_dir_and_collision(tmp_path):
     _write(tmp_path, "tiny_mbs", "# @package mem.tiny_mbs\nmbs: 1\noverlay:\n  summary: x\n  set:\n    train.micro_batch_size: '@mbs'\n")
     assert "tiny_mbs" in Catalog([tmp_path]).names()
     _write(tmp_path, "cpu_offload", "overlay:\n  summary: mine\n")
+    cat = Catalog([tmp_path])  # a clash refuses the user file, not the whole catalogue
+    assert "tiny_mbs" in cat.names() and cat.specs["cpu_offload"].builtin
     with pytest.raises(OverlayError, match="already the built-in overlay"):
-        Catalog([tmp_path])
+        cat.resolve("cpu_offload")
 
 
 def test_user_overlay_alias_collision(tmp_path):
     _write(tmp_path, "lora_regather", "overlay:\n  summary: mine\n")
     with pytest.raises(OverlayError, match="already the built-in overlay"):
-        Catalog([tmp_path])
+        Catalog([tmp_path]).resolve("lora_regather")
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -80,13 +82,17 @@ def test_user_overlay_alias_collision(tmp_path):
 ])
 def test_malformed_user_overlay(tmp_path, text, fragment):
     _write(tmp_path, "bad", text)
+    cat = Catalog([tmp_path])
+    assert any(fragment in p.message for p in cat.problems)
     with pytest.raises(OverlayError, match=fragment):
-        Catalog([tmp_path])
+        cat.resolve("bad")
 
 
 def test_missing_overlay_dir(tmp_path):
+    cat = Catalog([tmp_path / "nope"])
+    assert any("does not exist" in p.message for p in cat.problems)
     with pytest.raises(OverlayError, match="does not exist"):
-        Catalog([tmp_path / "nope"])
+        cat.resolve("my_overlay")
 
 
 def test_list_and_explain_do_not_import_bridge_or_torch():

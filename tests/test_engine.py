@@ -47,15 +47,15 @@ def test_failure_midway_restores_config_and_env(recipe, clean_env, monkeypatch):
     cfg = recipe(L8)
     clean_env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:128"
     before, env_before = snapshot(cfg), dict(clean_env)
-    real_write, calls = engine.write, []
+    real_put, calls = engine.put, []
 
-    def flaky_write(obj, path, value):
-        calls.append(path)
+    def flaky_put(obj, key, value):
+        calls.append(key)
         if len(calls) == 3:
             raise RuntimeError("injected failure")
-        real_write(obj, path, value)
+        real_put(obj, key, value)
 
-    monkeypatch.setattr(engine, "write", flaky_write)
+    monkeypatch.setattr(engine, "put", flaky_put)
     with pytest.raises(RuntimeError, match="injected"):
         apply_overlay(cfg, ["selective_recompute", "optimizer_offload", "expandable_segments"], env=clean_env)
     assert len(calls) > 3  # writes happened, then were undone

@@ -28,13 +28,56 @@ class AllocConfError(ValueError):
     """A malformed allocator setting string."""
 
 
+def _entries(var: str, text: str) -> list[str]:
+    """Split at the commas between entries, not at those inside a bracketed list value.
+
+    PyTorch's ConfigTokenizer (c10/core/AllocatorConfig.h) makes ',', ':', '[' and ']' tokens of
+    their own and reads a value either as one token or as '[' ... ']' (no nesting), so
+    ``roundup_power2_divisions:[256:1,512:2,1024:4,>:8]`` is one entry whose value holds ':' and ','.
+    """
+    entries, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise AllocConfError(f"{var}={text!r}: a list value contains another '[' (lists do not nest). "
+                                     f"Write a list as key:[a,b,c], e.g. {var}=roundup_power2_divisions:[256:1,>:8]")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise AllocConfError(f"{var}={text!r}: ']' without a matching '['. "
+                                     f"Write a list as key:[a,b,c], e.g. {var}=roundup_power2_divisions:[256:1,>:8]")
+        elif ch == "," and depth == 0:
+            entries.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise AllocConfError(f"{var}={text!r}: '[' is never closed with ']'. "
+                             f"Write a list as key:[a,b,c], e.g. {var}=roundup_power2_divisions:[256:1,>:8]")
+    entries.append(text[start:])
+    return entries
+
+
+def _valid_value(value: str) -> bool:
+    """One token (no ':' or brackets) or a non-empty bracketed list of tokens (ConfigTokenizer::skipKey)."""
+    if value.startswith("[") and value.endswith("]"):
+        inner = value[1:-1]
+        return bool(inner.strip()) and all(item.strip() for item in inner.split(","))
+    return bool(value) and not any(ch in value for ch in ":[]")
+
+
 def parse(var: str, text: str) -> dict[str, str]:
-    """``"a:1,b:2"`` -> ``{"a": "1", "b": "2"}`` (order kept). Empty string -> ``{}``."""
+    """``"a:1,b:2"`` -> ``{"a": "1", "b": "2"}`` (order kept). Empty string -> ``{}``.
+
+    A value may be a bracketed list: ``"roundup_power2_divisions:[256:1,>:8]"`` ->
+    ``{"roundup_power2_divisions": "[256:1,>:8]"}``.
+    """
+    if not isinstance(text, str):
+        raise AllocConfError(f"{var}={text!r}: expected a string of key:value pairs, got {type(text).__name__}")
     text = text.strip()
     if not text:
         return {}
     out: dict[str, str] = {}
-    for position, item in enumerate(text.split(","), start=1):
+    for position, item in enumerate(_entries(var, text), start=1):
         item = item.strip()
         if not item:
             raise AllocConfError(
@@ -42,9 +85,9 @@ def parse(var: str, text: str) -> dict[str, str]:
                 f"Write it as comma-separated key:value pairs, e.g. {var}=expandable_segments:True")
         key, sep, value = item.partition(":")
         key, value = key.strip(), value.strip()
-        if not sep or not _KEY.match(key) or not value:
+        if not sep or not _KEY.match(key) or not _valid_value(value):
             raise AllocConfError(
-                f"{var}={text!r}: entry {item!r} is not key:value. "
+                f"{var}={text!r}: entry {item!r} is not key:value (or key:[a,b,...]). "
                 f"Write it as comma-separated key:value pairs, e.g. {var}=expandable_segments:True")
         if key in out:
             raise AllocConfError(

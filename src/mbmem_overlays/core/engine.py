@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import allocconf, rules
-from .catalog import Catalog, OverlaySpec
-from .errors import OverlayError, Problem
-from .paths import MISSING, path_problem, read, type_problem, write
+from .catalog import ENV_NAME, Catalog, OverlaySpec, coerce_param
+from .errors import OverlayError, Problem, ValidationRejected, short_repr
+from .paths import MISSING, parent_of, path_problem, put, read, type_problem
 
 CONFIG = "config"  # the party for values that were in the config before any overlay
 
@@ -119,37 +119,10 @@ class View:
 
 
 # ----------------------------------------------------------------------------- parameters
-def _coerce_param(spec_name: str, p, value: Any) -> tuple[Any, str | None]:
-    t = p.type
-    if t == "int" and not (isinstance(value, int) and not isinstance(value, bool)):
-        return value, f"must be an integer, got {value!r}"
-    if t == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return value, f"must be a number, got {value!r}"
-        value = float(value)
-    if t == "bool" and not isinstance(value, bool):
-        return value, f"must be true or false, got {value!r}"
-    if t == "str" and not isinstance(value, str):
-        return value, f"must be a string, got {value!r}"
-    if t == "labels":
-        if isinstance(value, str) and value != "auto":
-            value = [value]
-        if not (value == "auto" or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))):
-            return value, f"must be 'auto' or a list of labels, got {value!r}"
-        if isinstance(value, tuple):
-            value = list(value)
-    if p.choices is not None and value not in p.choices:
-        return value, f"must be one of {list(p.choices)}, got {value!r}"
-    if p.min is not None and isinstance(value, (int, float)) and value < p.min:
-        return value, f"must be >= {p.min}, got {value!r}"
-    if p.max is not None and isinstance(value, (int, float)) and value > p.max:
-        return value, f"must be <= {p.max}, got {value!r}"
-    return value, None
-
-
 def _normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
                       catalog: Catalog) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
     given: dict[str, dict[str, Any]] = {s.name: {} for s in specs}
+    spelled: dict[tuple[str, str], str] = {}   # (overlay, param) -> how the caller wrote it, for conflicts
     problems: list[Problem] = []
     for key, value in (params or {}).items():
         if "." in key:
@@ -161,14 +134,29 @@ def _normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None
             oname, value = specs[0].name, {key: value}
         else:
             problems.append(Problem((key,), key, value, "parameter given without its overlay",
-                                    f"write it as {{'<overlay>.{key}': {value!r}}} or {{'<overlay>': {{'{key}': ...}}}}"))
+                                    f"write it as {{'<overlay>.{key}': {short_repr(value)}}} or {{'<overlay>': {{'{key}': ...}}}}"))
             continue
         oname = catalog.aliases.get(oname, oname)
         if oname not in given:
             problems.append(Problem((oname,), key, value, f"parameters for {oname!r}, which is not selected",
                                     f"add {oname} to the overlays, or drop these parameters"))
             continue
-        given[oname].update(value)
+        for pname, pvalue in value.items():
+            if not isinstance(pname, str):
+                problems.append(Problem((oname,), key, pname, f"parameter names must be text, got {short_repr(pname)}",
+                                        f"see `mbmem explain {oname}`", check="param"))
+                continue
+            written = key if "." in key or not isinstance(value, Mapping) or key == pname else f"{key}.{pname}"
+            if pname in given[oname] and not _same_value(given[oname][pname], pvalue):
+                # An alias and the canonical name (or two spellings) disagree: no silent "last one wins".
+                problems.append(Problem(
+                    (oname,), f"mem.{oname}.{pname}", pvalue,
+                    f"parameter {pname} of {oname} is given twice with different values: "
+                    f"{spelled[oname, pname]}={short_repr(given[oname][pname])} and {written}={short_repr(pvalue)}",
+                    f"give {oname}.{pname} once (aliases name the same overlay)", check="param"))
+                continue
+            given[oname][pname] = pvalue
+            spelled.setdefault((oname, pname), written)
     resolved: dict[str, dict[str, Any]] = {}
     for spec in specs:
         values = {k: copy.deepcopy(p.default) for k, p in spec.params.items()}
@@ -183,7 +171,7 @@ def _normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None
                     f"use mem.{spec.name}.{close[0]}={value}" if close else f"see `mbmem explain {spec.name}`",
                     check="param"))
                 continue
-            coerced, err = _coerce_param(spec.name, spec.params[pname], value)
+            coerced, err = coerce_param(spec.params[pname], value)
             if err:  # reported; the default stays so the remaining checks still see a well-typed value
                 problems.append(Problem((spec.name,), f"mem.{spec.name}.{pname}", value,
                                         f"parameter {pname} {err}", spec.params[pname].help or f"see `mbmem explain {spec.name}`",
@@ -192,6 +180,13 @@ def _normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None
             values[pname] = coerced
         resolved[spec.name] = values
     return resolved, problems
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal, and of the same kind: ``True`` and ``1`` are different parameter values."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def substitute(value: Any, params: dict[str, Any]) -> Any:
@@ -225,6 +220,11 @@ def _field_conflicts(field_claims: list[FieldClaim], locked: Mapping[str, Any]) 
                                 f"{a} and {b} set the same field(s) to different values: {'; '.join(what)}",
                                 f"choose one of +mem={a} or +mem={b}", check="claims"))
     for path, claim in by_path.items():
+        inner = next((other for other in by_path if other.startswith(path + ".")), None)
+        if inner is not None:  # writing a whole sub-config and one of its fields: the result depends on order
+            problems.append(Problem(tuple(dict.fromkeys((claim.overlay, by_path[inner].overlay))), path, claim.value,
+                                    f"{path} is set as a whole and {inner} inside it is set too",
+                                    f"set only the fields, e.g. {inner}", check="claims"))
         if path in locked and locked[path] != claim.value:
             problems.append(Problem((claim.overlay, "override"), path, locked[path],
                                     f"your override sets {path}={locked[path]!r} but {claim.overlay} sets {claim.value!r}",
@@ -275,7 +275,112 @@ def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[di
     return plan, problems
 
 
-def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, str] | None = None,
+# ----------------------------------------------------------------------------- arguments
+ARGUMENT = "argument"  # the party for a wrong argument of the Python API
+
+
+def _argument_problem(name: str, value: Any, message: str, fix: str) -> Problem:
+    return Problem((ARGUMENT,), name, value, message, fix, check="arguments")
+
+
+def _overlay_names(overlays: Any) -> tuple[list[str], list[Problem]]:
+    """The selection as a list of names, or problems (None, 5, [None], a dict) before anything runs."""
+    fix = "pass a name or a list of names, e.g. overlays=['expandable_segments'] (or [] / () to select none)"
+    if isinstance(overlays, str):
+        return [overlays], []
+    if overlays is None or isinstance(overlays, (Mapping, bytes, bytearray)) or not isinstance(overlays, Iterable):
+        return [], [_argument_problem("overlays", overlays, f"overlays must be a name or a list of names, got "
+                                      f"{type(overlays).__name__}", fix)]
+    names = list(overlays)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        return [], [_argument_problem("overlays", bad[0], f"every overlay name must be text, got "
+                                      f"{', '.join(sorted({type(n).__name__ for n in bad}))}", fix)]
+    return names, []
+
+
+def _str_keys(name: str, value: Any, example: str) -> list[Problem]:
+    if value is None:
+        return []
+    if not isinstance(value, Mapping):
+        return [_argument_problem(name, value, f"{name} must be a mapping, got {type(value).__name__}", example)]
+    bad = [k for k in value if not isinstance(k, str)]
+    return [_argument_problem(name, bad[0], f"{name} keys must be text, got {type(bad[0]).__name__}", example)] if bad else []
+
+
+def world_size_problem(world_size: Any) -> Problem | None:
+    """None, or why ``world_size`` is not a number of GPUs (issue 15 #12: 0, negative, bool, "8")."""
+    if world_size is None:
+        return None
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        return _argument_problem("world_size", world_size, f"world_size must be a whole number of GPUs, got "
+                                 f"{type(world_size).__name__}", "pass an integer >= 1, e.g. world_size=8")
+    if world_size < 1:
+        return _argument_problem("world_size", world_size, f"world_size must be at least 1 GPU, got {world_size}",
+                                 "pass the number of GPUs the job runs on, e.g. world_size=8")
+    return None
+
+
+def argument_problems(cfg: Any, overlays: Any, env: Any, params: Any, world_size: Any, locked: Any,
+                      overlay_dirs: Any, catalog: Any, validator: Any = None) -> tuple[list[str], list[Problem]]:
+    """The overlay names, and every wrong argument (type or value) of ``apply_overlay``/``plan_overlays``."""
+    names, problems = _overlay_names(overlays)
+    if cfg is None or not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)) and not isinstance(cfg, MutableMapping):
+        problems.append(_argument_problem("cfg", cfg, f"cfg must be a config object (a Bridge ConfigContainer), "
+                                          f"got {type(cfg).__name__}", "build one with a recipe, e.g. "
+                                          "megatron.bridge.recipes...llama3_8b_pretrain_config()"))
+    if env is not None:
+        if not isinstance(env, MutableMapping):
+            problems.append(_argument_problem("env", env, f"env must be a mutable mapping (e.g. os.environ or a dict), "
+                                              f"got {type(env).__name__}", "pass env=os.environ, env={} or env=None"))
+        else:
+            bad = next(((k, v) for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)), None)
+            if bad is not None:
+                problems.append(_argument_problem("env", bad, f"env must map text to text, like the process environment; "
+                                                  f"{short_repr(bad[0])} maps to {type(bad[1]).__name__}",
+                                                  f"give {short_repr(bad[0])} a string value, e.g. '1'"))
+    problems += _str_keys("params", params, "pass params={'cpu_offload.num_layers': 2} or {'cpu_offload': {'num_layers': 2}}")
+    if isinstance(params, Mapping):
+        for key, value in params.items():
+            if isinstance(value, Mapping) and any(not isinstance(k, str) for k in value):
+                problems.append(_argument_problem("params", key, f"params[{key!r}] keys must be parameter names (text)",
+                                                  f"e.g. {{{key!r}: {{'num_layers': 2}}}}"))
+    problems += _str_keys("locked", locked, "pass locked={'model.recompute_granularity': 'full'}")
+    p = world_size_problem(world_size)
+    if p:
+        problems.append(p)
+    if overlay_dirs is not None and (isinstance(overlay_dirs, (str, bytes, os.PathLike))
+                                     or not isinstance(overlay_dirs, (list, tuple))
+                                     or not all(isinstance(d, (str, os.PathLike)) for d in overlay_dirs)):
+        problems.append(_argument_problem("overlay_dirs", overlay_dirs, "overlay_dirs must be a list of directories",
+                                          "pass overlay_dirs=['/path/to/overlays']"))
+    if catalog is not None and not isinstance(catalog, Catalog):
+        problems.append(_argument_problem("catalog", catalog, f"catalog must be a Catalog, got {type(catalog).__name__}",
+                                          "pass catalog=Catalog(...) or leave it out"))
+    if validator is not None and not callable(validator):
+        problems.append(_argument_problem("validator", validator, "validator must be callable", "leave it out"))
+    return names, problems
+
+
+def env_name_problems(env_claims: list[EnvClaim]) -> list[Problem]:
+    """Variable names and values every later step can export safely (issue 15 #2, #5).
+
+    Catalogue files are checked when read; this also covers resolver output and names the overlay."""
+    problems = []
+    for claim in env_claims:
+        if not isinstance(claim.var, str) or not ENV_NAME.fullmatch(claim.var):
+            problems.append(Problem((claim.overlay,), f"${claim.var}", claim.value,
+                                    f"{short_repr(claim.var)} is not a valid environment variable name "
+                                    "(letters, digits and '_', not starting with a digit)",
+                                    f"rename it in {claim.overlay}, e.g. MY_VAR", check="env"))
+        elif claim.value is not None and "\0" in claim.value:
+            problems.append(Problem((claim.overlay,), f"${claim.var}", claim.value,
+                                    f"the value of {claim.var} contains a NUL character, which no environment holds",
+                                    f"remove it in {claim.overlay}", check="env"))
+    return problems
+
+
+def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[str, str] | None = None,
                   params: Mapping[str, Any] | None = None, world_size: int | None = None,
                   locked: Mapping[str, Any] | None = None, catalog: Catalog | None = None,
                   overlay_dirs: list[str] | None = None):
@@ -283,9 +388,10 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
 
     Raises OverlayError with every problem found.
     """
+    names, problems = argument_problems(cfg, overlays, env, params, world_size, locked, overlay_dirs, catalog)
+    if problems:  # wrong argument types: nothing below could run meaningfully, and nothing was touched
+        raise OverlayError(problems)
     catalog = catalog or Catalog(overlay_dirs)
-    names = [overlays] if isinstance(overlays, str) else list(overlays)
-    problems: list[Problem] = []
     specs: list[OverlaySpec] = []
     for name in names:
         try:
@@ -344,7 +450,10 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
             problems.append(Problem((claim.overlay,), path, claim.value, f"{path} {err}",
                                     f"fix the value in {catalog.specs[claim.overlay].path if claim.overlay in catalog.specs else claim.overlay}",
                                     check="field_type"))
-    env_plan, env_problems = _env_plan(env_claims, effective)
+    name_problems = env_name_problems(env_claims)
+    problems += name_problems
+    bad_vars = {(p.overlays[0], p.field[1:]) for p in name_problems}
+    env_plan, env_problems = _env_plan([c for c in env_claims if (c.overlay, c.var) not in bad_vars], effective)
     problems += env_problems
 
     # 3. every check runs on the final prospective state
@@ -383,41 +492,105 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str], *, env: Mapping[str, 
     for name in selected:
         if name not in changed_by:
             report.notes.append(f"{name}: already in effect in this config; nothing to change")
+    if not selected:
+        report.notes.append("no overlays selected; nothing to change (the config was still checked)")
+    # A broken user overlay that was not selected does not stop this apply; it is still reported.
+    report.warnings += [f"user overlay skipped: {p.message} (fix: {p.fix})" for p in catalog.problems]
     return report, claims, env_plan
 
 
-def apply_overlay(cfg: Any, overlays: str | Iterable[str], *, env: MutableMapping[str, str] | None = None,
+def _write_plan(root: Any, report: Report) -> list[tuple[Any, str, Any]]:
+    """(object, key, new value) for every config write, resolved before the first one happens.
+
+    ``env_vars.<VAR>`` entries are keys of cfg.env_vars, never re-split at dots (issue 15 #5)."""
+    plan = []
+    recipe_env = read(root, "env_vars", None)
+    for change in report.changes:
+        if change.target.startswith("$"):
+            continue
+        var = change.target[len("env_vars."):]
+        if change.target.startswith("env_vars.") and var in report.env_to_export and isinstance(recipe_env, MutableMapping):
+            plan.append((recipe_env, var, change.new))
+        else:
+            obj, key = parent_of(root, change.target)
+            plan.append((obj, key, change.new))
+    return plan
+
+
+def _current(obj: Any, key: str) -> Any:
+    return obj.get(key, MISSING) if isinstance(obj, Mapping) else getattr(obj, key, MISSING)
+
+
+def _restore(obj: Any, key: str, old: Any) -> None:
+    if old is MISSING and not isinstance(obj, MutableMapping):
+        if key in getattr(obj, "__dict__", {}):
+            delattr(obj, key)
+    else:
+        put(obj, key, old)
+
+
+def _rejection(report: Report, world_size: int | None) -> ValidationRejected:
+    v = report.validation
+    return ValidationRejected(report, [Problem(
+        ("bridge",), "runtime_config_update", world_size,
+        f"Bridge's own validation rejected the config with {', '.join(report.overlays) or 'no overlays'} applied: "
+        f"{getattr(v, 'error', None) or getattr(v, 'verdict', v)}",
+        "nothing was changed (the config and environment are as before). Fix what Bridge names (a field, or "
+        "the world size: the number of GPUs) or drop the overlay that sets it; report.changes lists what each "
+        "overlay would change", source="megatron/bridge/training/config.py runtime_config_update", check="bridge")])
+
+
+def apply_overlay(cfg: Any, overlays: str | Iterable[str] = (), *, env: MutableMapping[str, str] | None = None,
                   params: Mapping[str, Any] | None = None, world_size: int | None = None,
                   locked: Mapping[str, Any] | None = None, validator: Validator | None = None,
                   overlay_dirs: list[str] | None = None, catalog: Catalog | None = None) -> Report:
     """Apply overlays to ``cfg`` (and ``env``, when given) atomically; the arguments are documented on
-    ``mbmem_overlays.apply_overlay``. ``validator`` is the stack's own validation, run on the applied
-    config (that function passes Bridge's for ``validate=True``); its result is ``report.validation``.
+    ``mbmem_overlays.apply_overlay``. ``validator`` is the stack's own validation, run on a copy of the
+    config with the changes applied (that function passes Bridge's for ``validate=True``); its result is
+    ``report.validation``.
 
-    Raises ``OverlayError`` listing every problem; then cfg and env are unchanged.
+    Raises ``OverlayError`` listing every problem, or ``ValidationRejected`` (an OverlayError carrying the
+    report) when the validator's result has ``ok == False``; in both cases cfg and env are unchanged.
+
+    Everything that can fail happens before the first write: planning, resolving each target object,
+    and validation (on a copy). The writes themselves are plain attribute/key assignments to objects
+    resolved beforehand, and each undo step is independent, so a failure cannot leave half a change.
     """
+    if validator is not None and not callable(validator):
+        raise OverlayError([_argument_problem("validator", validator, "validator must be callable", "leave it out")])
     report, claims, env_plan = plan_overlays(cfg, overlays, env=env, params=params, world_size=world_size,
                                              locked=locked, catalog=catalog, overlay_dirs=overlay_dirs)
-    undo_fields: list[tuple[str, Any]] = []
-    env_before = {var: env.get(var, MISSING) for var in env_plan} if env is not None else {}
+    if validator is not None:
+        prospective = copy.deepcopy(cfg)
+        for obj, key, new in _write_plan(prospective, report):
+            put(obj, key, copy.deepcopy(new))
+        prospective_env = None if env is None else {**env, **report.env_to_export}
+        report.validation = validator(prospective, world_size, prospective_env)
+        if getattr(report.validation, "ok", True) is False:
+            raise _rejection(report, world_size)
+
+    plan = _write_plan(cfg, report)
+    undo = [(obj, key, _current(obj, key)) for obj, key, _ in plan]
+    env_before = {var: env.get(var, MISSING) for var in report.env_to_export} if env is not None else {}
     try:
-        for change in report.changes:
-            if change.target.startswith("$"):
-                continue
-            undo_fields.append((change.target, read(cfg, change.target, MISSING)))
-            write(cfg, change.target, copy.deepcopy(change.new))
+        for obj, key, new in plan:
+            put(obj, key, copy.deepcopy(new))
         if env is not None:
             for var, value in report.env_to_export.items():
                 env[var] = value
-        if validator is not None:
-            report.validation = validator(cfg, world_size, env)
-    except BaseException:
-        for path, old in reversed(undo_fields):
-            write(cfg, path, old)
+    except BaseException as exc:
+        for obj, key, old in reversed(undo):
+            try:
+                _restore(obj, key, old)
+            except Exception as undo_exc:  # keep undoing the rest; say what could not be restored
+                exc.add_note(f"mbmem-overlays: could not restore {key}: {undo_exc!r}")
         for var, old in env_before.items():
-            if old is MISSING:
-                env.pop(var, None)
-            else:
-                env[var] = old
+            try:
+                if old is MISSING:
+                    env.pop(var, None)
+                else:
+                    env[var] = old
+            except Exception as undo_exc:
+                exc.add_note(f"mbmem-overlays: could not restore ${var}: {undo_exc!r}")
         raise
     return report

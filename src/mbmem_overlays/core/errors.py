@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from typing import Any
+
+# Values in problems come from user input (YAML files, --set, the API): a 5,000-digit integer makes
+# repr() raise (Python's int-to-str digit limit), a recursive YAML anchor or a huge list makes it
+# unreadable. Problems show a bounded repr that cannot fail.
+_SHORT = reprlib.Repr(maxlevel=3, maxlist=8, maxdict=8, maxstring=120, maxother=120, maxlong=60)
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)``, bounded in length and guaranteed not to raise."""
+    try:
+        return _SHORT.repr(value)
+    except Exception:  # a hostile __repr__ or an int over the digit limit
+        return f"<{type(value).__name__}>"
 
 
 @dataclass(frozen=True)
@@ -18,7 +32,7 @@ class Problem:
 
     def render(self) -> str:
         who = " + ".join(self.overlays)
-        text = f"[{who}] {self.field}={self.value!r}: {self.message}\n    fix: {self.fix}"
+        text = f"[{who}] {self.field}={short_repr(self.value)}: {self.message}\n    fix: {self.fix}"
         if self.source:
             text += f"\n    source: {self.source}"
         return text

@@ -10,7 +10,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from .errors import Problem
+from .errors import Problem, short_repr
 
 MISSING = object()  # "no such field" (distinct from a field whose value is None)
 
@@ -20,17 +20,30 @@ def split(path: str) -> list[str]:
 
 
 def child(obj: Any, key: str) -> Any:
-    """``obj.key`` (or ``obj[key]``), or MISSING when that is not a declared field."""
+    """``obj.key`` (or ``obj[key]``), or MISSING when that is not a declared field.
+
+    Only declared dataclass fields and mapping keys count: methods, properties, class attributes
+    and dunders (``model.finalize``, ``model.__class__``, ``model.__dataclass_fields__``) are not
+    config fields, and writing one would replace a method or corrupt the object (issue 15 #13).
+    Bridge dataclasses also accept misspelled attributes silently (stack-on-cpu.md, "Unknown
+    attributes are accepted silently"), so existence is decided by the declaration, never hasattr.
+    """
     if isinstance(obj, Mapping):
         return obj.get(key, MISSING)
     if is_dataclass(obj) and not isinstance(obj, type):
-        names = {f.name for f in fields(obj)}
-        if key in names or hasattr(type(obj), key):
+        if key in declared_fields(obj):
             return getattr(obj, key, MISSING)
-        # Bridge dataclasses accept misspelled attributes silently (stack-on-cpu.md,
-        # "Unknown attributes are accepted silently"): only declared fields count.
         return MISSING
-    return getattr(obj, key, MISSING)
+    # A plain object inside the config: its public instance attributes only (never methods or dunders).
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict) and not key.startswith("_") and key in attrs and not callable(attrs[key]):
+        return attrs[key]
+    return MISSING
+
+
+def declared_fields(obj: Any) -> set[str]:
+    """The names a dataclass instance declares (``fields()``: no ClassVar, no InitVar)."""
+    return {f.name for f in fields(obj)}
 
 
 def field_names(obj: Any) -> list[str]:
@@ -38,7 +51,8 @@ def field_names(obj: Any) -> list[str]:
         return [str(k) for k in obj]
     if is_dataclass(obj) and not isinstance(obj, type):
         return [f.name for f in fields(obj)]
-    return [k for k in vars(obj) if not k.startswith("_")] if hasattr(obj, "__dict__") else []
+    attrs = getattr(obj, "__dict__", None)
+    return [k for k, v in attrs.items() if not k.startswith("_") and not callable(v)] if isinstance(attrs, dict) else []
 
 
 def read(cfg: Any, path: str, default: Any = MISSING) -> Any:
@@ -99,21 +113,47 @@ def type_problem(current: Any, value: Any) -> str | None:
         ok = isinstance(value, str)
     elif isinstance(current, (list, tuple)):
         ok = isinstance(value, (list, tuple))
+    elif is_dataclass(current) and not isinstance(current, type):
+        # A whole sub-config (model, optimizer, peft, ...) replaced by a scalar or a dict would corrupt
+        # the ConfigContainer; set its fields instead. None stays allowed (optional sub-configs).
+        if isinstance(value, type(current)):
+            return None
+        return (f"is a {type(current).__name__} config object; a {type(value).__name__} cannot replace it "
+                "(set its fields one by one instead, e.g. <path>.<field>=...)")
+    elif isinstance(current, Mapping):
+        ok = isinstance(value, Mapping)
     else:
         ok = True
-    return None if ok else f"expects {type(current).__name__} (currently {current!r}), got {type(value).__name__} {value!r}"
+    return None if ok else (f"expects {type(current).__name__} (currently {short_repr(current)}), "
+                            f"got {type(value).__name__} {short_repr(value)}")
+
+
+def parent_of(cfg: Any, path: str) -> tuple[Any, str]:
+    """The object holding the last key of ``path``, and that key; KeyError if a parent is not a field.
+
+    The engine resolves every target before it writes anything, so a bad path fails while nothing
+    has changed yet, and its undo writes to the same objects without walking paths again."""
+    *parents, last = split(path)
+    obj = cfg
+    for key in parents:
+        obj = child(obj, key)
+        if obj is MISSING or obj is None:
+            raise KeyError(f"{path}: {key!r} is not a field holding a config object")
+    return obj, last
+
+
+def put(obj: Any, key: str, value: Any) -> None:
+    """``obj.key = value`` (or ``obj[key] = value``); MISSING removes a mapping key (undo of an added key)."""
+    if isinstance(obj, MutableMapping):
+        if value is MISSING:
+            obj.pop(key, None)
+        else:
+            obj[key] = value
+    else:
+        setattr(obj, key, value)
 
 
 def write(cfg: Any, path: str, value: Any) -> None:
     """Set ``path`` to ``value``; writing MISSING removes a dict key (undo of an added key)."""
-    *parents, last = split(path)
-    obj = cfg
-    for key in parents:
-        obj = obj[key] if isinstance(obj, Mapping) else getattr(obj, key)
-    if isinstance(obj, MutableMapping):
-        if value is MISSING:
-            obj.pop(last, None)
-        else:
-            obj[last] = value
-    else:
-        setattr(obj, last, value)
+    obj, last = parent_of(cfg, path)
+    put(obj, last, value)
