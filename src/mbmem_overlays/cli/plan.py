@@ -1,54 +1,231 @@
-"""``mbmem plan``: per-GPU memory before and after each overlay, or ``--search`` for layouts that fit."""
+"""``mbmem plan``: per-GPU memory before and after each overlay, or ``--search`` for layouts that fit.
+
+Also what ``plan`` and ``recommend`` share: their options, the argument checks that run before the
+20-30 s Bridge import (sizes, counts, the plot path, overlays, parameters, override syntax), the JSON
+envelope (``schema_version``, and an ``error`` object instead of an empty stdout), and the user's
+:class:`~mbmem_overlays.memory.steps.Start`, which every printed command keeps.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
+from typing import Any
 
-from .common import EXIT_USAGE, add_recipe_options, csv_list, recipe_with_overrides
+from ..core.errors import OverlayError, Problem
+from .common import (EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, catalog_for, csv_list, positive_int,
+                     preflight, split_sets)
 
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="per-GPU memory before and after each overlay (and --search for layouts)")
-    add_recipe_options(p, world_size="required")
-    p.add_argument("--overlay", "-O", action="append", default=[])
-    p.add_argument("--gpu-memory", help="capacity per GPU, e.g. 80GiB")
-    p.add_argument("--margin", type=float, default=0.05, help="headroom kept free (fraction of capacity)")
-    p.add_argument("--plot", metavar="PNG")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--search", action="store_true", help="enumerate layouts and overlay sets that fit")
-    p.add_argument("--top", type=int, default=5)
+    add_memory_options(p, capacity_help="capacity per GPU for a fit verdict, e.g. 80GiB, 80GB, 80G or bytes")
+    p.add_argument("--search", action="store_true",
+                   help="enumerate layouts and overlay sets that fit; each result is validated and has its command")
+    p.add_argument("--top", default="5", metavar="N", help="how many validated layouts --search prints (default 5)")
     p.set_defaults(fn=run)
 
 
-def run(args) -> int:
+def add_memory_options(p, *, capacity_help: str) -> None:
+    """Options of plan and recommend. Counts and sizes are read as text and checked in ``checked_args``,
+    so that a bad value is a usage error that --json reports as a JSON object too."""
+    add_recipe_options(p, world_size=None)
+    p.add_argument("--world-size", required=True, metavar="N", help="number of GPUs (a positive integer)")
+    p.add_argument("--overlay", "-O", action="append", default=[],
+                   help="overlays you already use (comma-separated or repeated); every step and command keeps them")
+    p.add_argument("--gpu-memory", metavar="SIZE", help=capacity_help)
+    p.add_argument("--margin", default="0.05", metavar="F", help="headroom kept free, a fraction of capacity in [0, 1)")
+    p.add_argument("--plot", metavar="FILE", help="draw the bars to FILE (.png, .pdf or .svg)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (schema_version 1), errors included")
+
+
+# ----------------------------------------------------------------------------- checks before Bridge
+def _problem(option: str, value: Any, message: str, fix: str) -> Problem:
+    return Problem(("argument",), option, value, message, fix, check="usage")
+
+
+def plot_problem(path: str | None) -> Problem | None:
+    """A plot file that cannot be written is found now, not after the Bridge import and the plan."""
+    from ..memory.steps import PLOT_SUFFIXES
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.splitext(path)[1].lower() not in PLOT_SUFFIXES:
+        return _problem("--plot", path, f"cannot tell the image format of {path!r}",
+                        f"end the file name with one of {', '.join(PLOT_SUFFIXES)}, e.g. --plot plan.png")
+    if not os.path.isdir(folder):
+        return _problem("--plot", path, f"the folder {folder} does not exist",
+                        f"create it first (mkdir -p {folder}) or plot into an existing folder")
+    if not os.access(folder, os.W_OK):
+        return _problem("--plot", path, f"the folder {folder} is not writable", "plot into a folder you can write")
+    return None
+
+
+def _count(option: str, text: str) -> tuple[int | None, Problem | None]:
+    try:
+        return positive_int(text), None
+    except argparse.ArgumentTypeError as exc:
+        return None, _problem(option, text, f"{option} {exc}", f"pass a positive integer, e.g. {option} 8")
+
+
+def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
+    """Every argument problem at once, before anything imports Bridge; raises UsageError (exit 2).
+
+    ``capacity_required``: why --gpu-memory is needed here (None: it is optional)."""
     from ..core.sizes import parse_size
-    from ..memory.search import command_for, search
+    problems: list[Problem] = []
+    out: dict[str, Any] = {}
+    out["world"], p = _count("--world-size", args.world_size)
+    problems += [p] if p else []
+    if getattr(args, "top", None) is not None:
+        out["top"], p = _count("--top", args.top)
+        problems += [p] if p else []
+    out["capacity"] = None
+    if args.gpu_memory is not None:
+        try:
+            out["capacity"] = parse_size(args.gpu_memory)
+        except ValueError as exc:
+            problems.append(_problem("--gpu-memory", args.gpu_memory, str(exc), "e.g. --gpu-memory 80GiB"))
+    elif capacity_required:
+        problems.append(_problem("--gpu-memory", None, f"--gpu-memory is required {capacity_required}",
+                                 "add the memory of one GPU, e.g. --gpu-memory 80GiB (or 80GB, 80G, bytes)"))
+    try:
+        out["margin"] = float(args.margin)
+        if not 0 <= out["margin"] < 1:
+            raise ValueError
+    except ValueError:
+        problems.append(_problem("--margin", args.margin, f"--margin must be a fraction in [0, 1), got {args.margin!r}",
+                                 "e.g. --margin 0.05 keeps 5% of the GPU free"))
+    problems += [p for p in [plot_problem(args.plot)] if p]
+    overrides, flat_params = split_sets(args.set)
+    try:
+        catalog = catalog_for(args.overlay_dir)
+    except OverlayError as exc:
+        raise UsageError(problems + exc.problems) from None
+    names = csv_list(args.overlay)
+    problems += preflight(args.recipe, names, flat_params, overrides, catalog)
+    if problems:
+        raise UsageError(problems)
+    overlays = tuple(dict.fromkeys(catalog.resolve(n).name for n in names))
+    params: dict[str, dict[str, Any]] = {}
+    for key, value in flat_params.items():
+        overlay, _, param = key.partition(".")
+        params.setdefault(catalog.resolve(overlay).name, {})[param] = value
+    return {**out, "overrides": overrides, "overlays": overlays, "params": params, "catalog": catalog}
+
+
+# ----------------------------------------------------------------------------- output
+def emit(args, payload: dict[str, Any]) -> None:
+    """The JSON object (with schema_version) on stdout."""
+    from ..core.report import SCHEMA_VERSION
+    print(json.dumps({"schema_version": SCHEMA_VERSION, "command": args.command, **payload}, indent=2, default=repr))
+
+
+def fail(args, exc: BaseException, code: int) -> int:
+    """A usage error or a rejection: the error object under --json (never an empty stdout), else stderr."""
+    if args.json:
+        from ..core.report import error_dict
+        problems = getattr(exc, "problems", [])
+        print(json.dumps({**error_dict(str(exc), code, problems=problems), "command": args.command},
+                         indent=2, default=repr))
+    else:
+        print(f"mbmem {args.command}: {exc}", file=sys.stderr)
+    return code
+
+
+def build_start(args, checked: dict[str, Any]):
+    """(recipe config with the user's overrides written, Start) — imports Bridge."""
+    from ..memory.steps import Start
+    from .common import build_with_overrides
+    cfg, changes, problems = build_with_overrides(args.recipe, checked["overrides"])
+    if problems:
+        raise OverlayError(problems)
+    start = Start(args.recipe, tuple(args.set), checked["overlays"], checked["params"],
+                  {path: new for path, _, new in changes}, tuple(args.overlay_dir or ()))
+    return cfg, start
+
+
+def breakdown_dict(b) -> dict[str, int]:
+    return {k: int(v) for k, v in b.as_dict().items()}
+
+
+# ----------------------------------------------------------------------------- the command
+def run(args) -> int:
+    try:
+        checked = checked_args(args, capacity_required="with --search" if args.search else None)
+    except UsageError as exc:
+        return fail(args, exc, EXIT_USAGE)
+    try:
+        cfg, start = build_start(args, checked)
+        return run_search(args, cfg, start, checked) if args.search else run_plan(args, cfg, start, checked)
+    except OverlayError as exc:
+        return fail(args, exc, EXIT_REJECTED)
+
+
+def run_plan(args, cfg, start, checked) -> int:
     from ..memory.steps import build_plan, plot_plan, render_plan
-    cfg, locked, params = recipe_with_overrides(args.recipe, args.set)
-    capacity = parse_size(args.gpu_memory) if args.gpu_memory else None
-    if args.search:
-        if capacity is None:
-            print("mbmem plan --search needs --gpu-memory (e.g. 80GiB)", file=sys.stderr)
-            return EXIT_USAGE
-        rows, n, secs = search(cfg, args.world_size, capacity, args.margin, args.top)
-        if args.json:
-            print(json.dumps({"evaluated": n, "seconds": secs, "results": rows}, indent=2))
-            return 0 if rows else 1
-        print(f"searched {n} layouts x overlay sets in {secs:.2f} s; {len(rows)} best that fit "
-              f"{capacity / 2**30:.0f} GiB with a {args.margin:.0%} margin, cheapest first:")
-        for r in rows:
-            print(f"  {r['total_bytes'] / 2**30:6.1f} GiB  cost ~{r['cost']:.0%}  TP{r['tp']} PP{r['pp']} VPP{r['vpp']} "
-                  f"CP{r['cp']} DP{r['dp']}  [{', '.join(r['overlays'])}]\n    {command_for(args.recipe, r, args.world_size)}")
-        return 0 if rows else 1
-    plan = build_plan(cfg, csv_list(args.overlay), world=args.world_size, recipe=args.recipe, params=params,
-                      capacity=capacity, margin=args.margin, locked=locked)
+    plan = build_plan(cfg, list(start.overlays), world=checked["world"], recipe=args.recipe, params=start.params,
+                      capacity=checked["capacity"], margin=checked["margin"], locked=start.locked,
+                      catalog=checked["catalog"])
     if args.plot:
         plot_plan(plan, args.plot)
     if args.json:
-        print(json.dumps(plan.as_dict(), indent=2))
+        emit(args, {**plan.as_dict(), "plot": args.plot})
     else:
         print(render_plan(plan))
         if args.plot:
             print(f"plot: {args.plot}")
-    return 0 if plan.fits(plan.steps[-1]) is not False else 1
+    return 0 if plan.fits(plan.steps[-1]) is not False else EXIT_REJECTED
+
+
+def run_search(args, cfg, start, checked) -> int:
+    from ..bridge.stack import progress
+    from ..memory.search import search_validated
+    from ..memory.steps import Rejected, plot_bars
+    world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
+    try:
+        with progress("searching layouts and validating the cheapest with Bridge"):
+            found = search_validated(cfg, start, world, capacity, margin, checked["top"], catalog=checked["catalog"])
+    except Rejected as exc:
+        return fail(args, OverlayError([Problem(("overlay",), "--overlay", list(start.overlays), exc.reason,
+                                                "drop or change the overlay named above")]), EXIT_REJECTED)
+    results = found["results"]
+    if args.plot and results:
+        plot_bars([(_layout_name(r), r["breakdown"]) for r in results], args.plot,
+                  title=f"{args.recipe}, world size {world}: the {len(results)} cheapest validated layouts",
+                  capacity=capacity, margin=margin)
+    if args.json:
+        emit(args, {**{k: v for k, v in found.items() if k != "results"}, "capacity_bytes": int(capacity),
+                    "margin": margin, "world_size": world, "plot": args.plot if results else None,
+                    "results": [{**{k: v for k, v in r.items() if k != "breakdown"},
+                                 "breakdown": breakdown_dict(r["breakdown"])} for r in results]})
+        return 0 if results else EXIT_REJECTED
+    print(render_search(found, capacity, margin))
+    if args.plot and results:
+        print(f"plot: {args.plot}")
+    return 0 if results else EXIT_REJECTED
+
+
+def _layout_name(r: dict[str, Any]) -> str:
+    layout = f"TP{r['tp']} PP{r['pp']}" + (f" VPP{r['vpp']}" if r["vpp"] > 1 else "") + f" CP{r['cp']} DP{r['dp']}"
+    return f"{layout}{' SP' if r['sp'] else ''} [{', '.join(r['overlays']) or 'no overlays'}]"
+
+
+def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
+    results = found["results"]
+    lines = [f"searched {found['evaluated']} layouts x overlay sets in {found['seconds']:.1f} s: {found['candidates']} fit "
+             f"{capacity / 2**30:.1f} GiB with a {margin:.0%} margin in the memory model; checked the cheapest "
+             f"{found['checked']} with our rules and Bridge's validation"]
+    if found["dropped"]:
+        lines.append(f"dropped {found['dropped']} that were rejected or did not fit once applied:")
+        lines += [f"  {d['count']:>3} x {d['reason']}" for d in found["dropped_reasons"][:5]]
+    if not results:
+        lines.append("no validated layout fits; try `mbmem recommend` (offload, full recompute) or more GPUs")
+        return "\n".join(lines)
+    lines.append(f"{len(results)} validated, cheapest first (cost: documented throughput cost, costs.py):")
+    for r in results:
+        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB  cost ~{r['cost']:.0%}  {_layout_name(r)}")
+        lines.append(f"    {r['command']}")
+    return "\n".join(lines)

@@ -1,25 +1,48 @@
-"""``mbmem recommend``: walk NVIDIA's memory ladder until the plan fits."""
+"""``mbmem recommend``: walk NVIDIA's memory ladder until the plan fits; every step validated."""
 
 from __future__ import annotations
 
-import json
-
-from .common import add_recipe_options, recipe_with_overrides
+from ..core.errors import OverlayError
+from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
+from .plan import add_memory_options, breakdown_dict, build_start, checked_args, emit, fail
 
 
 def register(sub) -> None:
-    p = sub.add_parser("recommend", help="walk NVIDIA's memory ladder until the plan fits")
-    add_recipe_options(p, world_size="required")
-    p.add_argument("--gpu-memory", required=True, help="e.g. 80GiB")
-    p.add_argument("--margin", type=float, default=0.05)
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("recommend", help="walk NVIDIA's memory ladder until the plan fits (each step validated)")
+    add_memory_options(p, capacity_help="capacity per GPU (required), e.g. 80GiB, 80GB, 80G or bytes")
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
-    from ..core.sizes import parse_size
+    try:
+        checked = checked_args(args, capacity_required="to know when the ladder may stop")
+    except UsageError as exc:
+        return fail(args, exc, EXIT_USAGE)
+    try:
+        cfg, start = build_start(args, checked)
+        return recommend_and_print(args, cfg, start, checked)
+    except OverlayError as exc:
+        return fail(args, exc, EXIT_REJECTED)
+
+
+def recommend_and_print(args, cfg, start, checked) -> int:
+    from ..bridge.stack import progress
     from ..memory.ladder import recommend, render_recommendation
-    cfg, locked, _ = recipe_with_overrides(args.recipe, args.set)
-    rec = recommend(cfg, args.world_size, parse_size(args.gpu_memory), args.margin, locked, args.recipe)
-    print(json.dumps(rec, indent=2) if args.json else render_recommendation(rec))
-    return 0 if rec["fits"] else 1
+    from ..memory.steps import plot_bars
+    world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
+    with progress("walking the memory ladder, each step validated with Bridge"):
+        rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"])
+    taken = [r for r in rec["steps"] if "breakdown" in r]
+    if args.plot and taken:
+        plot_bars([(r["step"], r["breakdown"]) for r in taken], args.plot,
+                  title=f"{args.recipe}, world size {world}: the memory ladder, step by step",
+                  capacity=capacity, margin=margin)
+    if args.json:
+        steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
+        emit(args, {**rec, "ok": rec["fits"], "steps": steps, "world_size": world,
+                    "plot": args.plot if taken else None})
+    else:
+        print(render_recommendation(rec))
+        if args.plot and taken:
+            print(f"plot: {args.plot}")
+    return 0 if rec["fits"] else EXIT_REJECTED

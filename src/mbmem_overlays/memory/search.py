@@ -1,77 +1,180 @@
-"""Layout search: TP x PP x VPP x CP x DP x overlay sets that fit, cheapest first (documented costs)."""
+"""Layout search: TP x PP x VPP x CP x DP x overlay sets that fit, cheapest first (documented costs).
+
+Two passes. ``search`` enumerates on the memory model's dataclasses alone (tens of thousands of plans per
+second), with the rules that decide most combinations written out on the dataclasses. ``search_validated``
+then realizes the cheapest ones, one by one, exactly as ``train.py`` would (the user's overrides and
+overlays, our engine, Bridge's validation), drops what is refused or no longer fits once applied, and
+keeps going until ``top`` have passed; each result carries the command that reproduces it.
+"""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from ..core.catalog import train_recipe_arg
+from ..core.catalog import Catalog
+from ..core.engine import apply_overlay
+from ..core.errors import OverlayError
 from ..core.rules import REGATHER_SURFACES
 from . import model as P
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST
+from .steps import Candidate, Rejected, Start, breakdown_of, first_line, realize, train_command
+
+# The Bridge fields a layout sets; a field the user set with --set is pinned to the user's value.
+LAYOUT_FIELDS = {"tp": "model.tensor_model_parallel_size", "pp": "model.pipeline_model_parallel_size",
+                 "vpp": "model.virtual_pipeline_model_parallel_size", "cp": "model.context_parallel_size"}
+SP_FIELD = "model.sequence_parallel"
+# expandable_segments is not an option but part of every result: it is free and changes no modelled byte
+# (memory-tuning skill, Quick Decision 1), so two results that differ only in it would be the same layout.
+ALWAYS = ("expandable_segments",)
+OPTIONS = ("selective_recompute", "dist_optimizer", "full_recompute", "cpu_offload", "optimizer_offload")
+RECOMPUTE = {"selective_recompute", "full_recompute"}
 
 
 def _divisors(n: int, cap: int) -> list[int]:
     return [d for d in (1, 2, 4, 8, 16) if d <= cap and n % d == 0]
 
 
-def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int = 5) -> tuple[list[dict], int, float]:
-    """Enumerate TP x PP x VPP x CP x DP x overlay sets our rules accept; keep those that fit; rank by cost."""
+def _choices(values: list[int], field: str, locked: dict[str, Any]) -> list[int]:
+    """The values to try for one layout dimension: the user's own, when they set it."""
+    if field in locked:
+        return [locked[field] or 1]
+    return values
+
+
+def _refused(s: set[str], pp: int, tp: int, dist: bool) -> bool:
+    """The rules that decide most combinations, on the dataclasses (the engine and Bridge re-check every
+    result): one recompute granularity; activation offload only at PP=1 and without recompute
+    (cpu-offloading skill, Compatibility); re-gather needs TP>1; optimizer offload needs the distributed
+    optimizer (same section)."""
+    if RECOMPUTE <= s or ("cpu_offload" in s and (pp > 1 or s & RECOMPUTE)):
+        return True
+    if "lora_sp_regather" in s and tp == 1:
+        return True
+    return "optimizer_offload" in s and not (dist or "dist_optimizer" in s)
+
+
+def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int | None = 5, *,
+           locked: dict[str, Any] | None = None, fixed: tuple[str, ...] = ()) -> tuple[list[dict], int, float]:
+    """Enumerate TP x PP x VPP x CP x DP x overlay sets; keep those the model says fit; rank by cost.
+
+    ``cfg`` already carries the user's overrides and overlays (``fixed``: those overlays, never varied);
+    ``locked`` pins the layout fields the user set. ``top=None`` returns every row."""
+    locked = locked or {}
     shape, base_lay, base_st = P.from_config(cfg, world)
-    lora = base_st.lora_rank > 0
-    options = ["expandable_segments", "selective_recompute", "dist_optimizer", "full_recompute", "cpu_offload"]
-    if lora:
+    options = [o for o in OPTIONS if o not in fixed]
+    if base_st.lora_rank > 0 and "lora_sp_regather" not in fixed:
         options.append("lora_sp_regather")
     t0 = time.perf_counter()
     evaluated = 0
     found: list[dict] = []
-    for tp in _divisors(shape.groups, 8):
-        for pp in _divisors(shape.layers, 16):
-            for cp in (1, 2):
+    for tp in _choices(_divisors(shape.groups, 8), LAYOUT_FIELDS["tp"], locked):
+        sp = bool(locked[SP_FIELD]) if SP_FIELD in locked else tp > 1
+        for pp in _choices(_divisors(shape.layers, 16), LAYOUT_FIELDS["pp"], locked):
+            for cp in _choices([1, 2], LAYOUT_FIELDS["cp"], locked):
                 if world % (tp * pp * cp):
                     continue
-                for vpp in ([1] + [v for v in (2, 4, 5) if (shape.layers // pp) % v == 0] if pp > 1 else [1]):
+                vpps = [1] + [v for v in (2, 4, 5) if (shape.layers // pp) % v == 0] if pp > 1 else [1]
+                for vpp in _choices(vpps, LAYOUT_FIELDS["vpp"], locked):
                     for k in range(len(options) + 1):
                         for combo in itertools.combinations(options, k):
                             s = set(combo)
-                            # our rules, on the dataclasses (the top results are re-checked by the engine)
-                            if {"selective_recompute", "full_recompute"} <= s or \
-                               ("cpu_offload" in s and (pp > 1 or s & {"selective_recompute", "full_recompute"})):
-                                continue
-                            if "lora_sp_regather" in s and tp == 1:
+                            if _refused(s | set(fixed), pp, tp, base_st.dist_optimizer):
                                 continue
                             evaluated += 1
-                            lay = replace(base_lay, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=tp > 1)
-                            st = replace(base_st, dist_optimizer=base_st.dist_optimizer or "dist_optimizer" in s,
-                                         recompute="full" if "full_recompute" in s else
-                                         "selective" if "selective_recompute" in s else base_st.recompute,
-                                         modules=("core_attn",) if "selective_recompute" in s else base_st.modules,
-                                         recompute_method="uniform", recompute_layers=1,
-                                         cpu_offload_layers=(shape.layers // 2) if "cpu_offload" in s else 0,
-                                         lora_regather=REGATHER_SURFACES if "lora_sp_regather" in s else ())
+                            lay = replace(base_lay, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp and tp > 1)
+                            st = _settings(base_st, s, shape)
                             total = P.estimate(shape, lay, st).footprint  # what must fit
                             if total > capacity * (1 - margin):
                                 continue
-                            cost = sum(COSTS[o][0] for o in s)
-                            if tp > base_lay.tp:
-                                cost += TP_DOUBLING_COST[0] * math.log2(tp / base_lay.tp)
-                            if lay.dp < base_lay.dp:
-                                cost += DP_HALVING_COST[0] * math.log2(base_lay.dp / lay.dp)
-                            found.append({"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": lay.dp, "overlays": sorted(s),
-                                          "total_bytes": int(total), "cost": round(cost, 3)})
+                            found.append({"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": lay.dp, "sp": lay.sp,
+                                          "overlays": sorted(s), "total_bytes": int(total),
+                                          "cost": round(_cost(s, lay, base_lay), 3)})
     elapsed = time.perf_counter() - t0
     found.sort(key=lambda r: (r["cost"], r["total_bytes"]))
-    return found[:top], evaluated, elapsed
+    return (found if top is None else found[:top]), evaluated, elapsed
 
 
-def command_for(recipe: str, row: dict, world: int) -> str:
-    sets = [f"model.tensor_model_parallel_size={row['tp']}", f"model.pipeline_model_parallel_size={row['pp']}",
-            f"model.virtual_pipeline_model_parallel_size={row['vpp'] if row['vpp'] > 1 else 'null'}",
-            f"model.context_parallel_size={row['cp']}"]
-    if row["tp"] > 1:
-        sets.append("model.sequence_parallel=true")
-    mem = f" '+mem=[{','.join(row['overlays'])}]'" if row["overlays"] else ""
-    return f"python train.py {train_recipe_arg(recipe)}{mem} {' '.join(sets)} run.world_size={world}"
+def _settings(base: P.Settings, s: set[str], shape: P.Shape) -> P.Settings:
+    """The model's settings with the overlays in ``s`` on top (the parameters ``candidate_for`` passes)."""
+    return replace(base, dist_optimizer=base.dist_optimizer or "dist_optimizer" in s,
+                   recompute="full" if "full_recompute" in s else "selective" if "selective_recompute" in s
+                   else base.recompute,
+                   modules=("core_attn",) if "selective_recompute" in s else base.modules,
+                   recompute_method="uniform" if "full_recompute" in s else base.recompute_method,
+                   recompute_layers=1 if "full_recompute" in s else base.recompute_layers,
+                   cpu_offload_layers=(shape.layers // 2) if "cpu_offload" in s else base.cpu_offload_layers,
+                   optimizer_offload=1.0 if "optimizer_offload" in s else base.optimizer_offload,
+                   lora_regather=REGATHER_SURFACES if "lora_sp_regather" in s else base.lora_regather)
+
+
+def _cost(s: set[str], lay: P.Layout, base: P.Layout) -> float:
+    cost = sum(COSTS[o][0] for o in s)
+    if lay.tp > base.tp:
+        cost += TP_DOUBLING_COST[0] * math.log2(lay.tp / base.tp)
+    if lay.dp < base.dp:
+        cost += DP_HALVING_COST[0] * math.log2(base.dp / lay.dp)
+    return cost
+
+
+def candidate_for(row: dict, locked: dict[str, Any], layers: int) -> Candidate:
+    """The overlays, parameters and layout fields of one search row (the user's fields are left alone)."""
+    values = {"tp": row["tp"], "pp": row["pp"], "vpp": row["vpp"] if row["vpp"] > 1 else None, "cp": row["cp"]}
+    sets = {path: values[k] for k, path in LAYOUT_FIELDS.items() if path not in locked}
+    if SP_FIELD not in locked:
+        sets[SP_FIELD] = row["tp"] > 1
+    params = {}
+    if "cpu_offload" in row["overlays"]:
+        params["cpu_offload"] = {"num_layers": layers // 2}
+    if "full_recompute" in row["overlays"]:
+        params["full_recompute"] = {"method": "uniform", "num_layers": 1}
+    if "optimizer_offload" in row["overlays"]:
+        params["optimizer_offload"] = {"fraction": 1.0}
+    return Candidate(tuple(dict.fromkeys([*ALWAYS, *row["overlays"]])), params, sets)
+
+
+def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin: float = 0.05, top: int = 5, *,
+                     catalog: Catalog | None = None, validate: bool = True, max_checks: int = 200) -> dict[str, Any]:
+    """``search``, then each row realized and validated, cheapest first, until ``top`` pass.
+
+    Returns {"results", "evaluated", "seconds", "checked", "dropped", "dropped_reasons"}; a result has its
+    applied total (the memory model on the realized config), the validation verdict and its command."""
+    catalog = catalog or Catalog(list(start.overlay_dirs))
+    mine = copy.deepcopy(cfg)
+    try:  # the user's overlays, for the model's starting settings (the layout is checked per row below)
+        apply_overlay(mine, list(start.overlays), env={}, params=start.params, locked=start.locked, catalog=catalog)
+    except OverlayError as exc:
+        raise Rejected(f"your overlays are rejected on this recipe: {first_line(exc)}") from None
+    rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays)
+    limit = capacity * (1 - margin)
+    results: list[dict[str, Any]] = []
+    dropped: Counter[str] = Counter()
+    checked = 0
+    t0 = time.perf_counter()
+    for row in rows:
+        if len(results) >= top or checked >= max_checks:
+            break
+        checked += 1
+        cand = candidate_for(row, start.locked, cfg.model.num_layers)
+        try:
+            work, report = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
+        except Rejected as exc:
+            dropped[exc.reason] += 1
+            continue
+        b = breakdown_of(work, world)
+        if b.footprint > limit:
+            dropped["does not fit once the overlays resolve their parameters (memory model on the applied config)"] += 1
+            continue
+        v = report.validation
+        results.append({**row, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
+                        "total_bytes": int(b.footprint), "modelled_bytes": row["total_bytes"],
+                        "validation": "our rules only" if v is None else v.verdict,
+                        "command": train_command(start, cand, world), "breakdown": b})
+    return {"results": results, "evaluated": evaluated, "seconds": seconds + (time.perf_counter() - t0),
+            "candidates": len(rows), "checked": checked, "dropped": sum(dropped.values()),
+            "dropped_reasons": [{"reason": r, "count": n} for r, n in dropped.most_common()]}

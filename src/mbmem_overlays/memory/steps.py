@@ -1,12 +1,24 @@
-"""The plan a user reads: the memory model applied to a real config, one step per overlay; text and plot."""
+"""The plan a user reads: the memory model applied to a real config, one step per overlay; text and plot.
+
+Also what the ladder (``ladder.py``) and the layout search (``search.py``) share: a :class:`Candidate`
+(overlays, their parameters, Bridge fields) on top of the user's own :class:`Start` (recipe, ``--set``
+words, overlays), realized exactly as ``train.py`` would (overrides, then the engine, then Bridge's
+validation), and the ``train.py`` command that reproduces it.
+"""
 
 from __future__ import annotations
 
 import copy
+import os
+import shlex
+import textwrap
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.catalog import Catalog
+from ..core.catalog import Catalog, train_recipe_arg
 from ..core.engine import apply_overlay
+from ..core.errors import OverlayError
+from ..core.paths import read
 from . import model as P
 from .costs import LADDER
 
@@ -15,6 +27,133 @@ def gib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**30:6.2f}"
 
 
+# ----------------------------------------------------------------------------- what the user started from
+@dataclass(frozen=True)
+class Start:
+    """The user's own choices, which every printed command keeps."""
+    recipe: str                                   # as given to --recipe
+    words: tuple[str, ...] = ()                   # the --set words, verbatim and in order
+    overlays: tuple[str, ...] = ()                # canonical names from --overlay
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)   # {overlay: {param: value}} from mem.<o>.<p>=v
+    locked: dict[str, Any] = field(default_factory=dict)              # the Bridge fields the user set
+    overlay_dirs: tuple[str, ...] = ()            # --overlay-dir: train.py finds them through MBMEM_OVERLAY_DIRS
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the ladder or the search adds to the user's start: overlays, their parameters, Bridge fields."""
+    overlays: tuple[str, ...] = ()
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sets: dict[str, Any] = field(default_factory=dict)
+
+    def plus(self, overlay: str | None = None, *, params: dict[str, Any] | None = None,
+             sets: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Candidate:
+        names = tuple(n for n in self.overlays if n not in drop)
+        if overlay and overlay not in names:
+            names += (overlay,)
+        new_params = {k: v for k, v in self.params.items() if k in names}
+        if overlay and params:
+            new_params[overlay] = {**new_params.get(overlay, {}), **params}
+        return Candidate(names, new_params, {**self.sets, **(sets or {})})
+
+
+class Rejected(Exception):
+    """A candidate that our rules or Bridge's validation refuse; ``reason`` is one line for the user."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def first_line(exc: OverlayError) -> str:
+    """The first problem of an OverlayError, its message only (the fix is for a user's own command)."""
+    problems = getattr(exc, "problems", None) or []
+    text = problems[0].message if problems else str(exc)
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return " ".join(text.split()) + more
+
+
+def realize(cfg: Any, start: Start, cand: Candidate, world: int, *, catalog: Catalog,
+            validate: bool = True) -> tuple[Any, Any]:
+    """(config, engine report) of ``cand`` on top of ``start``, built the way train.py builds it: the
+    candidate's Bridge fields as overrides (locked, like the user's), then every overlay through the
+    engine at once, then Bridge's own validation (``api.apply_overlay(validate=True)``).
+
+    ``cfg`` is the recipe with the user's overrides already written. Raises :class:`Rejected`."""
+    from ..api import apply_overlay as api_apply_overlay
+    from ..bridge.overrides import apply_overrides
+    clash = sorted(set(cand.sets) & set(start.locked))
+    if clash:
+        raise Rejected(f"you set {', '.join(clash)} yourself")
+    work = copy.deepcopy(cfg)
+    names = list(dict.fromkeys([*start.overlays, *cand.overlays]))
+    params = {n: {**start.params.get(n, {}), **cand.params.get(n, {})} for n in names
+              if start.params.get(n) or cand.params.get(n)}
+    try:
+        locked = {**start.locked, **(apply_overrides(work, dict(cand.sets)) if cand.sets else {})}
+        report = api_apply_overlay(work, names, env={}, params=params, world_size=world, locked=locked,
+                                   validate=validate, catalog=catalog)
+    except OverlayError as exc:  # our rules, or (engine >= ValidationRejected) Bridge's validation
+        raise Rejected(first_line(exc)) from None
+    v = report.validation
+    if v is not None and not v.ok:  # an engine that returns Bridge's rejection instead of raising it
+        raise Rejected(" ".join(str(v.error or v.verdict).split()))
+    return work, report
+
+
+def breakdown_of(cfg: Any, world: int) -> P.Breakdown:
+    """The memory model's most-loaded GPU for a realized config."""
+    return P.estimate(*P.from_config(cfg, world))
+
+
+def settings(report: Any, cand: Candidate) -> dict[str, Any]:
+    """Every field (and ``$VAR``) a realized candidate sets, with the value it sets."""
+    out = {c.target: c.new for c in report.changes}
+    out.update(cand.sets)
+    return out
+
+
+def toggles(cfg: Any, before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """What moving from one realized candidate to the next changes: [(field or $VAR, old, new)]."""
+    out = []
+    for target in dict.fromkeys([*before, *after]):
+        base = None if target.startswith("$") else read(cfg, target, None)
+        old, new = before.get(target, base), after.get(target, base)
+        if old != new:
+            out.append((target, old, new))
+    return out
+
+
+def hydra_value(value: Any) -> str:
+    """A Python value as Hydra's override grammar reads it back (train.py parses overrides with Hydra)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    return str(value)
+
+
+def train_command(start: Start, cand: Candidate, world: int) -> str:
+    """The ``train.py`` command (README "train.py (Hydra)") that builds exactly what ``realize`` checked:
+    the user's recipe and --set words first, verbatim, then the candidate; a dry run, so pasting it
+    validates again before anything launches (drop ``run.dry_run=true`` to train)."""
+    names = list(dict.fromkeys([*start.overlays, *cand.overlays]))
+    words = ["python", "train.py", train_recipe_arg(start.recipe), *start.words,
+             *(f"{path}={hydra_value(v)}" for path, v in cand.sets.items())]
+    if names:
+        words.append(f"+mem=[{','.join(names)}]")
+    words += [f"mem.{o}.{p}={hydra_value(v)}" for o, ps in cand.params.items() if o in names for p, v in ps.items()]
+    words += [f"run.world_size={world}", "run.dry_run=true"]
+    command = " ".join(shlex.quote(w) for w in words)
+    if start.overlay_dirs:
+        dirs = os.pathsep.join(os.path.abspath(d) for d in start.overlay_dirs)
+        command = f"MBMEM_OVERLAY_DIRS={shlex.quote(dirs)} {command}"
+    return command
+
+
+# ----------------------------------------------------------------------------- the per-overlay plan
 def bridge_estimate(cfg: Any, world: int) -> float | None:
     """Bridge's own estimator for the same config (it needs data_parallel_size set)."""
     try:
@@ -54,11 +193,15 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
                   bridge_estimate(work, world))
 
 
+def layout_text(lay: P.Layout) -> str:
+    return (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp > 1 else "") + f" CP{lay.cp} DP{lay.dp}"
+            + (f" EP{lay.ep}" if lay.ep > 1 else ""))
+
+
 def render_plan(plan: P.Plan) -> str:
     lay = plan.layout
-    lines = [f"memory plan: {plan.recipe}, world size {plan.world}: TP{lay.tp} PP{lay.pp}"
-             + (f" VPP{lay.vpp}" if lay.vpp > 1 else "") + f" CP{lay.cp} DP{lay.dp}"
-             + (f" EP{lay.ep}" if lay.ep > 1 else "") + f", SP {'on' if lay.sp else 'off'}, seq {lay.seq}, "
+    lines = [f"memory plan: {plan.recipe}, world size {plan.world}: {layout_text(lay)}"
+             f", SP {'on' if lay.sp else 'off'}, seq {lay.seq}, "
              f"MBS {lay.mbs}, GBS {lay.gbs} ({lay.microbatches} microbatches)",
              "most-loaded GPU, GiB:",
              f"  {'step':<22}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'other':>8}{'total':>9}{'delta':>8}  fits"]
@@ -88,33 +231,63 @@ def render_plan(plan: P.Plan) -> str:
     return "\n".join(lines)
 
 
-def plot_plan(plan: P.Plan, path: str) -> None:
+# ----------------------------------------------------------------------------- the plot
+# One colour and one hatch per component, so the stack reads in greyscale too (matplotlib's tab10 colours).
+COMPONENTS = (("parameters", "#1f77b4", ""), ("gradients", "#ff7f0e", "//"), ("optimizer", "#2ca02c", "\\\\"),
+              ("activations", "#d62728", ".."), ("other", "#9467bd", "xx"))
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def plot_bars(rows: list[tuple[str, P.Breakdown]], path: str, *, title: str, capacity: float | None,
+              margin: float) -> None:
+    """Horizontal stacked bars, one per row: names on the y axis (long ones wrapped, so they never overlap),
+    each bar's total and verdict at its end, the capacity and the margin line in the legend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [s.name for s in plan.steps]
-    parts = ("parameters", "gradients", "optimizer", "activations", "other")
-    colors = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names) + 2), 4.8))
-    bottom = [0.0] * len(names)
-    for part, color in zip(parts, colors):
-        vals = [getattr(s.breakdown, part) / 2**30 for s in plan.steps]
-        ax.bar(names, vals, bottom=bottom, label=part, color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, total in enumerate(bottom):
-        ax.text(i, total, f"{total:.1f}", ha="center", va="bottom", fontsize=9)
-    if plan.capacity:
-        cap = plan.capacity / 2**30
-        ax.axhline(cap, color="black", linestyle="--", linewidth=1)
-        ax.axhline(cap * (1 - plan.margin), color="gray", linestyle=":", linewidth=1)
-        ax.text(-0.45, cap, f"capacity {cap:.0f} GiB", va="bottom", ha="left", fontsize=9)
-    ax.set_ylabel("GiB on the most-loaded GPU")
-    lay = plan.layout
-    ax.set_title(f"{plan.recipe}: TP{lay.tp} PP{lay.pp} VPP{lay.vpp} CP{lay.cp} DP{lay.dp}, world {plan.world}", fontsize=10)
-    top = max(bottom + [plan.capacity / 2**30 if plan.capacity else 0])
-    ax.set_ylim(0, top * 1.12)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
+    n = len(rows)
+    limit = capacity * (1 - margin) if capacity else None
+    totals = [b.footprint / 2**30 for _, b in rows]
+    right = max(totals + [capacity / 2**30 if capacity else 0.0]) * 1.3
+    # "outside lower center" keeps the legend below the axes at any row count (constrained layout)
+    fig, ax = plt.subplots(figsize=(10, 1.9 + 0.62 * n), layout="constrained")
+    ys = list(range(n))[::-1]  # the first row on top
+    left = [0.0] * n
+    for part, color, hatch in COMPONENTS:
+        vals = [getattr(b, part) / 2**30 for _, b in rows]
+        ax.barh(ys, vals, left=left, height=0.6, color=color, hatch=hatch, edgecolor="white", linewidth=0.6,
+                label=part)
+        for y, x0, v in zip(ys, left, vals):
+            if v >= 0.06 * right:  # a value label only where the segment is wide enough to hold it
+                ax.text(x0 + v / 2, y, f"{v:.1f}", ha="center", va="center", fontsize=8, color="white",
+                        fontweight="bold", bbox={"facecolor": color, "edgecolor": "none", "pad": 1.0})
+        left = [a + b for a, b in zip(left, vals)]
+    if capacity:
+        ax.axvline(capacity / 2**30, color="black", linestyle="--", linewidth=1.2, zorder=1,
+                   label=f"GPU capacity {capacity / 2**30:.0f} GiB")
+        ax.axvline(limit / 2**30, color="grey", linestyle=":", linewidth=1.2, zorder=1,
+                   label=f"fit limit {limit / 2**30:.1f} GiB ({margin:.0%} margin)")
+    for y, (_, b), total in zip(ys, rows, totals):
+        if b.resident > b.total:  # CUDA graphs: the pool the allocator keeps beside the tensors
+            ax.barh(y, (b.resident - b.total) / 2**30, left=b.total / 2**30, height=0.6, fill=False,
+                    edgecolor="grey", linestyle="--", label="_graph pool")
+        verdict = "" if limit is None else ("  fits" if b.footprint <= limit else "  does not fit")
+        color = "black" if limit is None else ("#1a7f37" if b.footprint <= limit else "#b3261e")
+        # a white box, so the capacity lines never run through the text
+        ax.text(total + right * 0.012, y, f"{total:.1f} GiB{verdict}", va="center", ha="left", fontsize=9,
+                color=color, zorder=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
+    ax.set_yticks(ys, [textwrap.fill(name, 34) for name, _ in rows], fontsize=9)
+    ax.set_xlim(0, right)
+    ax.set_ylim(-0.6, n - 0.4)
+    ax.set_xlabel("GiB on the most-loaded GPU (memory model)")
+    ax.set_title(textwrap.fill(title, 90), fontsize=10)
+    fig.legend(fontsize=8, loc="outside lower center", ncol=4, frameon=False)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_plan(plan: P.Plan, path: str) -> None:
+    """The plan's steps as bars: baseline, then each overlay."""
+    rows = [(("+ " if i else "") + s.name, s.breakdown) for i, s in enumerate(plan.steps)]
+    plot_bars(rows, path, title=f"{plan.recipe}: {layout_text(plan.layout)}, world size {plan.world}",
+              capacity=plan.capacity, margin=plan.margin)
