@@ -20,12 +20,18 @@ Each row is rebuilt from the configuration that was measured, not from a look-al
 No constant in the plan is fitted to these rows; every term names the code it comes from (plan.py).
 """
 
-from mbmem_overlays.bridge.overrides import apply_overrides
-from mbmem_overlays.bridge.recipes import build_recipe
-from mbmem_overlays.bridge.stack import prepare
-from mbmem_overlays.memory import model as P
-from mbmem_overlays.core.engine import apply_overlay
-from mbmem_overlays.memory.steps import bridge_estimate
+import os
+
+# The measured rows are Bridge's performance recipes (megatron.bridge.perf_recipes): opt in to that module.
+os.environ["MBMEM_RECIPE_MODULES"] = ",".join(
+    x for x in (os.environ.get("MBMEM_RECIPE_MODULES", ""), "megatron.bridge.perf_recipes") if x)
+
+from mbmem_overlays.bridge.overrides import apply_overrides  # noqa: E402
+from mbmem_overlays.bridge.recipes import build_recipe  # noqa: E402
+from mbmem_overlays.bridge.stack import prepare  # noqa: E402
+from mbmem_overlays.memory import model as P  # noqa: E402
+from mbmem_overlays.core.engine import apply_overlay  # noqa: E402
+from mbmem_overlays.memory.steps import bridge_estimate  # noqa: E402
 
 GB = 1e9
 LLAMA70_PERF = "megatron.bridge.perf_recipes.llama.h100.llama3.llama3_70b_sft_32gpu_h100_fp8cs_config"

@@ -16,6 +16,12 @@ from mbmem_overlays.memory.steps import build_plan
 from conftest import mbmem
 
 pytestmark = pytest.mark.bridge
+
+
+@pytest.fixture(autouse=True)
+def perf_recipes(monkeypatch):
+    """Bridge's performance recipes (megatron.bridge.perf_recipes) hold the measured configurations."""
+    monkeypatch.setenv("MBMEM_RECIPE_MODULES", "megatron.bridge.perf_recipes")
 L8 = "llama3_8b_pretrain_config"
 
 
@@ -79,7 +85,8 @@ def test_cpu_offload_and_optimizer_offload(recipe):
     cfg = recipe(L8)
     base = est(cfg, 2)
     assert est(cfg, 2, cpu_offload_layers=16).activations < base.activations
-    assert est(cfg, 2, optimizer_offload=0.5).optimizer == pytest.approx(base.optimizer / 2)
+    # half the Adam moments leave; the fp32 master shard stays (4 of 12 bytes per parameter)
+    assert est(cfg, 2, optimizer_offload=0.5).optimizer == pytest.approx(base.optimizer * (4 + 4) / 12)
 
 
 def test_vpp_adds_in_flight_activations(recipe):
@@ -181,7 +188,9 @@ def test_cuda_graph_scope_moves_its_activations_into_the_pool(recipe):
     assert st.graph_scopes == ("mlp",)
     eager = P.stage_activations(shape, lay, replace(st, graph_scopes=()), 0)
     graphed = P.stage_activations(shape, lay, st, 0)
-    mlp = sum(v for k, v in P.layer_activation_terms(shape, lay, st).items() if k in P.GRAPH_SCOPE_TERMS["mlp"])
+    # the MLP norm's input is the graph's static input, not pool memory
+    mlp = sum(v for k, v in P.layer_activation_terms(shape, lay, st).items()
+              if k in P.GRAPH_SCOPE_TERMS["mlp"] and k != "mlp_layernorm_input")
     in_flight_layers = shape.layers / lay.pp * P.in_flight(lay, 0)
     assert graphed.pool == pytest.approx(mlp * lay.seq * in_flight_layers, rel=1e-9)
     assert graphed.steady < eager.steady and eager.capture == eager.pool == 0
@@ -223,3 +232,125 @@ def test_frozen_experts_keep_no_inputs(recipe):
     trained = P.layer_activation_terms(*full, "attn+moe")
     assert "moe_permuted_input" not in frozen and "moe_act_output" not in frozen
     assert "moe_permuted_input" in trained and "moe_act_output" in trained
+
+
+# ----------------------------------------------------------------------------- issue 14: corrections tied to upstream
+NANO = "nemotron_3_nano_pretrain_config"     # TE graphs on attn + mamba, recompute moe + layernorm (Bridge 0.6.2)
+
+
+def offloaded(cfg, fraction, world=2):
+    apply_overlay(cfg, "optimizer_offload", env={}, params={"fraction": fraction}, world_size=world)
+    return cfg
+
+
+def test_optimizer_offload_keeps_the_fp32_master_shard_on_the_gpu(recipe):
+    # distributed optimizer, not precision-aware: the hybrid optimizer steps CPU clones of DistributedOptimizer's
+    # fp32 master shards and copies the result back; only the Adam moments leave the GPU
+    base = est(recipe(L8), 2)
+    full = est(offloaded(recipe(L8), 1.0), 2)
+    shape, lay, st = P.from_config(recipe(L8), 2)
+    dense, embed, _ = P.stage_params(shape, lay, True, True)
+    assert st.dist_optimizer and not st.precision_aware
+    assert full.optimizer == pytest.approx(P.FP32 * (dense + embed) / P.optimizer_shards(lay, st)[0], rel=1e-9)
+    assert full.optimizer == pytest.approx(base.optimizer / 3, rel=1e-9)
+
+
+def test_optimizer_offload_still_upcasts_every_gradient_shard(recipe):
+    # bf16 gradients: DistributedOptimizer makes shard_main_param.grad = grad.float() for every shard, and the
+    # hybrid optimizer copies the offloaded ones to the CPU from there
+    cfg = offloaded(recipe(LLAMA70_PERF, "model.tensor_model_parallel_size=8"), 1.0, world=32)
+    shape, lay, st = P.from_config(cfg, 32)
+    assert st.optimizer_offload == 1.0 and st.grad_bytes == P.BF16
+    layer_params, embed, _ = P.stage_params(shape, lay, True, False)
+    assert P.optimizer_step_buffers(shape, lay, st, True, False) == pytest.approx(P.FP32 * (layer_params + embed))
+
+
+def test_precision_aware_offload_moves_the_masters_of_the_offloaded_part(recipe):
+    # precision-aware: megatron-core keeps no master; the hybrid optimizer makes fp32 masters and fp32 moments,
+    # the offloaded part on the CPU
+    cfg = offloaded(recipe("qwen3_30b_a3b_pretrain_config"), 0.25, world=16)
+    shape, lay, st = P.from_config(cfg, 16)
+    assert st.precision_aware
+    assert P.optimizer_gpu_bytes(st) == pytest.approx(0.75 * 3 * P.FP32)
+
+
+def test_moe_recompute_keeps_the_pre_mlp_norm_output(recipe):
+    # the MoE checkpoint saves its input, the pre-MLP norm output, unless "layernorm" recomputes the norm too
+    def moe_layer(modules):
+        cfg = recipe("qwen3_30b_a3b_pretrain_config", "model.recompute_granularity=selective",
+                     f"model.recompute_modules=[{','.join(modules)}]", "model.cuda_graph_impl=none")
+        shape, lay, st = P.from_config(cfg, 16)
+        return shape, lay, P.layer_activation(shape, lay, st, "attn+moe")
+    shape, lay, moe = moe_layer(["moe"])
+    _, _, both = moe_layer(["moe", "layernorm"])
+    norm_output = P.BF16 * shape.hidden * lay.seq * lay.mbs / lay.cp
+    assert moe - both == pytest.approx(norm_output, rel=1e-9)
+
+
+def test_optimizer_instances_divide_the_shard_count(recipe):
+    one = recipe("qwen3_30b_a3b_pretrain_config")
+    two = recipe("qwen3_30b_a3b_pretrain_config", "ddp.num_distributed_optimizer_instances=2")
+    _, lay, st1 = P.from_config(one, 64)
+    _, _, st2 = P.from_config(two, 64)
+    expert_dp = 64 // (lay.pp * lay.ep * lay.etp)
+    assert st2.optimizer_instances == 2
+    assert P.optimizer_shards(lay, st1) == (lay.dp * lay.cp, expert_dp)
+    assert P.optimizer_shards(lay, st2) == (lay.dp * lay.cp // 2, expert_dp // 2)
+    assert est(two, 64).optimizer == pytest.approx(2 * est(one, 64).optimizer, rel=1e-9)
+
+
+def test_cuda_graph_modules_is_read_and_hybrid_layers_are_graphed_by_type(recipe):
+    # Bridge 0.6.2 sets cuda_graph_modules (the deprecated cuda_graph_scope stays None) on Nemotron-3-Nano
+    cfg = recipe(NANO, "model.pipeline_model_parallel_size=1")
+    assert cfg.model.cuda_graph_scope is None
+    shape, lay, st = P.from_config(cfg, 8)
+    assert st.graph_scopes == ("attn", "mamba")
+    tokens = lay.seq * lay.mbs / lay.cp
+    hidden = P.BF16 * shape.hidden / (lay.tp if lay.sp else 1)
+    # MoE layers are eager; each attention and Mamba layer owns a static input and output, attention also the
+    # bool mask (mbs x s/cp x s), and keeps the rest of its activations in the pool
+    assert P.layer_graph_parts(shape, lay, st, "moe")[1:] == (0.0, 0.0)
+    eager, pool, static = P.layer_graph_parts(shape, lay, st, "mamba")
+    assert static == pytest.approx(2 * hidden * tokens) and pool > 0 and eager == 0
+    eager, pool, static = P.layer_graph_parts(shape, lay, st, "attn")
+    assert static == pytest.approx((2 * hidden + lay.seq) * tokens) and pool > 0
+    # the 23 Mamba layers' activations leave allocated memory in the steady state
+    eager_run = P.stage_activations(shape, lay, replace(st, graph_scopes=()), 0)
+    graphed = P.stage_activations(shape, lay, st, 0)
+    assert graphed.pool == pytest.approx(23 * P.layer_graph_parts(shape, lay, st, "mamba")[1]
+                                         + 6 * P.layer_graph_parts(shape, lay, st, "attn")[1])
+    assert graphed.steady < eager_run.steady
+
+
+def test_layernorm_recompute_is_off_for_moe_layers_under_a_router_graph(recipe):
+    # TE moe_router graph: megatron-core keeps the pre-MLP norm output (a static graph output) unless
+    # moe_preprocess is graphed with the alltoall dispatcher
+    cfg = recipe("qwen3_30b_a3b_pretrain_config", "model.recompute_granularity=selective",
+                 "model.recompute_modules=[layernorm]")
+    assert P.graph_scopes(cfg.model) == ("moe_router", "moe_preprocess")
+    assert cfg.model.moe_token_dispatcher_type == "flex"
+    assert P.from_config(cfg, 16)[2].modules == ()
+    cfg.model.moe_token_dispatcher_type = "alltoall"
+    assert P.from_config(cfg, 16)[2].modules == ("layernorm",)
+
+
+@pytest.mark.parametrize("strategy, params_sharded, grads_sharded", [
+    ("optim", False, False), ("optim_grads", False, True), ("optim_grads_params", True, True)])
+def test_megatron_fsdp_shards_params_and_grads(recipe, strategy, params_sharded, grads_sharded):
+    ddp = recipe(L8)
+    fsdp = recipe(L8, "ddp.use_megatron_fsdp=true", f"ddp.data_parallel_sharding_strategy={strategy}")
+    a, b = est(ddp, 8), est(fsdp, 8)
+    lay = P.from_config(ddp, 8)[1]
+    dp = lay.dp * lay.cp   # FSDP shards over the data-parallel x context-parallel group
+    assert dp == 8
+    assert b.parameters == pytest.approx(a.parameters / (dp if params_sharded else 1), rel=1e-9)
+    assert b.gradients == pytest.approx(a.gradients / (dp if grads_sharded else 1), rel=1e-9)
+    assert b.optimizer == pytest.approx(a.optimizer, rel=1e-9)   # the distributed optimizer already shards it
+
+
+def test_megatron_fsdp_forces_the_distributed_optimizer(recipe):
+    cfg = recipe(L8, "optimizer.use_distributed_optimizer=false", "ddp.use_distributed_optimizer=false",
+                 "ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params")
+    shape, lay, st = P.from_config(cfg, 8)
+    assert st.dist_optimizer and st.fsdp == "optim_grads_params"
+    assert P.optimizer_shards(lay, st) == (8, 8)

@@ -30,8 +30,18 @@ ASSUMPTIONS = (
     "the peak is the largest of three phases on the first and last pipeline ranks: the 1F1B steady state (most "
     "microbatches in flight, plus the last stage's loss and deferred output-layer gradients), CUDA graph capture "
     "and the optimizer step (fp32 copies of bf16 gradients)",
-    "CUDA-graphed scopes keep their activations in the graphs' private pool: reserved, and allocated only while "
-    "the graphs are captured; the pool is listed in the detail because it still occupies the GPU",
+    "per-layer CUDA graphs (cuda_graph_modules, or the deprecated cuda_graph_scope; none: the whole layer) follow "
+    "megatron-core's TECudaGraphHelper (transformer/cuda_graphs.py): one graph per graphable layer "
+    "(_layer_is_graphable: attn, mlp, moe/moe_router, mamba by layer type) and per microbatch in the pipeline "
+    "order (one microbatch without PP), captured after the warm-up steps with model, gradient and optimizer state "
+    "alive but no eager activations; the captured scopes' saved activations for the in-flight microbatches are "
+    "the capture peak and stay as the graphs' private pool (reserved, not allocated, in replay). Each graphed "
+    "layer and in-flight microbatch also holds, allocated throughout, its static input (the hidden state, plus "
+    "for attention graphs the bool attention mask mbs x s/cp x s, _get_layer_static_inputs) and its static "
+    "output. Transformer Engine is not installed here, so TE's make_graphed_callables was not read: its "
+    "input/output buffer reuse across consumed microbatches (TE >= 2.7, _reuse_graph_input_output_buffers) is "
+    "taken to keep one static input and output per in-flight graph, and static gradient buffers are not "
+    "counted. The local implementation is modelled the same way",
     "attention uses a fused/flash kernel (TE default): only softmax statistics are kept, so core_attn recompute "
     "saves almost nothing; an unfused backend would keep the s x s scores",
     "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs keep theirs "
@@ -40,8 +50,31 @@ ASSUMPTIONS = (
     "FP8 weights keep a transposed FP8 copy (Hopper GEMMs take only the TN layout); on Blackwell this byte is not "
     "needed and the plan overstates parameters by 1 byte per layer weight",
     "MoE tokens are balanced across experts; capacity factor and token imbalance are not modelled",
+    "'moe' selective recompute checkpoints the MoE layer with the pre-MLP norm output as its saved input "
+    "(moe/moe_layer.py tensor_parallel.checkpoint(custom_forward, False, hidden_states, ...)): that output stays "
+    "unless 'layernorm' is selected too, which megatron-core turns off for MoE layers under a TE moe_router "
+    "graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
+    "can_recompute_pre_mlp_layernorm_for_cudagraph)",
     "hybrid (Mamba) blocks use the fused conv1d+scan kernel, which keeps its input projection and scan output",
     "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
+    "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones the "
+    "offloaded fraction of the optimizer's parameters to pinned CPU memory and copies each CPU step's result back "
+    "to the GPU parameter: with the distributed optimizer and a non-precision-aware optimizer that parameter is "
+    "DistributedOptimizer's fp32 master shard, which therefore stays on the GPU, and only the offloaded Adam "
+    "moments leave; the fp32 gradient copy at the step is still made for every shard (distrib_optimizer.py "
+    "_copy_model_grads_to_main_grads). With the precision-aware optimizer megatron-core keeps no master "
+    "(shard_main_param=None) and the hybrid optimizer makes fp32 masters itself, the offloaded part on the CPU "
+    "and the rest on the GPU with fp32 moments (its GPU Adam gets no exp_avg_dtype, optimizer/__init__.py). "
+    "Without the distributed optimizer, Float16Optimizer's fp32 masters stay beside the hybrid optimizer's own "
+    "fp32 copies of the GPU part",
+    "the distributed optimizer shards over DP x CP / ddp.num_distributed_optimizer_instances ranks (expert state "
+    "over expert DP / instances: parallel_state.py intra-partial distributed-optimizer groups)",
+    "Megatron FSDP shards, per ddp.data_parallel_sharding_strategy, the optimizer state (optim), also the "
+    "gradients (optim_grads) and also the parameters (optim_grads_params) across the same groups "
+    "(megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers; with several optimizer "
+    "instances optimizer state spans all of DP only when outer_dp_sharding_strategy is optim); every layer is one "
+    "FSDP unit, and the transient unsharded copies are two units of parameters (the current one and the prefetched "
+    "next) and one unit of gradients; no fp32 gradient copy is made at the step (FSDP owns its main-grad buffers)",
 )
 
 
@@ -127,6 +160,11 @@ class Settings:
     graph_scopes: tuple[str, ...] = ()        # per-layer CUDA graph scopes (see GRAPH_SCOPE_TERMS)
     logits_bytes: int = BF16 + FP32           # per logit element at the loss (see loss_bytes)
     step_upcasts_grads: bool = True           # the optimizer step copies bf16 grads to fp32 (not precision-aware)
+    precision_aware: bool = False             # optimizer.use_precision_aware_optimizer (see optimizer_gpu_bytes)
+    optimizer_instances: int = 1              # ddp.num_distributed_optimizer_instances (see data_parallel_shards)
+    fsdp: str | None = None                   # Megatron FSDP on: ddp.data_parallel_sharding_strategy
+    fsdp_outer_optim: bool = False            # ddp.outer_dp_sharding_strategy == "optim" (HSDP across instances)
+    shared_expert_overlap: bool = False       # moe_shared_expert_overlap: the shared expert is outside router graphs
 
 
 @dataclass(frozen=True)
@@ -251,11 +289,73 @@ def lora_params(s: Shape, lay: Layout, st: Settings, rank: int = 0) -> float:
     return total
 
 
+def data_parallel_shards(lay: Layout, st: Settings) -> tuple[int, int]:
+    """(dense, expert) ranks one distributed-optimizer instance spans: DP x CP and expert DP, each divided by
+    ddp.num_distributed_optimizer_instances (parallel_state.py: intra_partial_data_parallel_size =
+    DP*CP // instances; intra_partial_expert_data_parallel_size = expert DP // instances; the DDP buffers shard
+    over intra_dp_cp_group / intra_expt_dp_group, distributed_data_parallel.py)."""
+    instances = max(1, st.optimizer_instances)
+    expert_dp = max(1, lay.world // (lay.pp * lay.ep * lay.etp))
+    return max(1, lay.dp * lay.cp // instances), max(1, expert_dp // instances)
+
+
+FSDP_SHARDS = {  # data_parallel_sharding_strategy -> (params, grads, optimizer state) sharded across DP
+    "no_shard": (False, False, False), "optim": (False, False, True),
+    "optim_grads": (False, True, True), "optim_grads_params": (True, True, True),
+}  # megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers
+
+
 def optimizer_shards(lay: Layout, st: Settings) -> tuple[int, int]:
     """How many ways the distributed optimizer splits dense and expert state (1, 1 without it)."""
     if not st.dist_optimizer:
         return 1, 1
-    return lay.dp * lay.cp, max(1, lay.world // (lay.pp * lay.ep * lay.etp))
+    dense, expert = data_parallel_shards(lay, st)
+    if st.fsdp is not None:
+        if not FSDP_SHARDS.get(st.fsdp, FSDP_SHARDS["optim_grads_params"])[2]:
+            return 1, 1
+        if st.fsdp_outer_optim and st.optimizer_instances > 1:
+            # HSDP with outer_dp_sharding_strategy="optim" shards optimizer state across the instances too
+            # (mcore_fsdp_adapter.py hsdp_outer_dp_shard)
+            return dense * st.optimizer_instances, expert * st.optimizer_instances
+    return dense, expert
+
+
+def fsdp_shards(lay: Layout, st: Settings) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((dense, expert) parameter shards, (dense, expert) gradient shards) under Megatron FSDP; 1s without it."""
+    if st.fsdp is None:
+        return (1, 1), (1, 1)
+    params, grads, _ = FSDP_SHARDS.get(st.fsdp, FSDP_SHARDS["optim_grads_params"])
+    shards = data_parallel_shards(lay, st)
+    return (shards if params else (1, 1)), (shards if grads else (1, 1))
+
+
+def optimizer_gpu_bytes(st: Settings) -> float:
+    """Optimizer bytes per trainable parameter of this rank's optimizer shard that stay on the GPU.
+
+    Optimizer CPU offload is megatron-core's HybridDeviceOptimizer (optimizer/cpu_offloading/hybrid_optimizer.py
+    _get_sub_optimizer_param_groups): it clones the first ``offload_fraction`` of its parameters' elements to
+    pinned CPU memory, steps them there, and copies the result back into the GPU parameter
+    (param_copy_back_gpu_hook). Which GPU tensor that parameter is decides what leaves the GPU.
+    """
+    f = st.optimizer_offload
+    if not f:
+        return st.master_bytes + ADAM_MOMENTS * st.state_bytes
+    if st.precision_aware:
+        # Offload makes use_precision_aware_optimizer_no_fp8_or_ds_fp8 true (optimizer_config.py __post_init__):
+        # the distributed optimizer keeps no master (shard_main_param = None, distrib_optimizer.py
+        # _build_model_and_main_param_groups) and hands bf16 shards to the hybrid optimizer, whose
+        # param_update_in_fp32 makes fp32 masters: on the CPU for the offloaded part, on the GPU for the rest.
+        # Its GPU Adam is built without exp_avg_dtype (optimizer/__init__.py optimizer_defaults): fp32 moments.
+        return (1.0 - f) * (FP32 + ADAM_MOMENTS * FP32)
+    # The parameters the hybrid optimizer receives are the fp32 master shards the distributed optimizer made on
+    # the GPU (shard_fp32_from_float16_groups): the offloaded ones are cloned to the CPU, the GPU masters stay
+    # (Bridge's sync_hybrid_device_optimizer_fp32_master_copies calls them level 1). Only moments leave.
+    master = float(st.master_bytes)
+    if not st.dist_optimizer:
+        # Float16OptimizerWithFloat16Params makes its fp32 masters after the hybrid optimizer was built from the
+        # bf16 parameters, which already made fp32 copies of its GPU part (param_update_in_fp32; optimizer.py)
+        master += (1.0 - f) * FP32
+    return master + (1.0 - f) * ADAM_MOMENTS * st.state_bytes
 
 
 def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) -> tuple[float, float, float]:
@@ -266,13 +366,14 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) ->
     frozen = st.lora_rank > 0
     trainable_dense = adapters if frozen else dense
     trainable_expert = 0.0 if frozen else expert
+    (p_dense, p_expert), (g_dense, g_expert) = fsdp_shards(lay, st)
     # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16.
-    params = (layer_params + expert) * (st.param_bytes + st.fp8_weight_copy_bytes) + embed * BF16 + adapters * BF16
-    grads = (trainable_dense + trainable_expert) * st.grad_bytes
-    per_param_state = st.master_bytes + ADAM_MOMENTS * st.state_bytes
+    weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
+    params = (layer_params * weight_bytes + embed * BF16 + adapters * BF16) / p_dense + expert * weight_bytes / p_expert
+    grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
     dense_shards, expert_shards = optimizer_shards(lay, st)
-    opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * per_param_state
-    return params, grads, opt * (1.0 - st.optimizer_offload)
+    opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * optimizer_gpu_bytes(st)
+    return params, grads, opt
 
 
 # ----------------------------------------------------------------------------- activations
@@ -302,7 +403,8 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
     blocks = kind.split("+")
     # Every block's norm input (the residual stream) is kept for the norm's backward; TE fuses the norm into
     # the block's first GEMM.
-    terms["layernorm_inputs"] = len(blocks) * BF16 * s.hidden / sp_div
+    for block in blocks:
+        terms[f"{block}_layernorm_input"] = BF16 * s.hidden / sp_div
     if "attn" in blocks:
         # the norm output is the QKV GEMM input, kept sequence-local (TE re-gathers it in backward)
         if keeps_input("linear_qkv"):
@@ -382,40 +484,91 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
     # an IdentityOp and is skipped (transformer_layer.py: recompute_input_layernorm); MoE's pre-MLP norm is separate
     "layernorm": ("moe_layernorm_output",),
     "moe_act": ("moe_silu_output", "moe_act_output"),
-    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_act_output",
+    # The MoE checkpoint's saved input is the pre-MLP norm output (moe/moe_layer.py: tensor_parallel.checkpoint(
+    # custom_forward, False, hidden_states, ...)): it stays unless "layernorm" drops it as well.
+    "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_act_output",
             "moe_router", "moe_unpermute_input", "shared_expert"),
     "shared_experts": ("shared_expert",),
     "mla_up_proj": ("attention_qkv",),
 }
 
 
-# cuda_graph_scope -> the activation terms a captured graph of that scope keeps inside its private memory pool.
-# A graph's inputs (the norm inputs) are ordinary tensors; everything inside is written by replay into pool
-# memory the caching allocator has already handed to the graph, so it is reserved but not counted as
-# allocated (torch.cuda.graphs: private mempools; megatron-core transformer/cuda_graphs.py captures the scopes).
+# CUDA graph module -> the activation terms a captured graph of that scope keeps inside its private memory pool.
+# Everything a graph saves is written by replay into pool memory the caching allocator has already handed to
+# the graph, so it is reserved but not counted as allocated (torch.cuda.graphs: private mempools; megatron-core
+# transformer/cuda_graphs.py captures the scopes, transformer_layer.py _get_submodules_under_cudagraphs).
 GRAPH_SCOPE_TERMS = {
-    "attn": ("attention_layernorm_output", "attention_qkv", "attention_qk_norm_inputs", "attention_softmax_stats",
-             "attention_output", "attention_output_fp8", "lora_a_gathered_input_linear_qkv"),
-    "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_act_output",
+    "attn": ("attn_layernorm_input", "attention_layernorm_output", "attention_qkv", "attention_qk_norm_inputs",
+             "attention_softmax_stats", "attention_output", "attention_output_fp8", "mla_up_proj_inputs",
+             "lora_a_gathered_input_linear_qkv"),
+    "mlp": ("mlp_layernorm_input", "mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_act_output",
             "lora_a_gathered_input_linear_fc1"),
-    "moe": ("moe_layernorm_output", "moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_act_output",
-            "moe_router", "moe_unpermute_input", "shared_expert"),
-    "moe_router": ("moe_router",),
+    "moe": ("moe_layernorm_input", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
+            "moe_silu_output", "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert"),
+    # up to the router: the pre-MLP norm and the router, and the shared experts unless they overlap with the
+    # EP communication (then they run outside the graph)
+    "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert"),
+    "mamba": ("mamba_layernorm_input", "mamba_layernorm_output", "mamba_in_proj_output", "mamba_scan_output",
+              "mamba_out_proj_input", "lora_a_gathered_input_in_proj"),
 }
+WHOLE_LAYER = ("attn", "mlp", "moe", "mamba")   # empty cuda_graph_modules: every graphable layer, whole
 
 
-def layer_activation(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp", graphed: bool | None = None) -> float:
-    """Bytes one layer of ``kind`` keeps per microbatch; ``graphed`` picks the terms inside (True) or outside
-    (False) the CUDA-graph scopes, None all of them."""
+def graphed_blocks(kind: str, scopes: tuple[str, ...]) -> dict[str, str]:
+    """Block -> the graph module that captures (part of) it, for one layer of ``kind``; {} when the layer is eager
+    (cuda_graphs.py _layer_is_graphable: attn for layers with attention, mlp for dense MLP layers, moe or
+    moe_router for MoE layers, mamba for Mamba layers)."""
+    out = {}
+    for block in kind.split("+"):
+        if block in scopes:
+            out[block] = block
+        elif block == "moe" and "moe_router" in scopes:
+            out[block] = "moe_router"
+    return out
+
+
+def layer_graph_parts(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[float, float, float]:
+    """(eager, pool, static) bytes one layer of ``kind`` keeps per microbatch under CUDA graphs.
+
+    TE captures one graph per graphable layer and microbatch (transformer_layer.py _te_cuda_graph_capture: the
+    selected parts of the layer, in order). Its saved activations go to the pool; its static input
+    (_get_layer_static_inputs: the bf16 hidden state, and for attention the bool mask mbs x s/cp x s) and its
+    static output are allocated for as long as the graph lives. The first graphed block reads the static input
+    directly, so that block's norm input is the static input rather than a tensor of its own.
+    """
+    terms = _selected_terms(s, lay, st, kind)
+    graphed = graphed_blocks(kind, st.graph_scopes)
+    if not graphed:
+        return sum(terms.values()) * _tokens(lay), 0.0, 0.0
+    first = next(iter(graphed))
+    hidden = BF16 * s.hidden / (lay.tp if lay.sp else 1)
+    static = terms.pop(f"{first}_layernorm_input", hidden) + hidden      # static input + static output
+    if "attn" in graphed:
+        static += 1.0 * lay.seq                                           # bool mask: s bytes per local token
+    inside = {name for block, module in graphed.items() for name in GRAPH_SCOPE_TERMS[module]}
+    if graphed.get("moe") == "moe_router" and st.shared_expert_overlap:
+        inside.discard("shared_expert")
+    pool = sum(v for k, v in terms.items() if k in inside)
+    eager = sum(v for k, v in terms.items() if k not in inside)
+    return eager * _tokens(lay), pool * _tokens(lay), static * _tokens(lay)
+
+
+def _tokens(lay: Layout) -> float:
+    return lay.seq * lay.mbs / lay.cp
+
+
+def _selected_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> dict[str, float]:
     terms = layer_activation_terms(s, lay, st, kind)
     if st.recompute == "selective":
         for label in st.modules:
             for name in RECOMPUTE_DROPS.get(label, ()):
                 terms.pop(name, None)
-    if graphed is not None:
-        inside = {name for scope in st.graph_scopes for name in GRAPH_SCOPE_TERMS.get(scope, ())}
-        terms = {k: v for k, v in terms.items() if (k in inside) == graphed}
-    return sum(terms.values()) * lay.seq * lay.mbs / lay.cp
+    return terms
+
+
+def layer_activation(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> float:
+    """Bytes one layer of ``kind`` keeps per microbatch in eager mode (after selective recompute)."""
+    return sum(_selected_terms(s, lay, st, kind).values()) * _tokens(lay)
 
 
 def in_flight(lay: Layout, rank: int) -> float:
@@ -442,26 +595,29 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     counts = rank_layers(s, lay, rank)
     per_stage = sum(counts.values()) or 1
 
-    def mean_layer(graphed: bool | None) -> float:
-        return sum(n * layer_activation(s, lay, st, kind, graphed) for kind, n in counts.items()) / per_stage
+    def mean(value) -> float:
+        return sum(n * value(kind) for kind, n in counts.items()) / per_stage
 
     tokens = lay.seq * lay.mbs / lay.cp
     hidden_local = BF16 * s.hidden * tokens / (lay.tp if lay.sp else 1)   # one sequence-local hidden state
-    per_layer = full_layer = mean_layer(None)
+    per_layer = full_layer = mean(lambda kind: layer_activation(s, lay, st, kind))
     mbs_alive = in_flight(lay, rank)
     detail: list[tuple[str, float]] = []
     capture = pool = 0.0
     graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
     if graphed:
         # Graphed scopes keep their activations in the graphs' private pool: allocated while the graphs are
-        # captured (before a training step, in pipeline order, nothing else alive), reserved-only in replay.
-        # Each in-flight graph also owns a static input and output buffer (megatron-core reuses them across
-        # microbatches whose backward is done: cuda_graphs.py _get_sample_arguments).
-        scopes = len(st.graph_scopes)
-        per_layer = mean_layer(False) + scopes * hidden_local        # + static outputs, kept while replaying
-        capture = per_stage * (mean_layer(True) + 2 * scopes * hidden_local) * mbs_alive
-        pool = per_stage * mean_layer(True) * mbs_alive
+        # captured (after the warm-up steps, in pipeline order, no eager activations alive), reserved-only in
+        # replay. Static inputs and outputs are allocated in both phases; megatron-core reuses a static input
+        # once its microbatch's backward is done (cuda_graphs.py _get_sample_arguments), so there is one per
+        # in-flight microbatch.
+        parts = {kind: layer_graph_parts(s, lay, st, kind) for kind in counts}
+        eager, inside, static = (mean(lambda kind, i=i: parts[kind][i]) for i in range(3))
+        per_layer = eager + static
+        capture = per_stage * (inside + static) * mbs_alive
+        pool = per_stage * inside * mbs_alive
         detail.append(("CUDA graph pool (reserved; allocated only while capturing)", pool))
+        detail.append(("CUDA graph static inputs and outputs", per_stage * static * mbs_alive))
     if st.recompute == "full":
         # Only each checkpointed group's input survives; one group is re-materialized at a time.
         boundary = 2 * BF16 * s.hidden / (lay.tp if lay.sp else 1) * lay.seq * lay.mbs / lay.cp
@@ -498,13 +654,46 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
 def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) -> float:
     """fp32 gradient copies the distributed optimizer makes at its step when gradients are kept in bf16
     (distrib_optimizer.py _copy_model_grads_to_main_grads: shard_main_param.grad = shard_model_grad.float())."""
-    if st.grad_bytes >= FP32 or not st.master_bytes or not st.step_upcasts_grads:
-        return 0.0  # fp32 gradients are used in place; no master copy or the precision-aware optimizer: none
-    if st.lora_rank:
-        return 0.0  # adapters only: negligible
+    if st.grad_bytes >= FP32 or not st.master_bytes or st.lora_rank:
+        return 0.0  # fp32 gradients are used in place (.float() is a no-op); adapters only: negligible
+    if st.fsdp is not None:
+        return 0.0  # Megatron FSDP owns its main-grad buffers: _copy_model_grads_to_main_grads returns early
+    if st.precision_aware or not st.step_upcasts_grads:
+        # decoupled_grad is the bf16 shard itself; under CPU offload the hybrid optimizer upcasts the GPU part
+        # for its fp32 masters (fp32_param.grad = grad.to(fp32), hybrid_optimizer.py _set_sub_optimizer_grads)
+        fraction = 1.0 - st.optimizer_offload if st.optimizer_offload else 0.0
+    else:
+        # every shard is upcast, offloaded or not: the hybrid optimizer copies the offloaded ones to the CPU from
+        # this fp32 gradient (cpu_copy_map_grad[param].copy_(gpu_param.grad))
+        fraction = 1.0
+    if not fraction:
+        return 0.0
     layer_params, embed, expert = stage_params(s, lay, first, last)
     shards, expert_shards = optimizer_shards(lay, st)
-    return FP32 * ((layer_params + embed) / shards + expert / expert_shards) * (1.0 - st.optimizer_offload)
+    return FP32 * ((layer_params + embed) / shards + expert / expert_shards) * fraction
+
+
+def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
+    """Parameters of the largest layer pipeline rank ``rank`` holds, on one GPU (dense + its experts)."""
+    return max((sum(sum(_block_params(s, lay, block)) for block in kind.split("+"))
+                for kind in rank_layers(s, lay, rank)), default=0.0)
+
+
+def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params: float) -> float:
+    """Transient unsharded copies the data-parallel communication keeps beside the sharded state."""
+    if st.fsdp is not None:
+        # Megatron FSDP: each layer is one FSDP unit (mcore_fsdp_adapter.py fsdp_unit_modules: TransformerLayer,
+        # MoETransformerLayer, MambaLayer). Sharded parameters are all-gathered per unit, the next unit prefetched
+        # (megatron_fsdp.py prefetch=True); sharded gradients are reduce-scattered from one unsharded unit.
+        (p_shard, _), (g_shard, _) = fsdp_shards(lay, st)
+        unit = largest_layer_params(s, lay, rank)
+        gathered = 2 * unit * (st.param_bytes + st.fp8_weight_copy_bytes) if p_shard > 1 else 0.0
+        unsharded_grads = unit * st.grad_bytes if g_shard > 1 and not st.lora_rank else 0.0
+        return gathered + unsharded_grads
+    if st.dist_optimizer and lay.dp * lay.cp > 1:
+        # overlap_param_gather keeps one bucket's all-gathered params (Megatron bucket_size 40M params)
+        return min(40e6, (params / st.param_bytes)) * st.param_bytes
+    return 0.0
 
 
 def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
@@ -515,10 +704,7 @@ def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
         first, last = rank == 0, rank == lay.pp - 1
         p, g, o = model_state(s, lay, st, first=first, last=last)
         acts = stage_activations(s, lay, st, rank)
-        other = 0.0
-        if st.dist_optimizer and lay.dp * lay.cp > 1:
-            # overlap_param_gather keeps one bucket's all-gathered params (Megatron bucket_size 40M params)
-            other += min(40e6, (p / st.param_bytes)) * st.param_bytes
+        other = communication_buffers(s, lay, st, rank, p)
         step = optimizer_step_buffers(s, lay, st, first, last)
         phases = {"steady 1F1B": (acts.steady, other), "CUDA graph capture": (acts.capture, other),
                   "optimizer step": (0.0, other + step)}
@@ -548,13 +734,37 @@ def loss_bytes(m: Any) -> int:
 
 
 def graph_scopes(m: Any) -> tuple[str, ...]:
-    """Per-layer CUDA graph scopes whose activations leave allocated memory; () when graphs are off or capture
-    the whole iteration (then every activation is allocated at capture exactly as in eager mode)."""
+    """Per-layer CUDA graph modules whose activations leave allocated memory; () when graphs are off or capture
+    the whole iteration (then every activation is allocated at capture exactly as in eager mode).
+
+    megatron-core reads ``cuda_graph_modules`` (default "full": the whole layer); the deprecated
+    ``cuda_graph_scope`` is migrated into it (transformer_config.py __post_init__). Bridge's own helpers read both
+    the same way before finalize (megatron/bridge/utils/cuda_graph.py), so we call them.
+    """
+    from megatron.bridge.utils.cuda_graph import cuda_graph_module_names, is_full_iteration_cuda_graph
     impl = str(getattr(m, "cuda_graph_impl", None) or "none")
-    scopes = [str(getattr(x, "name", x)) for x in (getattr(m, "cuda_graph_scope", None) or [])]
-    if impl in ("none", "full_iteration") or "full_iteration" in scopes:
+    if impl == "none" or is_full_iteration_cuda_graph(m):
         return ()
-    return tuple(scopes) if scopes else ("attn", "mlp", "moe")  # no scope: the whole layer is one graph
+    modules = tuple(cuda_graph_module_names(m))
+    return modules or WHOLE_LAYER
+
+
+def recompute_modules(m: Any, impl_scopes: tuple[str, ...]) -> tuple[str, ...]:
+    """The selective-recompute labels that take effect. "layernorm" on MoE layers is switched off under a TE
+    moe_router graph unless moe_preprocess is graphed with the alltoall dispatcher (or a latent MoE) and the
+    shared expert does not overlap (transformer_layer.py can_recompute_pre_mlp_layernorm_for_cudagraph)."""
+    modules = tuple(m.recompute_modules if m.recompute_modules is not None else ["core_attn"])
+    if "layernorm" not in modules or "moe_router" not in impl_scopes:
+        return modules
+    if str(getattr(m, "cuda_graph_impl", "none")) == "local":
+        return modules
+    overlap = getattr(m, "moe_shared_expert_intermediate_size", None) is not None and \
+        bool(getattr(m, "moe_shared_expert_overlap", False))
+    preprocess = "moe_preprocess" in impl_scopes and (
+        getattr(m, "moe_token_dispatcher_type", None) == "alltoall" or bool(getattr(m, "moe_latent_size", None)))
+    if not overlap and preprocess:
+        return modules
+    return tuple(x for x in modules if x != "layernorm")  # only MoE layers have a separate norm in this model
 
 
 def fp8_weight_copy_bytes(fp8: bool, fp8_params: bool, transpose_cache_disabled: bool) -> int:
@@ -637,24 +847,34 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
     defer = bool(getattr(m, "defer_embedding_wgrad_compute", False) if defer is None else defer)
     limit = getattr(overlap, "wgrad_deferral_limit", None)
     limit = int(getattr(m, "wgrad_deferral_limit", 0) or 0) if limit is None else int(limit)
+    fsdp_on = bool(read(cfg, "ddp.use_megatron_fsdp", False) or getattr(getattr(cfg, "dist", None),
+                                                                       "use_megatron_fsdp", False))
+    scopes = graph_scopes(m)
     regather: tuple[str, ...] = ()
     if peft is not None and getattr(peft, "sequence_parallel_input_regather", False):
         view = View(cfg, {}, {}, world, (), {})
         regather = tuple(t for t, r in regather_fallbacks(view).items() if r is None)
     settings = Settings(
         recompute=m.recompute_granularity,
-        modules=tuple(m.recompute_modules if m.recompute_modules is not None else ["core_attn"])
-        if m.recompute_granularity == "selective" else (),
+        modules=recompute_modules(m, scopes) if m.recompute_granularity == "selective" else (),
         recompute_method=m.recompute_method, recompute_layers=m.recompute_num_layers or 1,
         cpu_offload_layers=(m.cpu_offloading_num_layers if m.cpu_offloading and m.cpu_offloading_activations else 0),
         cpu_offload_double_buffer=bool(getattr(m, "cpu_offloading_double_buffering", False)),
-        dist_optimizer=bool(opt.use_distributed_optimizer or read(cfg, "ddp.use_distributed_optimizer", False)),
+        # Bridge forces both distributed-optimizer flags on under Megatron FSDP (config.py
+        # _validate_and_apply_megatron_fsdp_configs)
+        dist_optimizer=bool(opt.use_distributed_optimizer or read(cfg, "ddp.use_distributed_optimizer", False)
+                            or fsdp_on),
+        precision_aware=precision_aware,
+        optimizer_instances=int(read(cfg, "ddp.num_distributed_optimizer_instances", 1) or 1),
+        fsdp=str(read(cfg, "ddp.data_parallel_sharding_strategy", "no_shard") or "no_shard") if fsdp_on else None,
+        fsdp_outer_optim=str(read(cfg, "ddp.outer_dp_sharding_strategy", "no_shard")) == "optim",
+        shared_expert_overlap=bool(getattr(m, "moe_shared_expert_overlap", False)),
         optimizer_offload=float(opt.optimizer_offload_fraction or 0.0) if opt.optimizer_cpu_offload else 0.0,
         grad_bytes=FP32 if grad_fp32 else BF16,
         param_bytes=FP8 if fp8_params else BF16,
         fp8_weight_copy_bytes=fp8_weight_copy_bytes(fp8, fp8_params, bool(getattr(m, "disable_parameter_transpose_cache", False))),
         swiglu_fused=bool(getattr(m, "bias_activation_fusion", True)),
-        graph_scopes=graph_scopes(m),
+        graph_scopes=scopes,
         logits_bytes=loss_bytes(m),
         step_upcasts_grads=not precision_aware,
         deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
