@@ -398,6 +398,6 @@ def test_real_sbatch_runs_the_plan_and_refuses_a_bad_set(cluster, tmp_path):
     assert "PROCESS_ENV PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in good_log  # seen by the process
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in good_log
     assert "validation: PASSED" in good_log and "world size 2" in good_log           # train.py's plan and verdict
-    assert "selective_recompute" in good_log and "mode: dry run" in good_log
+    assert "[selective_recompute] model.recompute_granularity" in good_log and "dry run" in good_log  # the plan
     assert states["bad"] == "FAILED", bad_log[-4000:]
     assert "CPU offloading does not work when activation recomputation is enabled" in bad_log
