@@ -61,15 +61,18 @@ def test_current_format_fragmentation(tmp_path):
     o = f.ooms[0]
     assert o.rank == 3 and o.requested == int(1.96 * 2**30) and o.reserved_unallocated == int(21.63 * 2**30)
     assert o.capacity == int(79.11 * 2**30) and o.allocated == int(54.76 * 2**30)
-    assert any("only rank 3 of 8 ranks" in r for r in d.reasons)
+    # The world size is never guessed from the highest rank seen (issue 16 §3): no launcher line, unknown.
+    assert any("world size unknown" in r for r in d.reasons)
     assert any("a.log:41" in e for e in d.evidence)  # file and line number of the OOM
 
 
 def test_expandable_already_set_means_capacity(tmp_path):
     lines = ["+ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", *noise(), "[rank0]: " + oom(ru="120.00 MiB")]
     d = diagnose(scan([log(tmp_path, "b.log", lines)]), "llama3_8b_pretrain")
-    assert d.kind == "capacity" and d.next_command.startswith("mbmem recommend --recipe llama3_8b_pretrain")
-    assert any("already has expandable_segments:True" in r for r in d.reasons)
+    # Capacity: the ladder's first remedy on the user's command, never expandable_segments again.
+    assert d.kind == "capacity" and d.next_command == "python train.py recipe=llama3_8b_pretrain +mem=selective_recompute"
+    assert any("expandable_segments is already on" in r for r in d.reasons)
+    assert "mbmem recommend --recipe llama3_8b_pretrain" in d.savings
 
 
 def test_hint_in_the_oom_message_is_not_mistaken_for_the_setting(tmp_path):
@@ -149,7 +152,9 @@ def test_skill_eval_question(tmp_path):
     out = mbmem("doctor", log(tmp_path, "llama70b-sft.log", lines))
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "next command: python train.py recipe=llama3_70b_sft +mem=expandable_segments" in text
+    # The launcher seen in the log is kept (issue 16, Remedies).
+    assert ("next command: python -m torch.distributed.run --nproc_per_node=8 --nnodes=4 train.py recipe=llama3_70b_sft "
+            "+mem=expandable_segments") in text
     assert "not VPP" in text and "throughput knob" in text
     assert "not TP=8" in text and "-28%" in text
     assert "not CPU offloading" in text and "PP=4 > 1" in text

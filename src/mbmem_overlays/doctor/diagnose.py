@@ -350,6 +350,11 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
             if remedies and kind in ("capacity", "workspace", "other_processes", "nccl", "driver", "host_oom"):
                 savings = ("savings not computed: run `mbmem doctor --plan ...` with Megatron Bridge installed to "
                            "compute what each remedy saves for this recipe and layout")
+                name = recipe or f.recipe
+                cap = next((o.capacity for o in f.ooms if o.capacity), None)
+                if name:
+                    savings += (f", or `mbmem recommend --recipe {name} --world-size {ctx.world or '<N>'} "
+                                f"--gpu-memory {f'{cap / GiB:.2f}GiB' if cap else '<SIZE>'}`")
         if remedies and cmd is None and remedies[0].command:
             cmd, check = remedies[0].command, remedies[0].command_note or "not a training command: nothing to validate"
         elif remedies and cmd is None:

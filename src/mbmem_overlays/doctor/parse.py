@@ -24,21 +24,28 @@ MAX_EVIDENCE = 40
 MAX_RECORDS = 256          # OOM messages and events kept per kind (a log can repeat one a million times)
 MAX_LINE_KEPT = 400        # characters of a cited line kept in the report
 
-# Literals any interesting line contains: bytes.find scans at memchr speed (read.py). "Error" is not one:
-# it flooded the parser (issue 15, item 17); configuration errors are found by their own fragments.
-TRIGGERS = (
-    b"out of memory", b"OutOfMemoryError", b"OUT_OF_MEMORY", b"Out of memory", b"ALLOC_FAILED", b"NOT_ENOUGH_WORKSPACE",
-    b"memory_error", b"cudaErrorMemoryAllocation", b"hipErrorOutOfMemory", b"cuMem", b"ibv_reg", b"ncclCommRegister",
-    b"ncclMemAlloc", b"NCCL WARN", b"Cuda failure", b"oom-kill", b"oom_kill", b"OOMKilled", b"OOM Killed", b"Killed",
-    b"exitcode", b"exit code", b"Exit code", b"exit status", b"ExitCode", b"SIGKILL", b"SIGTERM", b"Signal ",
-    b"ALLOC_CONF", b"orch version", b"orch==", b"orch: ", b"orch_version", b"WORLD_SIZE", b"world size", b"world_size",
-    b"nproc", b"nnodes", b"SLURM_NTASKS", b"SLURM_NPROCS", b"SLURM_JOB_ID", b"--ntasks", b"--nodes", b"StepId=",
-    b"parallel size", b"parallel_size", b"batch_size", b"seq_length", b"recompute", b"offload", b"distributed_optimizer",
-    b"nccl_ub", b"sequence_parallel", b"num_layers", b"memory_utilization", b"mem_fraction", b"sleep_mode",
-    b"cuda_graph", b"P=", b"P:", b"P =", b"recipe", b"rank ", b"python", b"torchrun", b"srun ", b"NCCL_GRAPH_REGISTER",
-    b"memory_saver", b"memory saver", b"vllm", b"vLLM", b"sglang", b"SGLang", b"register", b"CUresult", b"NVLS",
-    b"WorkerDict", b"TaskRunner", b"verl",
+# Literals any interesting line contains: bytes.find scans at memchr speed (read.py), one pass per literal
+# per block, so there are few. FAILURE literals are looked for everywhere; CONTEXT literals only in the head
+# of each log (read.HEAD_BYTES), where versions, config dumps and the launch command are printed. "Error"
+# alone is not one: a flood of it collapsed the throughput (issue 15, item 17); exceptions carry "Error: ".
+FAILURE_TRIGGERS = (
+    b"emory",        # out of memory, OutOfMemoryError, Out Of Memory, memory saver, MemoryAllocation
+    b"EMORY",        # CUDA_ERROR_OUT_OF_MEMORY
+    b"ALLOC",        # *_ALLOC_FAILED, PYTORCH_CUDA_ALLOC_CONF
+    b"WORKSPACE",    # CUDNN_STATUS_NOT_ENOUGH_WORKSPACE
+    b"xit",          # exitcode, exit code, Exit code, exit status, ExitCode
+    b"SIG",          # SIGKILL, SIGTERM, Signals.SIGKILL
+    b"illed",        # Killed, OOMKilled
+    b"oom",          # oom-kill, oom_kill, invoked oom-killer
+    b"NCCL WARN", b"ibv_reg", b"local_rank",
+    b"Error: ",      # exceptions: the configuration errors' fragments are matched on these lines
 )
+CONTEXT_TRIGGERS = (
+    b"ersion", b"orch==", b".py ", b"orld", b"ORLD", b"SLURM_", b"arallel", b"batch_size", b"ecompute", b"ffload",
+    b"_optimizer", b"nccl_ub", b"num_layers", b"seq_length", b"mem_fraction", b"sleep", b"cuda_graph", b"P=", b"P:",
+    b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem", b"CUresult",
+)
+TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS
 
 
 @dataclass
@@ -126,7 +133,6 @@ def clip(line: str) -> str:
 def scan(paths: list[str]) -> Findings:
     findings = Findings()
     fragments = config_fragments()
-    triggers = TRIGGERS + tuple(frag.encode() for frag in fragments)
     for path in read.expand(paths):
         findings.files.append(path)
         src = read.Source(path)
@@ -146,7 +152,7 @@ def scan(paths: list[str]) -> Findings:
                 findings.unreadable += 1
                 src.problems.append(f"{path}: looks like a binary file, not a log (NUL bytes); skipped")
                 continue
-            for lineno, raw, after in read.trigger_lines(stream, triggers, src):
+            for lineno, raw, after in read.trigger_lines(stream, FAILURE_TRIGGERS, src, CONTEXT_TRIGGERS):
                 findings.ranks_seen.update(int(r) for r in P.RANK_PREFIXES.findall(raw[:64]))
                 parse_line(raw.decode("utf-8", errors="replace"), f"{path}:{lineno}", findings, fragments, state,
                            after)
@@ -310,13 +316,17 @@ def _context(body: str, where: str, f: Findings) -> None:
         if 1 <= major <= 9:
             f.torch_version = Seen((major, minor), where, clip(body))
             f.cite(where, body)
-    _world(body, where, f)
-    values = [(m.group(1), m.group(2).strip("'\"")) for m, _ in zip(P.CONFIG_VALUE.finditer(body), range(64))]
-    for key, value in values:
-        if key not in f.config:
-            f.config[key] = Seen(value, where, clip(body))
-    _layout(body, where, f, values)
-    if f.command is None or "train.py" in body:
+    if any(k in body for k in _WORLD_HINTS):
+        _world(body, where, f)
+    if any(k in body for k in _CONFIG_HINTS):
+        values = [(m.group(1), m.group(2).strip("'\"")) for m, _ in zip(P.CONFIG_VALUE.finditer(body), range(64))]
+        for key, value in values:
+            if key not in f.config:
+                f.config[key] = Seen(value, where, clip(body))
+        _layout(body, where, f, values)
+    elif "P=" in body or "P:" in body or "P =" in body:
+        _layout(body, where, f, [])
+    if (f.command is None or "train.py" in body) and ".py" in body:
         _command(body, where, f)
     if "recipe" in body and not f.recipe and (rm := re.search(r"(?:--recipe[= ]|recipe=|recipe\.function=)([\w.]{1,120})", body)):
         f.recipe = rm.group(1)
@@ -324,7 +334,7 @@ def _context(body: str, where: str, f: Findings) -> None:
         jm = P.SLURM_JOB.search(body)
         if jm and not f.slurm_job:
             f.slurm_job = next(g for g in jm.groups() if g)
-    if f.inference_engine is None and (im := P.INFERENCE_ENGINE.search(body)):
+    if f.inference_engine is None and any(k in body for k in _ENGINE_HINTS) and (im := P.INFERENCE_ENGINE.search(body)):
         f.inference_engine = Seen(im.group(1), where, clip(body))
     if f.nvls is None and "NVLS" in body:
         f.nvls = Seen("NVLS", where, clip(body))
@@ -332,6 +342,13 @@ def _context(body: str, where: str, f: Findings) -> None:
         f.verl = Seen("verl", where, clip(body))
     if f.memory_saver is None and ("saver" in body or "sleep" in body) and (sm := P.MEMORY_SAVER.search(body)):
         f.memory_saver = Seen(sm.group(0), where, clip(body))
+
+
+# Cheap substring gates: a pattern runs only on lines that can hold its match (the per-line work of a flood).
+_WORLD_HINTS = ("orld", "ORLD", "nproc", "nnodes", "SLURM_", "ntasks")
+_CONFIG_HINTS = ("_size", "parallel", "recompute", "offload", "_optimizer", "nccl_ub", "seq_length", "num_layers",
+                 "utilization", "mem_fraction", "sleep_mode", "cuda_graph", "use_te")
+_ENGINE_HINTS = ("llm", "LLM", "lang", "Lang", "TensorRT", "lmdeploy")
 
 
 def _world(body: str, where: str, f: Findings) -> None:

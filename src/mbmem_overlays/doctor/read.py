@@ -22,8 +22,11 @@ MAX_LINE = 16 << 10            # lines longer than this are parsed in windows ar
 WINDOW_BEFORE, WINDOW_AFTER = 256, 2048
 MAX_WINDOWS = 32               # windows parsed per long line
 SPARSE_HITS = 2000             # more trigger hits than this in one block: dense path
-SEEN_LIMIT = 65536             # distinct lines remembered for the dense path (then forgotten and restarted)
+SEEN_LIMIT = 65536             # line shapes remembered for the dense path (then forgotten and restarted)
 SEEN_LINE = 512                # only short lines are remembered: memory stays bounded (SEEN_LIMIT x SEEN_LINE)
+SHAPE_PARSES = 32              # in a flood, lines of one shape (digits removed) parsed at most this often per block
+HEAD_BYTES = 8 << 20           # context (versions, config dumps, the launch command) is looked for in this head
+_DIGITS = b"0123456789"
 GZIP_MAGIC = b"\x1f\x8b"
 READ_ERRORS = (OSError, EOFError, zlib.error, ValueError)   # ValueError: read on a closed stream
 
@@ -103,10 +106,15 @@ def _pieces(line: bytes, triggers: tuple[bytes, ...], src: Source) -> list[bytes
     return [line[a:b] for a, b in windows]
 
 
-def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
-    """(line number, bounded line text, the text after it in the block (for wrapped messages))."""
+def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source,
+                  head_triggers: tuple[bytes, ...] = ()) -> Iterator[tuple[int, bytes, bytes]]:
+    """(line number, bounded line text, the text after it in the block (for wrapped messages)).
+
+    ``head_triggers`` are looked for only in the first HEAD_BYTES (context printed at start-up): every
+    literal is one more pass over each block, so the body of a large log is scanned for the failure
+    literals alone (issue 15, item 17)."""
     carry, lineno = b"", 1
-    seen: set[bytes] = set()
+    seen: dict[bytes, int] = {}
     while True:
         try:
             block = stream.read(BLOCK)
@@ -123,7 +131,8 @@ def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source) ->
             carry = data  # one long line: keep reading, bounded by MAX_CARRY
             continue
         work, carry = (data[:cut], data[cut:]) if (cut and block) else (data, b"")
-        present = tuple(lit for lit in triggers if lit in work)
+        scan_for = triggers + head_triggers if src.bytes_read - len(block) < HEAD_BYTES else triggers
+        present = tuple(lit for lit in scan_for if lit in work)
         if present:
             hits = sum(work.count(lit) for lit in present)
             lines = _dense(work, present, seen, src) if hits > SPARSE_HITS else _sparse(work, present, src)
@@ -153,15 +162,20 @@ def _sparse(work: bytes, present: tuple[bytes, ...], src: Source) -> Iterator[tu
             yield offset, piece, after
 
 
-def _dense(work: bytes, present: tuple[bytes, ...], seen: set[bytes], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
-    # A flood: each distinct line is parsed once (the first time), whatever its count.
+def _dense(work: bytes, present: tuple[bytes, ...], seen: dict[bytes, int], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+    # A flood: lines of one shape (the line without its digits: "task 17 Killed" and "task 18 Killed" are one
+    # shape) are parsed SHAPE_PARSES times per block at most, whatever their count; the work per block is
+    # bounded by its number of shapes, and a flood of one template costs a split and a dict lookup per line.
+    seen.clear()
     for offset, line in enumerate(work.split(b"\n")):
         if len(line) <= SEEN_LINE:
-            if line in seen:
+            shape = line.translate(None, _DIGITS)
+            count = seen.get(shape, 0)
+            if count >= SHAPE_PARSES:
                 continue
             if len(seen) >= SEEN_LIMIT:
                 seen.clear()
-            seen.add(line)
+            seen[shape] = count + 1
         if any(lit in line for lit in present):
             for piece in _pieces(line, present, src):
                 yield offset, piece, b""
