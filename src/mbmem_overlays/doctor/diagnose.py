@@ -203,8 +203,9 @@ def config_notes(f: Findings, ctx: Context) -> list[str]:
     offload, layers = _flag(f, "cpu_offloading"), _int(f, "cpu_offloading_num_layers")
     if offload and layers == 0:
         s = f.config["cpu_offloading_num_layers"]
+        cited = " ".join(dict.fromkeys(at(w) for w in (f.config["cpu_offloading"].where, s.where)))
         notes.append(f"CPU offloading is enabled but cpu_offloading_num_layers is 0: it offloads nothing "
-                     f"{at(f.config['cpu_offloading'].where)} {at(s.where)}; set mem.cpu_offload.num_layers to >= 1 "
+                     f"{cited}; set mem.cpu_offload.num_layers to >= 1 "
                      "(it must stay below num_layers) or drop the overlay")
     rg = f.config.get("recompute_granularity")
     if rg and str(rg.value).lower() == "selective" and str(f.config.get("recompute_modules", rg).value) in ("[]", "None"):
@@ -458,9 +459,11 @@ def _victims(f: Findings) -> dict[int, Event]:
 def _world_reasons(f: Findings, ctx: Context, victims: dict[int, Event]) -> list[str]:
     out = []
     failing = sorted({o.rank for o in f.ooms if o.rank is not None})
-    if ctx.world:
+    if ctx.world and f.ooms:
         out.append(f"world size {ctx.world} {at(ctx.world_where)}; OOM reported by "
                    + (f"rank(s) {', '.join(map(str, failing))}" if failing else "a process whose rank is not shown"))
+    elif ctx.world:
+        out.append(f"world size {ctx.world} {at(ctx.world_where)}")
     elif f.ooms:
         out.append("world size unknown (no torchrun/Slurm/launcher line in the log)")
     if victims and (f.ooms or any(e.family in ("nccl", "workspace", "driver") for e in f.events)):
