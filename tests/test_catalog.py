@@ -11,6 +11,7 @@ import yaml
 from mbmem_overlays import OverlayError
 from mbmem_overlays.core.catalog import Catalog, builtin_overlay_dir
 from mbmem_overlays.core import rules
+from mbmem_overlays.core.rules.registry import ENFORCERS
 
 from conftest import ROOT, mbmem
 
@@ -35,7 +36,7 @@ def test_every_overlay_is_a_hydra_option_of_group_mem():
 
 def test_every_check_cites_a_source_and_an_enforcer():
     for c in rules.CHECKS:
-        assert c.source and c.enforced_by in {"megatron-core", "bridge", "runtime", "docs"}, c.id
+        assert c.source and c.enforced_by in ENFORCERS, c.id
     assert len({c.id for c in rules.CHECKS}) == len(rules.CHECKS)
 
 

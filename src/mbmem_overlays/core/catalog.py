@@ -431,6 +431,8 @@ def _check_file(path: Path, builtin: bool) -> tuple[OverlaySpec | None, list[Pro
 
 
 def user_dirs(extra: list[str | os.PathLike] | None = None) -> list[Path]:
+    if isinstance(extra, (str, os.PathLike)):  # one directory given as such, not its characters
+        extra = [extra]
     dirs = [Path(p) for p in (extra or [])]
     dirs += [Path(p) for p in os.environ.get(USER_DIRS_ENV, "").split(os.pathsep) if p]
     return dirs

@@ -275,6 +275,12 @@ def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[di
     return plan, problems
 
 
+def _crash_problem(party: str, what: str, exc: Exception) -> Problem:
+    return Problem((party,), what, None, f"{what} failed on this config: {type(exc).__name__}: {short_repr(str(exc))}",
+                   "check the values the overlays and overrides set; if they are valid, this is a bug in "
+                   "mbmem-overlays: please report it with this message", check="internal")
+
+
 # ----------------------------------------------------------------------------- arguments
 ARGUMENT = "argument"  # the party for a wrong argument of the Python API
 
@@ -432,7 +438,11 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
     for s in specs:
         resolver = rules.RESOLVERS.get(s.name)
         if resolver:
-            more_fields, more_env = resolver(view, resolved_params[s.name])
+            try:
+                more_fields, more_env = resolver(view, resolved_params[s.name])
+            except Exception as exc:  # a value no rule foresaw: report it, never a traceback
+                problems.append(_crash_problem(s.name, f"resolver {s.name}", exc))
+                continue
             extra_fields += [FieldClaim(s.name, p, v) for p, v in more_fields.items()]
             env_claims += [EnvClaim(s.name, var, value=str(v)) for var, v in more_env.items()]
     if extra_fields:
@@ -444,12 +454,13 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
         claims, conflict_problems = _field_conflicts(
             [c for c in field_claims if c.path not in {e.path for e in extra_fields}] + extra_fields, locked or {})
         problems += [p for p in conflict_problems if p not in problems]
-    for path, claim in claims.items():
+    for path, claim in list(claims.items()):
         err = type_problem(read(cfg, path, None), claim.value)
         if err:
             problems.append(Problem((claim.overlay,), path, claim.value, f"{path} {err}",
                                     f"fix the value in {catalog.specs[claim.overlay].path if claim.overlay in catalog.specs else claim.overlay}",
                                     check="field_type"))
+            del claims[path]  # reported; the checks below see the field's current, well-typed value
     name_problems = env_name_problems(env_claims)
     problems += name_problems
     bad_vars = {(p.overlays[0], p.field[1:]) for p in name_problems}
@@ -462,7 +473,11 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
     report = Report(overlays=selected, params=resolved_params)
     for check in rules.CHECKS:
         report.checks.append(check.id)
-        for finding in check(view):
+        try:
+            findings = list(check(view))
+        except Exception as exc:  # a value no rule foresaw: report it, never a traceback
+            findings = [_crash_problem(", ".join(selected) or CONFIG, f"check {check.id}", exc)]
+        for finding in findings:
             if isinstance(finding, Problem):
                 if finding not in problems:
                     problems.append(finding)
