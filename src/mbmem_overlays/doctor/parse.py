@@ -145,8 +145,11 @@ def scan(paths: list[str]) -> Findings:
         try:
             try:
                 head = stream.peek(8192)[:8192] if hasattr(stream, "peek") else b""
-            except read.READ_ERRORS as exc:
-                head, src.problems = b"", src.problems + [f"{path}: not a readable log ({type(exc).__name__}: {exc})"]
+            except read.READ_ERRORS as exc:  # a corrupted gzip header or first block (zlib.error, BadGzipFile)
+                src.problems.append(f"{path}: not a readable log ({type(exc).__name__}: {exc}); if it is a damaged "
+                                    "gzip, fetch it again or pass the uncompressed log")
+                findings.unreadable += 1
+                continue
             # Logs carry no NUL bytes at their start (a crashed node can leave NULs at the end, which is fine).
             if head.count(b"\0") >= 8:
                 findings.unreadable += 1
@@ -165,7 +168,7 @@ def scan(paths: list[str]) -> Findings:
             findings.bytes_read += src.bytes_read
             findings.long_lines += src.long_lines
             findings.problems += src.problems
-            if src.bytes_read == 0 and any("read failed" in p or "not a readable" in p for p in src.problems):
+            if src.bytes_read == 0 and any("read failed" in p for p in src.problems):
                 findings.unreadable += 1
             if path != "-":
                 try:
