@@ -320,6 +320,19 @@ def test_output_log_is_absolute_and_its_folder_exists(tmp_path):
     assert (tmp_path / "logs" / "deep").is_dir()
 
 
+@pytest.mark.parametrize("recipe", ["llama3_8b_peft", "llama3_8b_peft_config",
+                                    "megatron.bridge.recipes.llama.llama3_8b_peft_config"])
+def test_no_validate_still_refuses_peft_without_a_checkpoint(tmp_path, recipe):
+    args = ["slurm", "--recipe", recipe, "--nodes", "1", "--gpus-per-node", "8", "--no-validate"]
+    out = mbmem(*args, "-o", str(tmp_path / "job.sh"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--set checkpoint.pretrained_checkpoint=" in out.stderr and not (tmp_path / "job.sh").exists()
+    out = mbmem(*args, "--set", "checkpoint.pretrained_checkpoint=/lustre/base", "-o", str(tmp_path / "job.sh"))
+    assert out.returncode == 0, out.stderr
+    out = mbmem("slurm", "--recipe", "llama3_8b_sft", "--nodes", "1", "--gpus-per-node", "8", "--no-validate")
+    assert out.returncode == 0, out.stderr
+
+
 # ----------------------------------------------------------------------------- validated renders (Bridge)
 @pytest.mark.bridge
 def test_cli_validates_before_writing(tmp_path):

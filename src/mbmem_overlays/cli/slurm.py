@@ -64,7 +64,10 @@ def run(args) -> int:
         recipe_ok = not any(p.field == "--recipe" for p in mine)
         shared = preflight(args.recipe if recipe_ok else None, names, params, overrides, catalog)
         overlays = [catalog.resolve(n).name for n in names] if not shared else []
-        slurm.collect(shared, mine, slurm.overlay_env_problems(overlays, catalog), slurm.output_file_problems(args.o))
+        unvalidated = slurm.unvalidated_launch_problems(args.recipe, sets) \
+            if args.no_validate and recipe_ok else []
+        slurm.collect(shared, mine, slurm.overlay_env_problems(overlays, catalog), slurm.output_file_problems(args.o),
+                      unvalidated)
     except OverlayError as exc:
         print(f"mbmem slurm: not written: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..core import allocconf
-from ..core.catalog import Catalog, data_dir, train_recipe_arg
+from ..core.catalog import Catalog, data_dir, recipe_file, train_recipe_arg
 from ..core.errors import OverlayError, Problem
 
 TEMPLATE = data_dir("recipes") / "slurm" / "sbatch.sh.j2"
@@ -223,6 +223,35 @@ def option_problems(*, recipe: str, overlays: list[str], sets: list[str], nodes:
         problems.append(_bad("--workdir", workdir, "contains ':' or ','; pyxis' --container-mounts cannot mount it",
                              "use a path without ':' and ','"))
     return problems
+
+
+PRETRAINED_CHECKPOINT = "checkpoint.pretrained_checkpoint"
+
+
+def _recipe_function(recipe: str) -> tuple[str, dict]:
+    """(Bridge function name, the recipe file's overrides) without importing Bridge."""
+    import yaml
+    path = recipe_file(recipe)
+    if path is None:
+        return recipe, {}
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return str(data.get("function", recipe)), dict(data.get("overrides") or {})
+
+
+def unvalidated_launch_problems(recipe: str, sets: list[str]) -> list[Problem]:
+    """What ``--no-validate`` can still see: a PEFT recipe (Bridge names them ``*_peft_config``) launched without
+    a pretrained checkpoint fails in the job ("PEFT requires a pretrained checkpoint path", Bridge
+    training/config.py:1488). Refused like the validated render refuses it (validation's placeholder)."""
+    function, file_overrides = _recipe_function(recipe)
+    if not function.rsplit(".", 1)[-1].endswith("_peft_config"):
+        return []
+    given = {s.partition("=")[0].lstrip("+~") for s in sets} | set(file_overrides)
+    if PRETRAINED_CHECKPOINT in given:
+        return []
+    return [Problem(("recipe",), PRETRAINED_CHECKPOINT, None,
+                    f"{recipe} is a PEFT recipe and the job has no pretrained checkpoint (Bridge: \"PEFT requires a "
+                    "pretrained checkpoint path\")",
+                    f"add --set {PRETRAINED_CHECKPOINT}=/path/to/the/base/model/checkpoint")]
 
 
 # ----------------------------------------------------------------------------- rendering
