@@ -63,7 +63,7 @@ def run(args) -> int:
         mine = slurm.option_problems(overlays=names, **options)
         recipe_ok = not any(p.field == "--recipe" for p in mine)
         shared = preflight(args.recipe if recipe_ok else None, names, params, overrides, catalog)
-        overlays = [catalog.resolve(n).name for n in names] if not shared else []
+        overlays = [catalog.resolve(n).name for n in names if n in catalog.specs or n in catalog.aliases]
         unvalidated = slurm.unvalidated_launch_problems(args.recipe, sets) \
             if args.no_validate and recipe_ok else []
         slurm.collect(shared, mine, slurm.overlay_env_problems(overlays, catalog), slurm.output_file_problems(args.o),
