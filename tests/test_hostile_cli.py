@@ -255,8 +255,10 @@ def test_sweep_folders_are_unique_per_sweep():
 def test_overrides_convert_as_in_bridges_scripts(bridge, recipe):
     import torch
     cfg = recipe("llama3_8b_pretrain_config")
-    bridge.apply_overrides(cfg, ["model.params_dtype=float32", "model.pipeline_dtype=bf16"])
-    assert cfg.model.params_dtype is torch.float32 and cfg.model.pipeline_dtype is torch.bfloat16
+    bridge.apply_overrides(cfg, ["model.params_dtype=float32"])   # a string before this change (issue 17)
+    assert cfg.model.params_dtype is torch.float32
+    bridge.apply_overrides(cfg, ["model.params_dtype=bf16"])      # Bridge's short names too (str_to_dtype)
+    assert cfg.model.params_dtype is torch.bfloat16
 
 
 @pytest.mark.bridge
@@ -274,8 +276,10 @@ def test_overrides_are_all_reported_and_atomic(bridge, recipe):
 @pytest.mark.bridge
 def test_only_recipe_functions_run_and_must_return_a_config(bridge, tmp_path, monkeypatch):
     from mbmem_overlays import OverlayError
-    with pytest.raises(OverlayError, match="not a recipe function"):  # a class re-exported into a recipe module
-        bridge.build_recipe("megatron.bridge.recipes.llama.llama3.ConfigContainer")
+    with pytest.raises(OverlayError, match="not a recipe function"):  # a class imported into a recipe module
+        bridge.build_recipe("megatron.bridge.recipes.common.ConfigContainer")
+    with pytest.raises(OverlayError, match="not a recipe function"):  # a helper re-exported by the package
+        bridge.build_recipe("set_deepseek_v4_pipeline_model_parallel_layout")
     (tmp_path / "my_recipes.py").write_text("def not_a_config():\n    return {'model': 1}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(OverlayError, match="outside the recipe modules"):
@@ -306,7 +310,7 @@ def test_apply_json_marks_user_overrides_and_carries_the_schema_version(bridge, 
     doc = json.loads(capsys.readouterr().out)
     assert code == doc["exit_code"] == EXIT_OK and doc["schema_version"] == SCHEMA_VERSION
     assert {"target": "model.tensor_model_parallel_size", "old": 1, "new": 2} in doc["user_overrides"]
-    assert any(c["target"] == "$PYTORCH_CUDA_ALLOC_CONF" for c in doc["changes"])
+    assert doc["env_to_export"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 @pytest.mark.bridge
@@ -332,17 +336,23 @@ def test_apply_incomplete_validation_exits_3(bridge, capsys):
 
 
 @pytest.mark.bridge
-def test_apply_bridge_rejection_prints_the_report_and_exits_1(bridge, capsys):
-    """A layout only Bridge refuses: the world size is not a multiple of TP*PP*CP (Bridge/megatron-core
-    compute the data-parallel size in runtime_config_update)."""
-    code = cli("apply", "--recipe", "llama3_8b_pretrain_config", "-O", "expandable", "--world-size", "3",
-               "--set", "model.tensor_model_parallel_size=2", "--json")
+@pytest.mark.parametrize("as_json", [False, True])
+def test_apply_bridge_rejection_prints_the_report_and_exits_1(bridge, capsys, as_json):
+    """A layout only Bridge refuses: 32 heads over TP3 (megatron-core TransformerConfig.__post_init__).
+    Whether the engine returns the rejected report or raises ValidationRejected with it, the user gets
+    the report, the verdict and exit code 1."""
+    code = cli("apply", "--recipe", "llama3_8b_pretrain_config", "-O", "expandable", "--world-size", "6",
+               "--set", "model.tensor_model_parallel_size=3", "--set", "train.global_batch_size=513",
+               *(["--json"] if as_json else []))
     captured = capsys.readouterr()
-    doc = json.loads(captured.out)
-    assert code == EXIT_REJECTED
-    report = doc.get("report", doc)  # the engine's ValidationRejected carries the report; a plain one is the report
-    assert doc["exit_code"] == EXIT_REJECTED and report["validation"]["ok"] is False or doc["problems"]
-    assert "Traceback" not in captured.err
+    assert code == EXIT_REJECTED and "Traceback" not in captured.err
+    assert "num_attention_heads (32) must be a multiple of tensor_model_parallel_size (3)" in captured.err
+    if as_json:
+        doc = json.loads(captured.out)
+        assert doc["exit_code"] == EXIT_REJECTED and doc["validation"]["ok"] is False and not doc["ok"]
+        assert doc["user_overrides"][0]["target"] == "model.tensor_model_parallel_size"
+    else:
+        assert "validation: REJECTED by Bridge validation" in captured.out and "[you] train.global_batch_size" in captured.out
 
 
 @pytest.mark.bridge
@@ -363,7 +373,8 @@ def test_train_overrides_are_typed_by_bridge(bridge, tmp_path):
         cfg = compose("train", overrides=["recipe=llama3_8b_pretrain", "run.dry_run=true", f"+run.record_dir={tmp_path}",
                                           "+bridge.model.params_dtype=float32"])
     assert hydra_entry.run(cfg) == EXIT_OK
-    assert "params_dtype: float32" in (tmp_path / "bridge_config.yaml").read_text()
+    record = json.loads((tmp_path / "mbmem_report.json").read_text())
+    assert {"target": "model.params_dtype", "old": "torch.bfloat16", "new": "torch.float32"} in record["user_overrides"]
 
 
 # ------------------------------------------------------------------ subprocesses with Bridge

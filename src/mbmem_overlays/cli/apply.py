@@ -65,7 +65,7 @@ def run(args) -> int:
         print(render_text(report, recipe=args.recipe, summary=summary, world_size=world, user_changes=user,
                           verbose=args.verbose, next_step=_next_step(args, names, world, code)))
     if code == EXIT_REJECTED:
-        print(f"mbmem apply: {report.validation.verdict}; nothing was changed", file=sys.stderr)
+        print(f"mbmem apply: {report.validation.verdict.rstrip('.')}; nothing was changed", file=sys.stderr)
     return code
 
 
