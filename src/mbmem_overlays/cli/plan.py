@@ -120,7 +120,7 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
 def emit(args, payload: dict[str, Any]) -> None:
     """The JSON object (with schema_version) on stdout."""
     from ..core.report import SCHEMA_VERSION
-    print(json.dumps({"schema_version": SCHEMA_VERSION, "command": args.command, **payload}, indent=2, default=repr))
+    print(json.dumps({"schema_version": SCHEMA_VERSION, "subcommand": args.command, **payload}, indent=2, default=repr))
 
 
 def fail(args, exc: BaseException, code: int) -> int:
@@ -128,7 +128,7 @@ def fail(args, exc: BaseException, code: int) -> int:
     if args.json:
         from ..core.report import error_dict
         problems = getattr(exc, "problems", [])
-        print(json.dumps({**error_dict(str(exc), code, problems=problems), "command": args.command},
+        print(json.dumps({**error_dict(str(exc), code, problems=problems), "subcommand": args.command},
                          indent=2, default=repr))
     else:
         print(f"mbmem {args.command}: {exc}", file=sys.stderr)

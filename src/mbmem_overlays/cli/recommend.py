@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ..core.errors import OverlayError
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
 from .plan import add_memory_options, breakdown_dict, build_start, checked_args, emit, fail
@@ -41,6 +43,8 @@ def recommend_and_print(args, cfg, start, checked) -> int:
         steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
         emit(args, {**rec, "ok": rec["fits"], "steps": steps, "world_size": world,
                     "plot": args.plot if taken else None})
+    elif rec.get("error"):
+        print(f"mbmem recommend: {rec['error']}", file=sys.stderr)
     else:
         print(render_recommendation(rec))
         if args.plot and taken:

@@ -108,7 +108,13 @@ def selective_wide(state: State) -> Proposal:
              COSTS[f"selective_recompute_{label}"][1])]
 
 
+def _yours(state: State, path: str) -> str | None:
+    return f"you set {path} yourself" if path in state.start.locked else None
+
+
 def pipeline_doubling(state: State) -> Proposal:
+    if _yours(state, "model.pipeline_model_parallel_size"):
+        return _yours(state, "model.pipeline_model_parallel_size")
     m = _model(state)
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     dp = state.world // max(1, tp * pp * cp)
@@ -151,12 +157,15 @@ def full_recompute(state: State) -> Proposal:
 
 def optimizer_offload(state: State) -> Proposal:
     # HybridDeviceOptimizer needs the distributed optimizer (cpu-offloading skill, Compatibility: Optimizer offloading)
-    with_dist = state.cand.plus("dist_optimizer")
+    on = bool(state.cfg.optimizer.use_distributed_optimizer)
+    with_dist = state.cand if on else state.cand.plus("dist_optimizer")
     return [(with_dist.plus("optimizer_offload", params={"fraction": f}), optimizer_offload_cost(f))
             for f in (0.25, 0.5, 1.0)]
 
 
 def tensor_doubling(state: State) -> Proposal:
+    if _yours(state, "model.tensor_model_parallel_size"):
+        return _yours(state, "model.tensor_model_parallel_size")
     tp = _model(state).tensor_model_parallel_size
     return [(state.cand.plus("sequence_parallel", sets={"model.tensor_model_parallel_size": tp * 2}),
              f"TP {tp} -> {tp * 2}: {TP_DOUBLING_COST[1]}; last resort")]

@@ -240,8 +240,16 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 def plot_bars(rows: list[tuple[str, P.Breakdown]], path: str, *, title: str, capacity: float | None,
               margin: float) -> None:
+    """Draw the bars (``draw_bars``) into ``path``; the format follows the suffix (PLOT_SUFFIXES)."""
+    import matplotlib.pyplot as plt
+    fig = draw_bars(rows, title=title, capacity=capacity, margin=margin)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw_bars(rows: list[tuple[str, P.Breakdown]], *, title: str, capacity: float | None, margin: float):
     """Horizontal stacked bars, one per row: names on the y axis (long ones wrapped, so they never overlap),
-    each bar's total and verdict at its end, the capacity and the margin line in the legend."""
+    each bar's total and verdict at its end, the capacity and the margin line in the legend. Returns the figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -260,7 +268,7 @@ def plot_bars(rows: list[tuple[str, P.Breakdown]], path: str, *, title: str, cap
         for y, x0, v in zip(ys, left, vals):
             if v >= 0.06 * right:  # a value label only where the segment is wide enough to hold it
                 ax.text(x0 + v / 2, y, f"{v:.1f}", ha="center", va="center", fontsize=8, color="white",
-                        fontweight="bold", bbox={"facecolor": color, "edgecolor": "none", "pad": 1.0})
+                        fontweight="bold", zorder=4, bbox={"facecolor": color, "edgecolor": "none", "pad": 2.0})
         left = [a + b for a, b in zip(left, vals)]
     if capacity:
         ax.axvline(capacity / 2**30, color="black", linestyle="--", linewidth=1.2, zorder=1,
@@ -282,8 +290,7 @@ def plot_bars(rows: list[tuple[str, P.Breakdown]], path: str, *, title: str, cap
     ax.set_xlabel("GiB on the most-loaded GPU (memory model)")
     ax.set_title(textwrap.fill(title, 90), fontsize=10)
     fig.legend(fontsize=8, loc="outside lower center", ncol=4, frameon=False)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def plot_plan(plan: P.Plan, path: str) -> None:

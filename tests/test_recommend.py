@@ -1,0 +1,201 @@
+"""mbmem recommend and plan --search: what they print is real.
+
+Every printed command keeps the user's recipe, --set words and overlays, has passed our rules and
+Bridge's validation, and runs as printed (pasted into a shell: train.py dry run, exit 0). The ladder
+covers what users reach for, without duplicate steps. Argument errors come before the Bridge import,
+and --json always prints one object with schema_version. The plot's labels never overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mbmem_overlays.cli import build_parser, main
+from mbmem_overlays.core.sizes import parse_size
+from mbmem_overlays.memory import model as P
+
+from conftest import ROOT
+
+L8 = "llama3_8b_pretrain"
+
+
+def cli_json(capsys, *argv) -> tuple[int, dict]:
+    """Run ``mbmem`` in this process (Bridge is imported once per test session) and read its JSON."""
+    capsys.readouterr()
+    rc = main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def paste(command: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """What a user does with a printed command: paste it into a shell at the repository root, with the
+    project's Python first on PATH (``python train.py ...``)."""
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def words(command: str) -> list[str]:
+    return shlex.split(command)
+
+
+# ----------------------------------------------------------------------------- checks before Bridge
+def checked(*argv):
+    from mbmem_overlays.cli.plan import checked_args
+    args = build_parser().parse_args(["recommend", "--recipe", L8, *argv])
+    return checked_args(args, capacity_required="for the test")
+
+
+@pytest.mark.parametrize("text, expected", [("80G", 80e9), ("80GB", 80e9), ("80 GiB", 80 * 2**30),
+                                            ("85899345920", 85899345920)])
+def test_gpu_memory_spellings_are_accepted(text, expected):
+    assert checked("--world-size", "8", "--gpu-memory", text)["capacity"] == expected
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--world-size", "8", "--gpu-memory", "abc"], "--gpu-memory"),
+    (["--world-size", "8", "--gpu-memory", "1.2.3GiB"], "--gpu-memory"),
+    (["--world-size", "8", "--gpu-memory", "nan"], "--gpu-memory"),
+    (["--world-size", "0", "--gpu-memory", "80GiB"], "--world-size"),
+    (["--world-size", "-1", "--gpu-memory", "80GiB"], "--world-size"),
+    (["--world-size", "8", "--gpu-memory", "80GiB", "--plot", "/nonexistent/p.png"], "--plot"),
+    (["--world-size", "8"], "--gpu-memory"),
+])
+def test_bad_arguments_are_usage_errors_naming_the_option(argv, field):
+    from mbmem_overlays.cli.common import UsageError
+    with pytest.raises(UsageError) as exc:
+        checked(*argv)
+    assert [p.field for p in exc.value.problems] == [field]
+
+
+def test_usage_errors_come_before_the_bridge_import_and_as_json():
+    """A subprocess, so that sys.modules tells whether Bridge (or torch) was imported."""
+    script = ("import sys; from mbmem_overlays.cli import main; "
+              "rc = main(sys.argv[1:]); "
+              "print('IMPORTED', 'megatron.bridge' in sys.modules or 'torch' in sys.modules, file=sys.stderr); "
+              "sys.exit(rc)")
+    for command in (["recommend", "--world-size", "0", "--gpu-memory", "abc", "--plot", "/nonexistent/p.png"],
+                    ["plan", "--search", "--world-size", "-1", "--gpu-memory", "1.2.3GiB"]):
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", script, *command, "--recipe", L8, "--json"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert "IMPORTED False" in out.stderr
+        d = json.loads(out.stdout)
+        assert d["schema_version"] == 1 and d["ok"] is False and d["exit_code"] == 2 and d["error"]
+        assert {p["field"] for p in d["problems"]} >= {"--world-size", "--gpu-memory"}
+        assert time.monotonic() - t0 < 20  # the Bridge import alone takes 20-30 s
+
+
+# ----------------------------------------------------------------------------- the plot
+def test_plot_labels_never_overlap_and_show_capacity_and_fit(tmp_path):
+    from mbmem_overlays.memory.steps import draw_bars, plot_bars
+    gib = 2**30
+    rows = [(f"step {i}: a long layout name TP{2**i} PP4 VPP5 CP2 DP2 [selective_recompute, dist_optimizer]",
+             P.Breakdown(8 * gib, 12 * gib, (20 - 2 * i) * gib, (40 - 6 * i) * gib, 0.4 * gib)) for i in range(6)]
+    fig = draw_bars(rows, title="test", capacity=80 * gib, margin=0.05)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    texts = [t for t in ax.texts if t.get_text()] + [t for t in ax.get_yticklabels() if t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for i, a in enumerate(boxes):
+        for j, b in enumerate(boxes[:i]):
+            assert not a.overlaps(b), f"{texts[i].get_text()!r} overlaps {texts[j].get_text()!r}"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"parameters", "gradients", "optimizer", "activations", "other"} <= set(legend)
+    assert any(t.startswith("GPU capacity 80 GiB") for t in legend)
+    verdicts = [t.get_text() for t in ax.texts if "GiB" in t.get_text()]
+    assert any(v.endswith("does not fit") for v in verdicts) and any(v.endswith(" fits") for v in verdicts)
+    colors = {p.get_facecolor() for p in ax.patches if p.get_height() > 0 and p.get_fill()}
+    assert len(colors) >= 5  # one colour per component
+    png = tmp_path / "bars.png"
+    plot_bars(rows, str(png), title="test", capacity=80 * gib, margin=0.05)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------- the ladder
+@pytest.mark.bridge
+def test_ladder_covers_sp_mlp_full_recompute_and_optimizer_offload_without_duplicates(bridge, capsys):
+    """A capacity nothing reaches, so every rung is tried: each taken step says what it changes and saves."""
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "4GiB",
+                       "--set", "model.tensor_model_parallel_size=2")
+    assert rc == 1 and rec["schema_version"] == 1 and rec["fits"] is False
+    taken = [s for s in rec["steps"][1:] if "skipped" not in s]
+    names = [s["step"] for s in taken]
+    assert "sequence_parallel" in names
+    assert "selective_recompute core_attn,mlp" in names
+    assert any(n.startswith("full_recompute method=") and "num_layers=" in n for n in names)
+    assert any(n.startswith("optimizer_offload fraction=") for n in names)
+    for s in taken:
+        assert s["changes"] and s["saving_bytes"] > 0 and s["cost"] and "PASSED" in s["validation"]
+    changes = [json.dumps(s["changes"], sort_keys=True) for s in taken]
+    assert len(changes) == len(set(changes)), "two steps make the same change"
+    tp = next(s for s in rec["steps"] if s["step"] == "TP x2")
+    assert tp["skipped"] == "you set model.tensor_model_parallel_size yourself"
+    assert words(rec["command"])[2:4] == ["recipe=llama3_8b_pretrain", "model.tensor_model_parallel_size=2"]
+
+
+@pytest.mark.bridge
+def test_ladder_keeps_the_users_overlays_and_their_parameters(bridge, capsys):
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "60GiB",
+                       "--overlay", "recompute", "--set", "mem.recompute.modules=[core_attn]")
+    taken = [s for s in rec["steps"] if "skipped" not in s]
+    assert all("selective_recompute" in s["overlays"] for s in taken)
+    wider = next(s for s in rec["steps"] if s["step"].startswith("selective_recompute (wider)"))
+    assert "mem.selective_recompute.modules" in wider["skipped"]
+    w = words(rec["command"])
+    assert "mem.recompute.modules=[core_attn]" in w and any(x.startswith("+mem=[selective_recompute") for x in w)
+
+
+# ----------------------------------------------------------------------------- the search
+@pytest.mark.bridge
+def test_search_drops_what_validation_rejects_and_keeps_going(bridge, recipe, capsys):
+    """GBS 6 on 8 GPUs: the model alone ranks DP-4 layouts first, which Bridge refuses (6 % 4)."""
+    from mbmem_overlays.memory.search import search
+    cfg = recipe("llama3_8b_pretrain_config", "train.global_batch_size=6")
+    model_only, _, _ = search(cfg, 8, parse_size("80GiB"), top=3)
+    assert any(r["dp"] == 4 for r in model_only)  # what used to be printed
+    rc, found = cli_json(capsys, "plan", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80GiB", "--search",
+                         "--top", "3", "--set", "train.global_batch_size=6")
+    assert rc == 0 and found["schema_version"] == 1 and len(found["results"]) == 3
+    assert found["dropped"] > 0 and "divisible" in found["dropped_reasons"][0]["reason"]
+    for r in found["results"]:
+        assert 6 % r["dp"] == 0 and "PASSED" in r["validation"]
+        assert words(r["command"])[2:4] == ["recipe=llama3_8b_pretrain", "train.global_batch_size=6"]
+
+
+@pytest.mark.bridge
+def test_search_pins_the_layout_fields_the_user_set(bridge, capsys):
+    rc, found = cli_json(capsys, "plan", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80GiB", "--search",
+                         "--top", "3", "--set", "model.tensor_model_parallel_size=2", "--overlay", "dist_optimizer")
+    assert rc == 0 and found["results"]
+    for r in found["results"]:
+        assert r["tp"] == 2 and "dist_optimizer" in r["overlays"]
+        w = words(r["command"])
+        tp_words = [x for x in w if x.startswith("model.tensor_model_parallel_size=")]
+        assert tp_words == ["model.tensor_model_parallel_size=2"]  # the user's word, and no second one
+
+
+# ----------------------------------------------------------------------------- paste what was printed
+@pytest.mark.bridge
+def test_printed_commands_run_as_pasted(bridge, capsys):
+    """The recommendation and the cheapest search result, each pasted into a shell: train.py dry-runs it,
+    our rules and Bridge's validation pass, exit 0. (Each paste imports Bridge anew: ~40 s.)"""
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "40GiB",
+                       "--set", "model.tensor_model_parallel_size=2", "--set", "train.train_iters=20")
+    assert rc == 0 and rec["fits"]
+    rc, found = cli_json(capsys, "plan", "--recipe", "llama3_8b_peft", "--world-size", "8", "--gpu-memory", "30GiB",
+                         "--search", "--top", "1", "--overlay", "expandable", "--set", "train.train_iters=20")
+    assert rc == 0 and found["results"]
+    for command in (rec["command"], found["results"][0]["command"]):
+        assert command.startswith("python train.py recipe=") and command.endswith("run.dry_run=true")
+        out = paste(command)
+        assert out.returncode == 0, f"{command}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        assert "validation: PASSED" in out.stdout, out.stdout[-3000:]
