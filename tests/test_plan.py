@@ -354,3 +354,12 @@ def test_megatron_fsdp_forces_the_distributed_optimizer(recipe):
     shape, lay, st = P.from_config(cfg, 8)
     assert st.dist_optimizer and st.fsdp == "optim_grads_params"
     assert P.optimizer_shards(lay, st) == (8, 8)
+
+
+def test_vocab_left_to_the_tokenizer_comes_from_its_config(recipe):
+    # Nemotron-3-Nano's pretrain recipe leaves model.vocab_size to the HF tokenizer; without it the plan would
+    # drop the embedding, the output layer and the loss's logits
+    cfg = recipe(NANO)
+    assert cfg.model.vocab_size is None
+    shape = P.from_config(cfg, 8)[0]
+    assert shape.vocab == 131072

@@ -56,6 +56,8 @@ ASSUMPTIONS = (
     "graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
     "can_recompute_pre_mlp_layernorm_for_cudagraph)",
     "hybrid (Mamba) blocks use the fused conv1d+scan kernel, which keeps its input projection and scan output",
+    "a vocabulary the recipe leaves to the tokenizer (model.vocab_size None) is the tokenizer's vocab_size, or for "
+    "a Hugging Face tokenizer the model's shipped config.json vocab_size (Bridge sets it from the tokenizer at setup)",
     "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
     "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones the "
     "offloaded fraction of the optimizer's parameters to pinned CPU memory and copies each CPU step's result back "
@@ -788,6 +790,28 @@ def _dtype_bytes(dtype: Any, default: int) -> int:
     return {"torch.float32": FP32, "torch.bfloat16": BF16, "torch.float16": BF16, "torch.uint8": FP8}.get(name, default)
 
 
+def vocab_size(cfg: Any) -> int:
+    """model.vocab_size, or, when the recipe leaves it to the tokenizer (Nemotron-3-Nano pretrain: None), what
+    the tokenizer will give: Bridge sets the model's vocab from the tokenizer at setup. For a Hugging Face
+    tokenizer we read vocab_size from the model's shipped config.json (bridge/hf_configs), 0 if we have none."""
+    vocab = getattr(cfg.model, "vocab_size", None)
+    if vocab:
+        return int(vocab)
+    tok = getattr(cfg, "tokenizer", None)
+    if getattr(tok, "vocab_size", None):
+        return int(tok.vocab_size)
+    hub_id = getattr(tok, "tokenizer_model", None)
+    if not isinstance(hub_id, str):
+        return 0
+    import json
+
+    from ..bridge.hf_offline import available_models
+    path = available_models().get(hub_id)
+    if path is None:
+        return 0
+    return int(json.loads(path.read_text()).get("vocab_size") or 0)
+
+
 def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
     from ..core.engine import View
     from ..core.paths import read
@@ -810,7 +834,7 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
             is_moe = [bool(int(x)) for x in freq]
         kinds = tuple("attn+moe" if x else "attn+mlp" for x in is_moe)
     moe_layers = sum(1 for k in kinds if "moe" in k)
-    vocab = int(getattr(m, "vocab_size", 0) or 0)
+    vocab = vocab_size(cfg)
     div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
     vocab = int(math.ceil(vocab / div) * div) if vocab else 0
     shape = Shape(
