@@ -8,10 +8,10 @@ from typing import Any
 def parse_value(raw: str) -> Any:
     """``"4"`` -> 4, ``"[a,b]"`` -> ["a", "b"], ``"true"`` -> True, ``"null"`` -> None (Hydra rules)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
+    from hydra.errors import HydraException
     try:
         value = OverridesParser.create().parse_override(f"x={raw}").value()
-    except OverrideParseException:
+    except HydraException:  # OverrideParseException, and the lexer's plain HydraException ("token recognition error")
         return raw
     return plain(value)
 
