@@ -70,9 +70,8 @@ def preflight(recipe: str | None, names: list[str], params: dict[str, Any], over
     the syntax of each override (issue 17: cheap errors before the import)."""
     from ..bridge.overrides import request_problems, syntax_problem
     from ..bridge.recipes import recipe_name_problem
-    from ..core.catalog import recipe_file
     problems: list[Problem] = []
-    if recipe is not None and recipe_file(recipe) is None:
+    if recipe is not None:  # train.py's recipe names (llama3_8b_pretrain) are plain names and pass too
         problems += [p for p in [recipe_name_problem(recipe)] if p]
     problems += request_problems(names, params, catalog)
     problems += [p for p in map(syntax_problem, overrides) if p]

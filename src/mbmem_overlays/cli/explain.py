@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 
 from ..core import rules
-from ..core.catalog import Catalog, OverlaySpec
+from ..core.catalog import OverlaySpec
+from ..core.errors import OverlayError
+from ..core.report import SCHEMA_VERSION
+from .common import UsageError, catalog_for
 
 
 def register(sub) -> None:
     p = sub.add_parser("explain", help="what an overlay sets, its parameters, rules and sources")
     p.add_argument("name")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=run)
 
 
@@ -26,15 +30,31 @@ def related_checks(spec: OverlaySpec) -> list[rules.Check]:
     return [c for c in rules.CHECKS if fields & set(c.reads)]
 
 
+def as_dict(spec: OverlaySpec) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": 0, "name": spec.name,
+            "summary": spec.summary, "aliases": list(spec.aliases), "file": str(spec.path),
+            "parameters": [{"name": p.name, "type": p.type, "default": p.default, "help": p.help,
+                            "choices": p.choices, "min": p.min, "max": p.max} for p in spec.params.values()],
+            "sets": dict(spec.set), "environment": dict(spec.env),
+            "rules": [{"id": c.id, "enforced_by": c.enforced_by, "source": c.source} for c in related_checks(spec)],
+            "sources": list(spec.sources), "effect": spec.effect}
+
+
 def run(args) -> int:
-    cat = Catalog(args.overlay_dir)
-    spec = cat.resolve(args.name)
+    cat = catalog_for(args.overlay_dir)
+    try:
+        spec = cat.resolve(args.name)
+    except OverlayError as exc:  # an unknown name is a usage error (exit 2), with the close matches
+        raise UsageError(exc.problems) from None
+    if getattr(args, "json", False):
+        print(json.dumps(as_dict(spec), indent=2, default=str))
+        return 0
     print(f"{spec.name}: {spec.summary}")
     if spec.aliases:
         print(f"aliases: {', '.join(spec.aliases)}")
     print(f"file: {spec.path}")
     print(f"use: python train.py recipe=<recipe> +mem={spec.name}"
-          + "".join(f" mem.{spec.name}.{p}={json.dumps(spec.params[p].default)}" for p in spec.params))
+          + "".join(f" mem.{spec.name}.{p}={json.dumps(spec.params[p].default, default=str)}" for p in spec.params))
     if spec.params:
         print("parameters:")
         for p in spec.params.values():

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-from ..core.catalog import Catalog
+import json
+
+from ..core.report import SCHEMA_VERSION
+from .common import catalog_for
 
 
 def register(sub) -> None:
     p = sub.add_parser("list", help="list overlays")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
-    cat = Catalog(args.overlay_dir)
+    cat = catalog_for(args.overlay_dir)
+    if args.json:
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": 0, "overlays": [
+            {"name": name, "summary": cat.specs[name].summary, "aliases": list(cat.specs[name].aliases),
+             "builtin": cat.specs[name].builtin, "path": str(cat.specs[name].path)} for name in cat.names()]},
+            indent=2, default=str))
+        return 0
     width = max(len(n) for n in cat.names())
     for name in cat.names():
         spec = cat.specs[name]
