@@ -382,21 +382,24 @@ def test_train_overrides_are_typed_by_bridge(bridge, tmp_path):
 
 @pytest.mark.bridge
 def test_sweep_runs_every_job_from_the_starting_environment(tmp_path):
-    """-m: job 1 is rejected, job 2 still runs, and sees PYTORCH_CUDA_ALLOC_CONF as the sweep did (unset),
-    not as job 0 exported it; the sweep exits 1 after listing every verdict."""
+    """-m: job 1 is rejected, job 2 still runs, and sees the environment as the sweep started (the variable
+    unset), not as job 0 exported it; the sweep exits 1 after listing every verdict (issue 15 #7, issue 17)."""
     import os
     import subprocess
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "NCCL_"))}
-    env.update(MBMEM_RUNS_DIR=str(tmp_path), MBMEM_QUIET="1")
-    out = subprocess.run([sys.executable, "train.py", "-m", "recipe=llama3_8b_pretrain",
-                          "+mem=expandable_segments,cpu_offload,expandable", "model.pipeline_model_parallel_size=2",
-                          "run.dry_run=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    (tmp_path / "mine" / "mem").mkdir(parents=True)
+    (tmp_path / "mine" / "mem" / "leaky.yaml").write_text(
+        "# @package mem.leaky\noverlay:\n  summary: sets one variable\n  env: {MBMEM_TEST_LEAK: '1'}\n")
+    env = {k: v for k, v in os.environ.items() if k != "MBMEM_TEST_LEAK"}
+    env.update(MBMEM_RUNS_DIR=str(tmp_path / "runs"), MBMEM_QUIET="1", MBMEM_OVERLAY_DIRS=str(tmp_path / "mine"))
+    out = subprocess.run([sys.executable, "train.py", "-m", "recipe=llama3_8b_pretrain", "+mem=leaky,cpu_offload,leaky",
+                          "model.pipeline_model_parallel_size=2", "run.dry_run=true"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == EXIT_REJECTED, out.stderr[-3000:]
     no_traceback(out)
     assert "sweep: 3 jobs; 2 passed, 1 rejected" in out.stderr
-    assert out.stdout.count("[expandable_segments] $PYTORCH_CUDA_ALLOC_CONF: None -> 'expandable_segments:True'") == 2
-    reports = sorted(tmp_path.glob("multirun/*/*/mbmem_report.json"))
-    assert len(reports) == 2  # the rejected job leaves no report of a plan
+    assert out.stdout.count("[leaky] $MBMEM_TEST_LEAK: None -> '1'") == 2, out.stdout[-3000:]
+    reports = sorted((tmp_path / "runs").glob("multirun/*/*/mbmem_report.json"))
+    assert len(reports) == 2  # the job our rules rejected planned nothing
 
 
 README_TRAIN = re.compile(r"^(python train\.py .*)$", re.M)
