@@ -1,8 +1,13 @@
 """The acceptance commands of `mbmem apply`, as a user types them."""
 
+import json
+import re
+import shlex
+import sys
+
 import pytest
 
-from conftest import mbmem
+from conftest import ROOT, mbmem, run_cmd
 
 pytestmark = pytest.mark.bridge
 
@@ -29,3 +34,40 @@ def test_apply_unknown_recipe_and_unknown_field():
     assert out.returncode != 0 and "did you mean" in out.stderr and "llama3_8b_pretrain_config" in out.stderr
     out = mbmem("apply", "--recipe", "llama3_8b_pretrain_config", "--set", "model.num_layers=abc")
     assert out.returncode != 0 and "expects int" in out.stderr
+
+
+README_APPLY = re.compile(r"^(mbmem apply .*?)(?:\s+# exit (\d))?$", re.M)
+
+
+def readme_apply_commands():
+    return README_APPLY.findall((ROOT / "README.md").read_text())
+
+
+@pytest.mark.parametrize("command,expected", readme_apply_commands())
+def test_readme_apply_examples_run_as_written(bridge, command, expected, capsys):
+    """Each `mbmem apply` line of the README, as a user pastes it: the exit code it is annotated with
+    (none means 0), a complete answer, no traceback."""
+    from mbmem_overlays.cli import main
+    code = main(shlex.split(command)[1:])
+    captured = capsys.readouterr()
+    assert code == int(expected or 0), captured.err[-3000:]
+    assert "Traceback" not in captured.err
+    if "--json" in command:
+        assert json.loads(captured.out)["schema_version"] == 1
+
+
+def test_apply_prints_a_train_command_that_runs_as_printed(bridge, capsys, tmp_path):
+    """The "next:" line of `mbmem apply` is a train.py command line; pasted (as a dry run) it passes too."""
+    from mbmem_overlays.cli import main
+    code = main(["apply", "--recipe", "llama3_8b_pretrain", "-O", "expandable,recompute", "--world-size", "8",
+                 "--set", "model.tensor_model_parallel_size=2", "--set", "mem.selective_recompute.modules=[core_attn]"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-2000:]
+    command = out.split("next: ", 1)[1].splitlines()[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "train.py"]
+    done = run_cmd([sys.executable, *argv[1:], "run.dry_run=true"],
+                   env={"MBMEM_RUNS_DIR": str(tmp_path), "MBMEM_QUIET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[you] model.tensor_model_parallel_size: 1 -> 2" in done.stdout and "validation: PASSED" in done.stdout
+    assert "[selective_recompute] model.recompute_modules" in done.stdout or "recompute_granularity" in done.stdout

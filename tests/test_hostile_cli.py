@@ -50,6 +50,9 @@ TRAIN_CASES = [
     (["recipe.function=os.system"], {}, "outside the recipe modules"),
     (["recipe.function=builtins.exit"], {}, "outside the recipe modules"),
     (["recipe.function=os.getcwd"], {}, "outside the recipe modules"),
+    (["recipe=llama3_8b_peft", "model.__class__=1"], {}, "dunder"),
+    (["recipe=llama3_8b_peft", "model..x=1"], {}, "cannot parse 'model..x=1'"),
+    (["recipe=llama3_8b_peft", "model.seq_length=[1,"], {}, "cannot parse 'model.seq_length=[1,'"),
 ]
 
 

@@ -73,4 +73,4 @@ def _next_step(args, names: list[str], world: int, code: int) -> str:
     if code == EXIT_REJECTED:
         return "fix what Bridge reports above (an override with --set, or a different overlay), then run again"
     command = train_command(args.recipe, names, [*args.set, *(f"mem.{p}" for p in args.param)], world)
-    return f"{command}   (add run.dry_run=true to plan only; under torchrun on GPU nodes it trains)"
+    return f"{command}\n  (the same with run.dry_run=true only plans; under torchrun on GPU nodes it trains)"

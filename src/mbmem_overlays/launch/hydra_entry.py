@@ -139,10 +139,31 @@ def startup(argv: list[str]) -> list[str]:
     except OverlayError as exc:
         problems += exc.problems
         catalog = None
+    rewritten = hydra_argv(argv, catalog) if catalog is not None else list(argv)
+    problems += override_syntax_problems(rewritten[1:])
     if problems:
         _print_error(UsageError(problems), as_json="run.json=true" in argv)
         sys.exit(EXIT_USAGE)
-    return hydra_argv(argv, catalog)
+    return rewritten
+
+
+def override_syntax_problems(args: list[str]) -> list[Problem]:
+    """Hydra's grammar on each KEY=VALUE, so `model..x=1` is our usage error (exit 2), as in `mbmem apply`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    parser, problems = OverridesParser.create(), []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            parser.parse_override(arg)
+        except HydraException as exc:
+            shown = arg.removeprefix("+bridge.")
+            problems.append(Problem(("override",), shown.partition("=")[0], shown.partition("=")[2],
+                                    f"cannot parse {shown!r}: {' '.join(str(exc).split())}",
+                                    "write KEY=VALUE with Hydra syntax: dotted names, lists as [a,b], "
+                                    "e.g. model.tensor_model_parallel_size=2", check="override"))
+    return problems
 
 
 # ---------------------------------------------------------------- one job
@@ -277,10 +298,16 @@ def run(cfg) -> int:
 
 
 def _plan_and_launch(container: dict[str, Any], say, rank: int, problems: list[Problem]) -> int:
-    from ..bridge.overrides import request_problems
+    from ..bridge.overrides import key_problem, request_problems
     from ..bridge.recipes import spec_problems
     opts, option_problems = run_options(container.get("run"))
     problems += option_problems
+    bridge = container.get("bridge")
+    if bridge is not None and not isinstance(bridge, dict):
+        problems.append(Problem(("override",), "bridge", bridge, "bridge holds Bridge overrides, not a value",
+                                "give overrides as KEY=VALUE, e.g. model.tensor_model_parallel_size=2"))
+    else:  # model..x / model.__class__ are refused here, before the import (issue 15 #10)
+        problems += [p for p in map(key_problem, _flatten(bridge or {})) if p]
     recipe = container.get("recipe")
     problems += spec_problems(recipe)
     try:
@@ -311,7 +338,7 @@ def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, par
     prepare()
     with progress(f"building recipe {function}"):
         bcfg = build_from_spec(recipe)
-    changes, problems = check_overrides(bcfg, _flatten(container.get("bridge") or {}))
+    changes, problems = check_overrides(bcfg, _flatten(container.get("bridge") or {}))  # checked: a dict
     write_all(bcfg, changes)
     locked = {path: new for path, _, new in changes}
     world_size, world_assumed = world_size_for(bcfg, opts.world_size)
