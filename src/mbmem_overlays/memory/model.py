@@ -76,7 +76,8 @@ ASSUMPTIONS = (
     "(megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers; with several optimizer "
     "instances optimizer state spans all of DP only when outer_dp_sharding_strategy is optim); every layer is one "
     "FSDP unit, and the transient unsharded copies are two units of parameters (the current one and the prefetched "
-    "next) and one unit of gradients; no fp32 gradient copy is made at the step (FSDP owns its main-grad buffers)",
+    "next) and one unit of gradients; the embedding and output layer are sharded like the rest and their own "
+    "gathered copy is not counted; no fp32 gradient copy is made at the step (FSDP owns its main-grad buffers)",
 )
 
 
@@ -712,6 +713,8 @@ def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
                   "optimizer step": (0.0, other + step)}
         phase, (a, x) = max(phases.items(), key=lambda kv: sum(kv[1]))
         detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
+        if st.fsdp is not None and other:
+            detail += (("Megatron FSDP gathered parameters and unsharded gradients", other),)
         resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
         b = Breakdown(p, g, o, a, x, detail, rank, phase, resident)
         if best is None or b.footprint > best.footprint:
