@@ -197,3 +197,34 @@ def test_json_has_schema_version_and_exit_code():
     out = mbmem("doctor", str(FIXTURES / "allocator/truncated.log"), "--json")
     data = json.loads(out.stdout)
     assert out.returncode == 4 == data["exit_code"] and data["schema_version"] == 2 and data["verdict"] == "unsure"
+
+
+def test_default_doctor_says_savings_were_not_computed():
+    d = diagnose(scan([str(FIXTURES / "allocator/current_capacity.log")]))
+    assert d.savings.startswith("savings not computed") and all(r["saves_bytes"] is None for r in d.remedies)
+    assert "not validated on the recipe's config" in d.command_check
+
+
+def test_plan_ranking_puts_covering_remedies_first():
+    from mbmem_overlays.doctor.command import Remedy
+    from mbmem_overlays.doctor.plan import _rank
+    ladder = [Remedy("selective_recompute", "", saves=0.5e9), Remedy("dist_optimizer", "", saves=3e9),
+              Remedy("full_recompute", "", saves=9e9), Remedy("optimizer_offload", "", saves=2e9)]
+    assert [r.name for r in _rank(ladder, 2.5e9)] == ["dist_optimizer", "full_recompute", "optimizer_offload",
+                                                      "selective_recompute"]
+    env = Remedy("nccl_buffsize", "")  # not priced by the model: keeps its place in front
+    assert _rank([env, *ladder], None)[0] is env
+
+
+@pytest.mark.bridge
+def test_plan_computes_savings_and_validates_with_the_engine():
+    out = mbmem("doctor", str(FIXTURES / "allocator/current_capacity.log"), "--plan", "--json", timeout=600)
+    data = json.loads(out.stdout)
+    assert out.returncode == 0, out.stderr
+    assert data["command_check"].startswith("validated by the engine on recipe llama3_8b_pretrain at world size 8")
+    saves = [r["saves_bytes"] for r in data["remedies"]]
+    assert all(s is not None for s in saves)
+    shortfall = (3.91 - 1.05 - 1.12) * 2**30
+    covering = [s >= shortfall for s in saves]
+    assert covering == sorted(covering, reverse=True)   # every covering remedy ranks above every other
+    assert data["next_command"].endswith("+mem=" + data["remedies"][0]["name"])

@@ -88,8 +88,12 @@ def overlays_in(launch: Launch) -> list[str]:
 
 
 def overrides_in(launch: Launch) -> dict[str, str]:
-    return {k: v for k, _, v in (a.partition("=") for a in launch.args)
-            if "=" in a and not k.lstrip("+").startswith("mem") and not a.startswith("-")}
+    out: dict[str, str] = {}
+    for a in launch.args:
+        key, sep, value = a.partition("=")
+        if sep and not key.lstrip("+").startswith("mem") and not a.startswith("-"):
+            out[key] = value
+    return out
 
 
 def params_in(launch: Launch) -> dict[str, str]:

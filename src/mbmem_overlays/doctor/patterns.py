@@ -148,6 +148,7 @@ WORLD = [  # (pattern, how to read the world size), first match of the highest-p
     ("launcher", re.compile(r"\b(?:WORLD_SIZE|world[_ ]size|using world size)\s{0,4}[=:]?\s{0,4}(\d{1,7})\b")),
     ("torchrun", re.compile(r"--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b[^\n]{0,400}?--nnodes[= ]{1,3}(\d{1,6})\b")),
     ("torchrun", re.compile(r"--nnodes[= ]{1,3}(\d{1,6})\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
+    ("torchrun", re.compile(r"(?:torchrun|distributed\.run)\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
     ("slurm", re.compile(r"\bSLURM_(?:NTASKS|NPROCS)\s{0,2}[=:]\s{0,2}(\d{1,7})\b")),
     ("slurm", re.compile(r"(?:--ntasks|(?<![\w-])-n)[= ](\d{1,7})\b")),
     ("slurm", re.compile(r"(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b[^\n]{0,400}?--ntasks-per-node[= ](\d{1,4})\b")),
