@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from ..core.errors import OverlayError
+from ..core.sizes import SizeError
 from . import apply, doctor, explain, list_overlays, plan, recommend, slurm
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
 
@@ -61,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = f"mbmem {args.command}"
     try:
         return args.fn(args)
-    except UsageError as exc:
+    except (UsageError, SizeError) as exc:  # SizeError: --gpu-memory read by any command
         return _fail(exc, EXIT_USAGE, prefix, as_json)
     except OverlayError as exc:
         return _fail(exc, EXIT_REJECTED, prefix, as_json)

@@ -18,18 +18,23 @@ MAX_BYTES = 1 << 50  # 1 PiB per GPU: anything larger is a typo, and float() of 
 EXAMPLES = "write e.g. 80GiB (binary), 80GB or 80G (decimal), or a number of bytes such as 85899345920"
 
 
+class SizeError(ValueError):
+    """A memory size that cannot be read; a ValueError, so callers may catch either. ``mbmem`` turns it
+    into a usage error (exit 2) whichever command read the size."""
+
+
 def parse_size(text: str) -> float:
     """Bytes in ``text``; ValueError (naming the input and the accepted spellings) for anything else.
 
     Sizes must be positive and finite: a zero or absurd capacity would make every plan "fit" or none.
     """
     if not isinstance(text, str):
-        raise ValueError(f"cannot read memory size {text!r} (not text); {EXAMPLES}")
+        raise SizeError(f"cannot read memory size {text!r} (not text); {EXAMPLES}")
     shown = text if len(text) <= 60 else text[:57] + "..."  # a 400-digit input must not flood the terminal
     try:
         value = humanfriendly.parse_size(text.strip())
     except humanfriendly.InvalidSize:
-        raise ValueError(f"cannot read memory size {shown!r}; {EXAMPLES}") from None
+        raise SizeError(f"cannot read memory size {shown!r}; {EXAMPLES}") from None
     if not (isinstance(value, (int, float)) and 0 < value < MAX_BYTES and math.isfinite(float(value))):
-        raise ValueError(f"memory size {shown!r} must be a positive amount of memory below 1 PiB; {EXAMPLES}")
+        raise SizeError(f"memory size {shown!r} must be a positive amount of memory below 1 PiB; {EXAMPLES}")
     return float(value)
