@@ -309,7 +309,10 @@ def _signals(body: str, where: str, rank: int | None, f: Findings, state: dict) 
 
 
 def _context(body: str, where: str, f: Findings) -> None:
-    if "ALLOC_CONF" in body and "try setting PYTORCH" not in body and "If reserved but unallocated" not in body:
+    # The OOM message's own hint ("try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid
+    # fragmentation"), whole or wrapped, is not the job's setting.
+    if "ALLOC_CONF" in body and "try setting" not in body and "avoid fragmentation" not in body \
+            and "If reserved but unallocated" not in body:
         for var, value in P.ALLOC_SET.findall(body):
             if value and not value.startswith("$"):
                 f.alloc_conf[var] = Seen(value, where, clip(body))
