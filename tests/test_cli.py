@@ -6,7 +6,6 @@ import shlex
 import sys
 
 import pytest
-
 from conftest import ROOT, mbmem, run_cmd
 
 pytestmark = pytest.mark.bridge
@@ -36,7 +35,7 @@ def test_apply_unknown_recipe_and_unknown_field():
     assert out.returncode != 0 and "expects int" in out.stderr
 
 
-README_APPLY = re.compile(r"^(mbmem apply .*?)(?:\s+# exit (\d))?$", re.M)
+README_APPLY = re.compile(r"^(mbmem apply .*?)(?:\s+# exit (\d))?$", re.MULTILINE)
 
 
 def readme_apply_commands():

@@ -99,11 +99,13 @@ def _bridge_value(cfg: Any, path: str, value: Any) -> Any:
     parent = read(cfg, ".".join(parents), None) if parents else cfg
     if not dataclasses.is_dataclass(parent) or isinstance(parent, type):
         return value
-    from megatron.bridge.training.utils.omegaconf_utils import apply_overrides as bridge_apply_overrides
+    from megatron.bridge.training.utils.omegaconf_utils import (
+        apply_overrides as bridge_apply_overrides,
+    )
     scratch = copy.copy(parent)
     try:
         bridge_apply_overrides(scratch, {leaf: copy.deepcopy(value)}, {})
-    except Exception:  # Bridge logs and skips what it cannot set; our type check reports it
+    except Exception:  # noqa: BLE001  Bridge logs and skips what it cannot set; our type check reports it
         return value
     return getattr(scratch, leaf, value)
 
@@ -164,7 +166,7 @@ def write_all(cfg: Any, changes: list[tuple[str, Any, Any]]) -> None:
         for path, old, new in changes:
             write(cfg, path, new)
             done.append((path, old))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  any failing write is undone and reported
         for path, old in reversed(done):
             write(cfg, path, old)
         path, _, new = changes[len(done)]

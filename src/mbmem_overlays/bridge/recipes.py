@@ -102,7 +102,7 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
         cfg = fn(**(kwargs or {}))
     except OverlayError:
         raise
-    except Exception as exc:  # recipes fail offline with "Failed to load configuration from <id>"
+    except Exception as exc:  # noqa: BLE001  recipes fail offline with "Failed to load configuration from <id>"
         text = str(exc)
         hub_id = _hub_id_from_error(text)
         if hub_id:

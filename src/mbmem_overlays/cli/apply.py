@@ -12,8 +12,18 @@ from __future__ import annotations
 import sys
 
 from ..core.errors import OverlayError, ValidationRejected
-from .common import (EXIT_REJECTED, UsageError, add_recipe_options, build_with_overrides, catalog_for, csv_list,
-                     preflight, shown_changes, split_sets, train_command)
+from .common import (
+    EXIT_REJECTED,
+    UsageError,
+    add_recipe_options,
+    build_with_overrides,
+    catalog_for,
+    csv_list,
+    preflight,
+    shown_changes,
+    split_sets,
+    train_command,
+)
 
 
 def register(sub) -> None:

@@ -8,6 +8,7 @@ import shlex
 from typing import Any
 
 from ..core.errors import OverlayError, Problem
+
 # Exit codes of mbmem apply/slurm/plan/recommend and train.py (README, "Exit codes"); defined in core.report
 # so that train.py's body (launch/) returns the same ones.
 from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE  # noqa: F401  (re-exported)

@@ -29,7 +29,14 @@ from typing import Any
 
 from ..core.catalog import RESERVED_KEY, Catalog
 from ..core.errors import OverlayError, Problem, ValidationRejected
-from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, SCHEMA_VERSION
+from ..core.paths import MISSING
+from ..core.report import (
+    EXIT_INCOMPLETE,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    SCHEMA_VERSION,
+)
 
 HYDRA_KEYS = ("recipe", "mem", "run", "hydra", "bridge")
 RUNS_DIR_ENV = "MBMEM_RUNS_DIR"
@@ -226,7 +233,7 @@ def cuda_available() -> bool:
     try:
         import torch
         return torch.cuda.is_available()  # no CUDA context, so the allocator has not read its settings yet
-    except Exception:
+    except Exception:  # noqa: BLE001  no torch, or a broken CUDA install: plan instead of launching
         return False
 
 
@@ -330,8 +337,13 @@ def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, par
 
     from ..api import apply_overlay, plan_overlays
     from ..bridge.overrides import check_overrides, write_all
-    from ..bridge.recipes import (build_from_spec, finetune_requirement, model_summary, training_mode,
-                                  world_size_for)
+    from ..bridge.recipes import (
+        build_from_spec,
+        finetune_requirement,
+        model_summary,
+        training_mode,
+        world_size_for,
+    )
     from ..bridge.stack import prepare, progress
     from ..core.report import exit_code, render_json, render_text, to_dict
     function = recipe["function"]
@@ -368,7 +380,7 @@ def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, par
     code = exit_code(report)
     entry = f"megatron.bridge.training.{mode}.{mode}(cfg, forward_step)"
     summary = model_summary(bcfg)
-    user = [(p, None if o is _missing() else o, n) for p, o, n in changes]
+    user = [(p, None if o is MISSING else o, n) for p, o, n in changes]  # a new dict key had no old value
     plan = None
     if baseline is not None and code in (EXIT_OK, EXIT_INCOMPLETE):
         from ..memory.steps import build_plan
@@ -398,11 +410,6 @@ def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, par
                                   "add checkpoint.pretrained_checkpoint=/path/to/megatron/checkpoint")])
     export_environment(report, bcfg)
     return _launch(bcfg, mode)
-
-
-def _missing():
-    from ..core.paths import MISSING
-    return MISSING
 
 
 def _next_step(code: int, dry: bool, opts: RunOptions, entry: str, why: str) -> str:
@@ -453,7 +460,7 @@ def _save_record(output_dir: str, bcfg: Any, report: dict[str, Any], rank: int) 
     (out / "mbmem_report.json").write_text(json.dumps(report, indent=2, default=repr))
     try:
         bcfg.to_yaml(str(out / "bridge_config.yaml"))
-    except Exception as exc:  # to_yaml can fail on exotic recipes; the report is still saved
+    except Exception as exc:  # noqa: BLE001  to_yaml can fail on exotic recipes; the report is still saved
         (out / "bridge_config.yaml").write_text(f"# could not serialize: {exc}\n")
 
 
@@ -504,7 +511,7 @@ def run_job(cfg) -> int:
 def _planning_only(cfg) -> bool:
     try:
         dry = cfg.run.dry_run
-    except Exception:
+    except Exception:  # noqa: BLE001  a config too broken to read: treat as planning
         return True
     return dry is True or (dry == "auto" and not cuda_available())
 
@@ -531,4 +538,4 @@ def finish() -> int:
     return max(codes)
 
 
-__all__ = ["hydra_argv", "run", "run_job", "finish", "startup", "selected_overlays", "SCHEMA_VERSION"]
+__all__ = ["SCHEMA_VERSION", "finish", "hydra_argv", "run", "run_job", "selected_overlays", "startup"]
