@@ -32,14 +32,45 @@ TE_ONLY_CHECKS: tuple[tuple[str, dict[str, Any]], ...] = (
         "optimizer.main_params_dtype": torch_float32, "optimizer.exp_avg_dtype": torch_float32,
         "optimizer.exp_avg_sq_dtype": torch_float32}),
     ("fused permutation is not available", {"model.moe_permute_fusion": False}),
-    ("gradient_accumulation_fusion", {"model.gradient_accumulation_fusion": False}),
+    # Bridge comm_overlap.py:526-530 (delay_wgrad_compute). Matched on TE's version message only: Bridge's ModelOpt
+    # assertion "... Please set model.gradient_accumulation_fusion=False" (config.py:1379) is a real rejection.
+    ("is required for gradient_accumulation_fusion when using", {"model.gradient_accumulation_fusion": False}),
     ("is required for overlap_grad_reduce when using", {"comm_overlap.delay_wgrad_compute": False}),
     # The flex MoE dispatcher is validated against the GPU's architecture (flex_dispatcher_backend.py:105),
     # the last step of validate(): on a host without a GPU everything else has been checked by then.
     ("Found no NVIDIA driver", {"model.moe_token_dispatcher_type": "alltoall"}),
 )
-TE_MARKERS = ("Transformer Engine", "TransformerEngine", "transformer_engine", "transformer-engine", "install TE",
-              "TE >=", "TE version")
+# What only a missing or old Transformer Engine says. Not the bare name: "requires use_transformer_engine_op_fuser",
+# "TransformerEngine only support gelu, ..." or "only supported with transformer_engine implementation" are
+# rejections of the user's settings, which must stay rejections (transformer_config.py:1582/1704/2156,
+# Bridge config.py:2049).
+TE_MARKERS = ("install TE", "TE version", "TE >=", "TE <", "Transformer Engine >=", "FusedAdam from TransformerEngine",
+              "update TE version", "transformer_engine is not installed", "No module named 'transformer_engine'")
+
+# runtime_config_update's steps in the order they run (config.py:1853-1887 and validate() at 1136-1480), each with
+# the source file whose frame in a traceback says validation was inside it. When a TE-only check stops
+# validation, the steps after the one it stopped in did not run.
+VALIDATION_STEPS = (
+    ("mixed-precision setup", "training/mixed_precision.py"),
+    ("communication-overlap setup (EP-overlap and delayed-wgrad checks)", "training/comm_overlap.py"),
+    ("DDP config finalize (nccl_ub / expandable segments)", "distributed/distributed_data_parallel_config.py"),
+    ("optimizer config finalize (precision-aware optimizer, offload)", "optimizer/optimizer_config.py"),
+    ("model finalize: megatron-core TransformerConfig checks (recompute, CPU offload, MoE, CUDA graphs, pipeline "
+     "split)", "transformer/transformer_config.py"),
+    ("the rest of Bridge's validate(): Megatron FSDP, distributed-optimizer sync, fine-grained offload, CUDA-graph "
+     "and checkpoint checks, scheduler", "training/config.py"),
+)
+
+
+def stopped_in(exc: BaseException) -> int:
+    """Index in VALIDATION_STEPS of the step whose code raised ``exc`` (the innermost matching frame)."""
+    import traceback
+    step = len(VALIDATION_STEPS) - 1
+    for frame in traceback.extract_tb(exc.__traceback__):
+        for i, (_, path) in enumerate(VALIDATION_STEPS):
+            if frame.filename.replace("\\", "/").endswith(path):
+                step = i
+    return step
 
 
 @dataclass
@@ -51,14 +82,16 @@ class ValidationResult:
     not_checkable: list[str] = field(default_factory=list)
     launch_requirements: list[str] = field(default_factory=list)
     complete: bool = True  # False: validation stopped at a check this host cannot run; later checks did not run
+    not_run: list[str] = field(default_factory=list)  # upstream validation steps that did not run (complete=False)
 
     @property
     def verdict(self) -> str:
         if not self.ok:
             return f"REJECTED by Bridge validation: {self.error}"
         if not self.complete:
-            return ("INCOMPLETE: Bridge validation stopped at a check that needs Transformer Engine; the checks after "
-                    "it did not run on this host (our own rules above did)")
+            return ("INCOMPLETE: Bridge validation stopped at a check that needs Transformer Engine, so these upstream "
+                    f"checks did not run on this host: {'; '.join(self.not_run) or 'the rest of validate()'} "
+                    "(our own rules above did run)")
         if self.not_checkable:
             return "PASSED (Bridge runtime_config_update), except checks not checkable on this host"
         return "PASSED (Bridge runtime_config_update)"
@@ -119,9 +152,11 @@ def _validate_loop(work, ws, env, unchecked, needs) -> ValidationResult:
                         break
                 else:
                     if any(m in str(exc) for m in TE_MARKERS):
-                        unchecked.append(f"{str(exc).strip()} (needs Transformer Engine; validation stopped here, "
-                                         "later checks did not run)")
-                        return ValidationResult(True, ws, None, None, unchecked, needs, complete=False)
+                        step = stopped_in(exc)
+                        not_run = [name for name, _ in VALIDATION_STEPS[step + 1:]]
+                        unchecked.append(f"{str(exc).strip()} (needs Transformer Engine; validation stopped here, in "
+                                         f"{VALIDATION_STEPS[step][0]})")
+                        return ValidationResult(True, ws, None, None, unchecked, needs, complete=False, not_run=not_run)
                     return ValidationResult(False, ws, None, message, unchecked, needs)
                 continue
         return ValidationResult(True, ws, getattr(attempt, "data_parallel_size", None), None, unchecked, needs)

@@ -12,6 +12,7 @@ from .registry import check
               "(C distributed_data_parallel_config.py:256-261, torch<2.11 only)",
        reads=("ddp.nccl_ub", "$PYTORCH_CUDA_ALLOC_CONF"))
 def expandable_segments_nccl_ub(view, c):
+    """Expandable segments with NCCL user buffers (error on torch < 2.11, warning after)."""
     if not (view.get("ddp.nccl_ub") and expandable_segments_on(view.env)):
         return
     if view.torch_version < (2, 11):

@@ -56,10 +56,18 @@ def all_layers_moe(view) -> bool:
 
 
 def selective_modules(view) -> list[str]:
-    if view.get("model.recompute_granularity") != "selective":
+    """The selective recompute labels after megatron-core's finalize: None becomes ["core_attn"] (C:1763),
+    and the deprecated ``moe_layer_recompute`` turns selective recompute on and adds "moe" (C:1835-1846)."""
+    granularity = view.get("model.recompute_granularity")
+    legacy_moe = bool(view.get("model.moe_layer_recompute")) and granularity != "full"
+    if granularity != "selective" and not legacy_moe:
         return []
     mods = view.get("model.recompute_modules")
-    return ["core_attn"] if mods is None else list(mods)  # None becomes ["core_attn"] at finalize (C:1763)
+    mods = ["core_attn"] if mods is None else list(mods)
+    return mods + ["moe"] if legacy_moe and "moe" not in mods else mods
+
+
+SELECTIVE_READS = ("model.recompute_granularity", "model.recompute_modules", "model.moe_layer_recompute")
 
 
 def fp8_setting(view) -> tuple[bool, str | None]:
@@ -90,3 +98,68 @@ def ep_overlap(view) -> bool:
 
 def layers_per_pipeline_rank(view) -> int:
     return max(1, (view.get("model.num_layers") or 1) // max(1, view.get("model.pipeline_model_parallel_size") or 1))
+
+
+def effective_ep_overlap(view) -> bool:
+    """Whether MoE expert-parallel comm overlap is on after Bridge's comm-overlap setup.
+
+    With a ``cfg.comm_overlap`` config, Bridge overwrites ``model.overlap_moe_expert_parallel_comm`` with the
+    comm-overlap value (None counts as False: comm_overlap.py ``_get_model_comm_overlap_cfgs`` defaults it to
+    False, ``_override_user_cfgs`` keeps a user's non-None value, ``setup`` copies both onto the model);
+    without one, the model field stands (runtime_config_update, config.py:1883-1885)."""
+    if view.get("comm_overlap") is not None:
+        return view.get("comm_overlap.overlap_moe_expert_parallel_comm") is True
+    return bool(view.get("model.overlap_moe_expert_parallel_comm"))
+
+
+EP_OVERLAP_READS = ("comm_overlap", "comm_overlap.overlap_moe_expert_parallel_comm",
+                    "model.overlap_moe_expert_parallel_comm")
+
+
+def graph_modules(view) -> list[str]:
+    """The per-layer CUDA graph capture scopes megatron-core will use, by name ([] = the whole layer).
+
+    Mirrors TransformerConfig.__post_init__ (transformer_config.py:2383-2440) and
+    cuda_graph_config.normalize_cuda_graph_modules: the deprecated ``cuda_graph_scope`` wins when set;
+    "full" (the default) and an empty value mean whole-layer capture; a comma string is split; enum members
+    count by name; the local implementation adds moe_preprocess with moe_router and vice versa (:2473-2480)."""
+    scopes = view.get("model.cuda_graph_scope")
+    raw = scopes if scopes is not None else view.get("model.cuda_graph_modules")
+    if raw is None:
+        items: list = []
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    elif isinstance(raw, str):
+        items = raw.split(",") if raw else []
+    else:
+        items = [raw]
+    names = [str(getattr(item, "name", item)) for item in items]
+    if names == ["full"]:
+        return []
+    names = [n for n in names if n in GRAPH_MODULE_NAMES]
+    if view.get("model.cuda_graph_impl") == "local" and {"moe_router", "moe_preprocess"} & set(names):
+        names += [n for n in ("moe_router", "moe_preprocess") if n not in names]
+    return names
+
+
+GRAPH_MODULE_NAMES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")  # enums.py CudaGraphModule
+GRAPH_READS = ("model.cuda_graph_impl", "model.cuda_graph_scope", "model.cuda_graph_modules")
+
+
+def per_layer_graphs(view) -> bool:
+    return view.get("model.cuda_graph_impl") in ("local", "transformer_engine")
+
+
+def is_lora(peft) -> bool:
+    """``isinstance(peft, megatron.bridge.peft.lora.LoRA)`` without importing Bridge (subclasses such as
+    VLMLoRA count)."""
+    return any(k.__name__ == "LoRA" and k.__module__.startswith("megatron.bridge.peft") for k in type(peft).__mro__)
+
+
+def data_parallel_size(view) -> int | None:
+    """world / (TP*PP*CP), as Bridge's set_data_parallel_size computes it; None without a world size."""
+    if view.world_size is None:
+        return None
+    tp, pp, cp = (view.get(f"model.{k}") or 1 for k in
+                  ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
+    return view.world_size // (tp * pp * cp) if view.world_size % (tp * pp * cp) == 0 else None

@@ -10,8 +10,9 @@ Each check declares:
   a rule under every overlay that sets one of them, and a test checks the list is complete.
 - ``enforced_by``: who else enforces the rule: ``megatron-core``/``bridge`` (our verdict must agree with
   ``runtime_config_update``; ``oracle`` holds a fragment of their error message), ``runtime`` (the
-  stack fails later, at model or optimizer build), or ``docs`` (only NVIDIA's skill texts state it; we
-  are deliberately stricter — see ``doc_only_checks``).
+  stack fails later, at model or optimizer build), ``docs`` (only NVIDIA's skill texts state it; we
+  are deliberately stricter — see ``doc_only_checks``), or ``silent`` (the stack silently changes or
+  ignores the setting; the check only warns or notes, so the user sees it).
 - ``source``: the file and section under shared/reference/ (and upstream code lines) it comes from.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from ..errors import Problem
 
-ENFORCERS = ("megatron-core", "bridge", "runtime", "docs")
+ENFORCERS = ("megatron-core", "bridge", "runtime", "docs", "silent")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class Check:
     fn: Callable
     reads: tuple[str, ...]
     oracle: tuple[str, ...] = ()  # fragments of the error Bridge/megatron-core raise for this rule
+
+    @property
+    def summary(self) -> str:
+        """What the rule checks: the first line of the check function's docstring."""
+        return (self.fn.__doc__ or "").strip().splitlines()[0]
 
     @property
     def topic(self) -> str:
@@ -97,3 +103,12 @@ def both_on(view, c: Check, first: str, second: str, message: str, fix: str) -> 
 def doc_only_checks() -> dict[str, str]:
     """Rules where we are stricter than Bridge's validation, with their sources."""
     return {c.id: c.source for c in CHECKS if c.enforced_by in ("docs", "runtime")}
+
+
+def markdown_table() -> str:
+    """README's rules table, made from the checks themselves (tests/test_fidelity.py keeps README in step)."""
+    rows = ["| rule | topic | enforced by | what it checks | source |", "|---|---|---|---|---|"]
+    for c in sorted(CHECKS, key=lambda c: (c.topic, c.id)):
+        cells = [f"`{c.id}`", c.topic, c.enforced_by, c.summary, c.source]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows)
