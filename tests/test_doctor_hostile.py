@@ -136,3 +136,45 @@ def test_gzip_on_stdin():
     out = doctor("-", stdin=data)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
     assert b"allocator fragmentation" in out.stdout
+
+
+# --- any mix of message pieces: never an exception ---------------------------------------------------------
+PIECES = ["CUDA out of memory. ", "HIP out of memory. ", "Tried to allocate ", "GPU 3 has a total capacity of ",
+          "(GPU 0; ", " total capacity; ", " already allocated; ", " free; ", " reserved in total by PyTorch)",
+          " cached)", "of which ", " is free. ", "Process 12 has ", "this process has ", " memory in use. ",
+          "Of the allocated memory ", " is allocated by PyTorch, ", "with ", " allocated in private pools, ", "and ",
+          " is reserved by PyTorch but unallocated.", "NCCL WARN Cuda failure 2 'out of memory'", "Failed to CUDA calloc ",
+          "CUBLAS_STATUS_ALLOC_FAILED", "cuMemCreate failed", "CUDA_ERROR_OUT_OF_MEMORY", "ibv_reg_mr failed Bad address",
+          "Out of memory: Killed process 9", "Killed", "exitcode  : -9", "  rank      : 4", "Signal 15 (SIGTERM)",
+          "[rank7]: ", "3: ", "torch version: ", "WORLD_SIZE=", "--nproc_per_node=", "--nnodes=", "cpu_offloading: ",
+          "cpu_offloading_num_layers: ", "TP=", "PP=", "micro_batch_size ..... ", "gpu_memory_utilization=",
+          "PYTORCH_CUDA_ALLOC_CONF=", "expandable_segments:True", "python train.py recipe=", "+mem=[", "'", "\"",
+          "ValueError: Currently there is no support for Pipeline parallelism with CPU offloading"]
+NUMBERS = ["1.96 GiB", "0 bytes", "1.2.3 GiB", "9" * 400 + " GiB", "-1 MiB", "nan GiB", "2.00", "GiB", "1e309 GiB",
+           "8", "0.9", "abc", ""]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_mixes_never_raise(tmp_path, seed):
+    import random
+
+    from mbmem_overlays.doctor.render import as_json, render
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(rng.randrange(1, 60)):
+        parts = [rng.choice(PIECES) + rng.choice(NUMBERS) for _ in range(rng.randrange(1, 14))]
+        line = "".join(parts)
+        if rng.random() < 0.2:
+            line = line[: rng.randrange(len(line) + 1)]
+        lines.append(line)
+    raw = "\n".join(lines).encode()
+    if rng.random() < 0.3:
+        raw = gzip.compress(raw)
+    p = tmp_path / "mix.log"
+    p.write_bytes(raw)
+    f = scan([str(p)])
+    d = diagnose(f)
+    render(d, f)
+    json.dumps(as_json(d, f), default=repr)
+    assert d.verdict in ("diagnosed", "unsure", "no_oom", "unreadable")
+    assert d.confidence != "high" or d.verdict == "no_oom" or d.kind not in ("allocator_unknown",)

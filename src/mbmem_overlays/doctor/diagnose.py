@@ -334,8 +334,11 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
     full validator) from plan.py, used only with --plan (it imports Bridge)."""
     ctx = _context(f, recipe)
     catalog, catalog_error = C.load_catalog()
-    ranks = {str(o.rank) if o.rank is not None else "unknown": {k: v for k, v in asdict(o).items() if k != "rank"}
-             for o in f.ooms}
+    ranks: dict[str, dict] = {}
+    for i, o in enumerate(f.ooms):  # several messages of one rank, or without a rank, keep one key each
+        key = str(o.rank) if o.rank is not None else "unknown"
+        key = key if key not in ranks else f"{key}#{i}"
+        ranks[key] = {k: v for k, v in asdict(o).items() if k != "rank"}
     notes = config_notes(f, ctx)
     why_not = _why_not(f)
     victims = _victims(f)
@@ -537,7 +540,11 @@ def _allocator(f: Findings, ctx: Context, done, victims) -> Diagnosis:
     if kind == "fragmentation":
         remedy = defrag_remedy(ctx, f)
         remedies = [remedy] + capacity_remedies(f, ctx)
-        reasons.append("expandable_segments:True is not set in the logged environment" if not ctx.expandable else "")
+        if not ctx.expandable:
+            seen = next(iter(f.alloc_conf.items()), None)
+            reasons.append(f"{seen[0]}={seen[1].value} {at(seen[1].where)} has no expandable_segments:True" if seen else
+                           "no PYTORCH_*ALLOC_CONF setting in the log (the recipe's env_vars or the container may "
+                           "still set one)")
         if ctx.expandable_exists is False:
             reasons.append("expandable_segments needs torch >= 2.1, so it is not prescribed here")
         else:
