@@ -96,6 +96,12 @@ CASES = [
      "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv", 0),
     ("other_processes/colocated_sglang.log", "other_processes", "diagnosed", "high",
      ["inference_engine_share", "other_processes"], "actor_rollout_ref.rollout.gpu_memory_utilization=0.75", 0),
+    # §4 colocated inference engines that could not reserve their share
+    ("inference_engine/vllm_free_memory.log", "inference_engine", "diagnosed", "high",
+     ["inference_engine_share", "other_processes"], "actor_rollout_ref.rollout.gpu_memory_utilization=0.35", 0),
+    ("inference_engine/sglang_not_enough.log", "inference_engine", "diagnosed", "medium",
+     ["inference_engine_share", "engine_smaller_kv"],
+     "python -m sglang.launch_server --model-path Qwen/Qwen3-8B --mem-fraction-static 0.6 --tp 1", 0),
     # configuration errors at start-up, and logs with nothing to diagnose
     ("configuration/pp_cpu_offload.log", "configuration", "diagnosed", "high", ["optimizer_offload"],
      "torchrun --nproc_per_node=8 train.py recipe=llama3_70b_sft model.pipeline_model_parallel_size=4 "
@@ -112,7 +118,7 @@ def test_every_family_has_two_fixtures():
     for case in CASES:
         families.setdefault(case[0].split("/")[0], []).append(case[0])
     for family in ("nccl", "workspace", "driver", "registration", "host_oom", "allocator", "context",
-                   "other_processes", "configuration", "no_oom"):
+                   "other_processes", "inference_engine", "configuration", "no_oom"):
         assert len(families.get(family, [])) >= 2, family
     on_disk = {str(p.relative_to(FIXTURES)) for p in FIXTURES.rglob("*.log")}
     assert on_disk == {c[0] for c in CASES}, "every fixture is in the table"

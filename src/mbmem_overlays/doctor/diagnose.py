@@ -13,6 +13,7 @@ Decision. Rules of honesty (issue 16):
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -381,6 +382,9 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
                      "fix: turn one of them off (NeMo's PerfEnvPlugin drops expandable_segments when NCCL user "
                      "buffers are on: ecosystem-notes.md)"],
                     [remedy], rank=e.rank, also=_also(f, "registration"))
+    engine = [e for e in f.events if e.family == "engine"]
+    if engine and not f.ooms:
+        return _engine(f, ctx, done, engine[0])
     device_events = [e for e in f.events if e.family in ("nccl", "workspace", "driver")]
     if f.ooms:
         return _allocator(f, ctx, done, victims)
@@ -479,7 +483,7 @@ def _world_reasons(f: Findings, ctx: Context, victims: dict[int, Event]) -> list
 
 
 def _also(f: Findings, primary: str) -> list[str]:
-    names = {"nccl": "NCCL out-of-memory", "workspace": "cuBLAS/cuDNN workspace allocation failure",
+    names = {"engine": "inference engine memory share error", "nccl": "NCCL out-of-memory", "workspace": "cuBLAS/cuDNN workspace allocation failure",
              "driver": "CUDA driver-level allocation failure", "host_oom": "host OOM-killer record",
              "host_killed": "a process 'Killed' by the shell", "registration": "NCCL buffer registration failure"}
     seen = []
@@ -672,6 +676,63 @@ def _device_event(f: Findings, ctx: Context, done, events: list[Event]) -> Diagn
     rem = capacity_remedies(f, ctx)
     return done("driver", "diagnosed", "CUDA driver-level allocation failed: the device had no memory left",
                 "medium" if ctx.expandable else "low", reasons, rem, unknown, e.rank, also)
+
+
+def _engine_command(f: Findings, knob: str, value: str) -> tuple[str, str]:
+    if f.verl:  # verl names the rollout engine's share gpu_memory_utilization for vLLM and SGLang alike
+        return (f"actor_rollout_ref.rollout.gpu_memory_utilization={value}",
+                f"an override for the verl command {at(f.verl.where)}; not an overlay, so not validated by the engine")
+    flag = "--mem-fraction-static" if knob == "mem_fraction_static" else "--gpu-memory-utilization"
+    note = "the inference engine's own option; not an overlay, so not validated by the engine"
+    if f.engine_command:  # the server command seen in the log, with the one option changed
+        text = f.engine_command.value
+        changed = re.sub(re.escape(flag) + r"(=|\s+)\S+", lambda m: f"{flag}{m.group(1)}{value}", text, count=1)
+        return (changed if changed != text else f"{text} {flag} {value}"), \
+            f"the server command {at(f.engine_command.where)} with {flag} changed; {note}"
+    return f"{flag} {value}", note
+
+
+def _engine(f: Findings, ctx: Context, done, e: Event) -> Diagnosis:
+    """vLLM/SGLang could not reserve their share (vllm worker: 'Free memory on device ... is less than desired
+    GPU memory utilization'; 'No available memory for the cache blocks'; SGLang: 'Not enough memory')."""
+    from . import patterns as P
+    sglang = "mem-fraction-static" in e.line or (f.inference_engine and "sglang" in f.inference_engine.value.lower())
+    knob = "mem_fraction_static" if sglang else "gpu_memory_utilization"
+    m = P.ENGINE_FREE.search(e.line)
+    if m:
+        free, total, wanted = float(m.group(1)), float(m.group(2)), float(m.group(3))
+        new = max(0.05, int((free / total - 0.02) / 0.05) * 0.05)   # below what is free, 2% kept, 0.05 steps
+        cmd, note = _engine_command(f, knob, f"{new:.2f}")
+        reasons = [f"{rank_text(e.rank)}: the engine wanted {wanted:g} of the GPU but only {free:g} of {total:g} GiB "
+                   f"was free at start-up {at(e.where)}: other processes (the colocated trainer?) hold the rest",
+                   f"{knob} {wanted:g} -> {new:.2f} fits in the free memory; or free the GPU first (offload or put "
+                   "the trainer to sleep before the engine starts)"]
+        rem = [C.Remedy("inference_engine_share", f"lower {knob} to {new:.2f}", cost="smaller KV cache",
+                        command=cmd, command_note=note),
+               *_other_process_remedies(f, ctx)[-1:]]
+        return done("inference_engine", "diagnosed", "the inference engine's memory share is larger than the free GPU "
+                    "memory at its start-up", "high", reasons, rem, rank=e.rank, also=_also(f, "engine"))
+    seen = f.config.get(knob)
+    value = None
+    try:
+        value = float(seen.value) if seen else None
+    except ValueError:
+        pass
+    reasons = [f"{rank_text(e.rank)}: {e.detail} {at(e.where)}: the engine's share holds the weights but leaves no "
+               "room for the KV cache"]
+    rem = []
+    if value is not None and value < 0.95:
+        new = min(0.95, round(value + 0.1, 2))
+        cmd, note = _engine_command(f, knob, f"{new:g}")
+        reasons.append(f"{knob}={seen.value} {at(seen.where)}")
+        rem.append(C.Remedy("inference_engine_share", f"raise {knob} {seen.value} -> {new:g} (if the GPU has the "
+                            "room), or lower max_model_len / max_num_seqs", cost="less memory for anything colocated",
+                            command=cmd, command_note=note))
+    rem.append(C.Remedy("engine_smaller_kv", "lower max_model_len or max_num_seqs (fewer KV-cache tokens needed), or "
+                        "give the engine more tensor parallelism", cost="shorter context or fewer concurrent sequences",
+                        command=NVIDIA_SMI, command_note="shows what else holds the GPU; nothing to validate"))
+    return done("inference_engine", "diagnosed", "the inference engine's memory share leaves no room for its KV cache",
+                "medium", reasons, rem, rank=e.rank, also=_also(f, "engine"))
 
 
 def _host(f: Findings, ctx: Context, done, events: list[Event]) -> Diagnosis:

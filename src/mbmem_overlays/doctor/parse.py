@@ -80,7 +80,7 @@ class OOM:
 @dataclass
 class Event:
     """A failure line that is not the allocator's message, or a kill signal."""
-    family: str           # nccl | workspace | driver | registration | host_oom | host_killed | sigkill | sigterm
+    family: str           # nccl | workspace | driver | engine | registration | host_oom | host_killed | sigkill | sigterm
     rank: int | None
     where: str
     line: str
@@ -105,6 +105,7 @@ class Findings:
     inference_engine: Seen | None = None
     memory_saver: Seen | None = None
     nvls: Seen | None = None
+    engine_command: Seen | None = None                                        # a vLLM/SGLang server command line
     verl: Seen | None = None
     ranks_seen: set[int] = field(default_factory=set)
     failed_ranks: dict[int, Seen] = field(default_factory=dict)               # torchrun summary: rank -> exitcode
@@ -264,6 +265,9 @@ def _join_wrapped(body: str, after: bytes, rank: int | None) -> tuple[str, int] 
 
 
 def _other_failures(body: str, where: str, rank: int | None, f: Findings) -> None:
+    if "emory" in body and (m := P.ENGINE_FREE.search(body) or P.ENGINE_SHARE_TOO_SMALL.search(body)):
+        _add_event(f, Event("engine", rank, where, clip(body), m.group(0)))
+        return
     if ("ibv_reg" in body or "egister" in body or "ncclMemAlloc" in body) and (m := P.REGISTRATION.search(body)):
         _add_event(f, Event("registration", rank, where, clip(body), m.group(1)))
         return
@@ -342,6 +346,9 @@ def _context(body: str, where: str, f: Findings) -> None:
             f.slurm_job = next(g for g in jm.groups() if g)
     if f.inference_engine is None and any(k in body for k in _ENGINE_HINTS) and (im := P.INFERENCE_ENGINE.search(body)):
         f.inference_engine = Seen(im.group(1), where, clip(body))
+    if f.engine_command is None and ("launch_server" in body or "vllm serve" in body or "entrypoints" in body) \
+            and 'File "' not in body and (lm := re.search(r"(?:python3?\s+-m\s+\S+|vllm serve)[^\n]{0,2000}", body)):
+        f.engine_command = Seen(lm.group(0).strip(), where, clip(body))
     if f.nvls is None and "NVLS" in body:
         f.nvls = Seen("NVLS", where, clip(body))
     if f.verl is None and ("WorkerDict" in body or "TaskRunner" in body or "verl" in body):

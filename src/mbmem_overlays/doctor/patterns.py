@@ -174,4 +174,10 @@ LAUNCH = re.compile(r"(?<![\w/.-])(srun|torchrun|python3?|uv run|mpirun|deepspee
 SCRIPT = re.compile(r"[\w./-]{0,200}\.py\b")
 SLURM_JOB = re.compile(r"\bSLURM_JOB_ID\s{0,2}[=:]\s{0,2}(\d{1,12})\b|\bStepId=(\d{1,12})\b|\bslurm-(\d{1,12})\.out\b|"
                        r"\bjob (\d{1,12})\b")
+# Colocated inference engines reserving their share at start-up (vLLM's worker and SGLang's memory pool errors).
+ENGINE_FREE = re.compile(r"Free memory on device \((\d{1,6}(?:\.\d{1,4})?)/(\d{1,6}(?:\.\d{1,4})?) GiB\) on startup is less "
+                         r"than desired GPU memory utilization \((\d?\.\d{1,4}|1), (\d{1,6}(?:\.\d{1,4})?) GiB\)")
+ENGINE_SHARE_TOO_SMALL = re.compile(r"(No available memory for the cache blocks|larger than the maximum number of tokens "
+                                    r"that can be stored in KV cache|Not enough memory\. Please try to increase "
+                                    r"--mem-fraction-static)")
 INFERENCE_ENGINE = re.compile(r"(?i:\b(vllm|sglang|tensorrt[-_]llm|lmdeploy)\b)")
