@@ -86,6 +86,8 @@ CASES = [
     ("context/victims_world_from_torchrun.log", "capacity", "diagnosed", "high", ["selective_recompute"],
      "torchrun --nnodes=2 --nproc_per_node=8 train.py recipe=llama3_8b_pretrain model.tensor_model_parallel_size=2 "
      "+mem=selective_recompute", 0),
+    ("context/slurm_sbatch_victims.log", "capacity", "diagnosed", "high", ["selective_recompute"],
+     "srun python train.py recipe=llama3_8b_pretrain +mem=selective_recompute", 0),
     ("context/cpu_offload_zero_layers.log", "capacity", "diagnosed", "high", ["cpu_offload", "optimizer_offload"],
      "python train.py recipe=qwen3_8b_sft +mem=cpu_offload mem.cpu_offload.num_layers=1", 0),
     ("context/megatron_lm_args_table.log", "capacity", "diagnosed", "high", ["sequence_parallel", "selective_recompute"],
@@ -149,6 +151,12 @@ def test_victims_and_world_size_from_the_launcher():
     text = reasons("context/victims_world_from_torchrun.log")
     assert "world size 16" in text          # --nnodes=2 x --nproc_per_node=8, not "highest rank seen" (11)
     assert "rank(s) 8, 9 were stopped by SIGTERM/SIGKILL" in text and "victims" in text
+
+
+def test_world_size_from_sbatch_lines_and_srun_victims():
+    text = reasons("context/slurm_sbatch_victims.log")
+    assert "world size 32" in text and "OOM reported by rank(s) 5" in text
+    assert "rank(s) 0, 1, 2, 3, 4, 6, 7 were stopped by SIGTERM/SIGKILL" in text
 
 
 def test_registration_names_who_set_what():

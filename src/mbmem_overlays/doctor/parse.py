@@ -44,6 +44,7 @@ CONTEXT_TRIGGERS = (
     b"ersion", b"orch==", b".py ", b"orld", b"ORLD", b"SLURM_", b"arallel", b"batch_size", b"ecompute", b"ffload",
     b"_optimizer", b"nccl_ub", b"num_layers", b"seq_length", b"mem_fraction", b"sleep", b"cuda_graph", b"P=", b"P:",
     b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem", b"CUresult",
+    b"SBATCH", b"--nodes", b"erminated",
 )
 TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS
 
@@ -115,6 +116,8 @@ class Findings:
     long_lines: int = 0
     evidence: list[str] = field(default_factory=list)
     _world_rank: int = 99
+    slurm_nodes: Seen | None = None
+    slurm_tasks_per_node: Seen | None = None
 
     @property
     def alloc_where(self) -> str:
@@ -176,7 +179,15 @@ def scan(paths: list[str]) -> Findings:
                     stream.close()
                 except read.READ_ERRORS:
                     pass
+    _world_from_sbatch(findings)
     return findings
+
+
+def _world_from_sbatch(f: Findings) -> None:
+    """#SBATCH --nodes=4 and #SBATCH --ntasks-per-node=8 on separate lines (slurm-and-launch.md)."""
+    if f.world is None and f.slurm_nodes and f.slurm_tasks_per_node:
+        f.world = Seen(f.slurm_nodes.value * f.slurm_tasks_per_node.value,
+                       f"{f.slurm_nodes.where}, {f.slurm_tasks_per_node.where}", f.slurm_nodes.line)
 
 
 def rank_of(line: str) -> tuple[int | None, str]:
@@ -305,11 +316,29 @@ def _signals(body: str, where: str, rank: int | None, f: Findings, state: dict) 
         if code in (-9, -15):  # torchrun's failure summary: the rank died of SIGKILL / SIGTERM
             _add_event(f, Event("sigkill" if code == -9 else "sigterm", failed, where, clip(body), f"exitcode {code}"))
         return
+    if "task" in body and ("Terminated" in body or "Exited" in body) and (sm := P.SRUN_TASKS.search(body)):
+        if sm.group(2) == "Terminated":  # srun's summary: these tasks were stopped after another one failed
+            for task in _task_ranks(sm.group(1)):
+                _add_event(f, Event("sigterm", task, where, clip(body), "srun: Terminated"))
+        return
     if ("SIG" in body or "exit" in body or "Exit" in body or "Signal" in body) and "Killed" not in body:
         if P.SIGTERM_VICTIM.search(body):
             _add_event(f, Event("sigterm", rank, where, clip(body), "SIGTERM"))
         elif P.EXIT_137.search(body):
             _add_event(f, Event("sigkill", rank, where, clip(body), "SIGKILL / exit 137"))
+
+
+def _task_ranks(text: str, limit: int = 4096) -> list[int]:
+    """'0-2,4-7' -> [0, 1, 2, 4, 5, 6, 7] (bounded)."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            a, b = int(lo), int(hi or lo)
+            out += range(a, min(b, a + limit) + 1)
+        if len(out) >= limit:
+            break
+    return out[:limit]
 
 
 def _context(body: str, where: str, f: Findings) -> None:
@@ -328,6 +357,11 @@ def _context(body: str, where: str, f: Findings) -> None:
             f.cite(where, body)
     if any(k in body for k in _WORLD_HINTS):
         _world(body, where, f)
+        if "--nodes" in body or " -N" in body or "--ntasks-per-node" in body:
+            if f.slurm_nodes is None and (m := P.SLURM_NODES.search(body)):
+                f.slurm_nodes = Seen(int(m.group(1)), where, clip(body))
+            if f.slurm_tasks_per_node is None and (m := P.SLURM_TASKS_PER_NODE.search(body)):
+                f.slurm_tasks_per_node = Seen(int(m.group(1)), where, clip(body))
     if any(k in body for k in _CONFIG_HINTS):
         values = [(m.group(1), m.group(2).strip("'\"")) for m, _ in zip(P.CONFIG_VALUE.finditer(body), range(64))]
         for key, value in values:
@@ -358,7 +392,7 @@ def _context(body: str, where: str, f: Findings) -> None:
 
 
 # Cheap substring gates: a pattern runs only on lines that can hold its match (the per-line work of a flood).
-_WORLD_HINTS = ("orld", "ORLD", "nproc", "nnodes", "SLURM_", "ntasks")
+_WORLD_HINTS = ("orld", "ORLD", "nproc", "nnodes", "SLURM_", "ntasks", "--nodes", " -N")
 _CONFIG_HINTS = ("_size", "parallel", "recompute", "offload", "_optimizer", "nccl_ub", "seq_length", "num_layers",
                  "utilization", "mem_fraction", "sleep_mode", "cuda_graph", "use_te")
 _ENGINE_HINTS = ("llm", "LLM", "lang", "Lang", "TensorRT", "lmdeploy")

@@ -154,6 +154,10 @@ WORLD = [  # (pattern, how to read the world size), first match of the highest-p
     ("slurm", re.compile(r"(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b[^\n]{0,400}?--ntasks-per-node[= ](\d{1,4})\b")),
     ("slurm", re.compile(r"--ntasks-per-node[= ](\d{1,4})\b[^\n]{0,400}?(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b")),
 ]
+SLURM_NODES = re.compile(r"(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b")
+SLURM_TASKS_PER_NODE = re.compile(r"--ntasks-per-node[= ](\d{1,4})\b")
+# srun's summary of tasks that ended: "srun: error: node-7: tasks 0-2,4-7: Terminated"
+SRUN_TASKS = re.compile(r"tasks? ([\d,-]{1,200}): (Terminated|Killed|Exited with exit code \d{1,3})")
 # Config values printed in the log: Bridge/Megatron-core dataclass dumps (``key: value``), Megatron-LM's
 # argument table (``key ........ value``), Hydra overrides (``model.key=value``). Names: megatron-core's
 # TransformerConfig / DDP / optimizer fields (bridge-config-surface.md §1), inference-engine knobs.
