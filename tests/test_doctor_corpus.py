@@ -112,6 +112,8 @@ CASES = [
      "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain ddp.nccl_ub=true", 0),
     ("no_oom/clean_run.log", "none", "no_oom", "high", [], None, 3),
     ("no_oom/error_lines.log", "none", "no_oom", "high", [], None, 3),
+    # SIGKILLed by torchrun after another rank's non-memory error: victims, not a host OOM
+    ("no_oom/sigkill_victims_of_other_error.log", "none", "no_oom", "high", [], None, 3),
 ]
 
 

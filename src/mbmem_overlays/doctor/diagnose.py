@@ -97,12 +97,11 @@ class Context:
         return None if self.torch is None else self.torch >= (2, 1)
 
 
-def _context(f: Findings, recipe: str | None) -> Context:
+def _context(f: Findings, recipe: str | None, catalog) -> Context:
     launch = C.parse_launch(f.command.value if f.command else None, f.command.where if f.command else "",
                             recipe or f.recipe)
     if recipe and launch.kind == "template":
         launch = C.parse_launch(None, "", recipe)
-    catalog, _ = C.load_catalog()
     overlays = [catalog.aliases.get(o, o) if catalog else o for o in C.overlays_in(launch)]  # canonical names
     torch, torch_where, from_format = None, "", False
     if f.torch_version:
@@ -333,8 +332,8 @@ def registration_remedy(f: Findings, ctx: Context) -> tuple[C.Remedy, list[str]]
 def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Diagnosis:
     """``planner``: optional callable (remedies, ctx, findings) -> (remedies with savings, status text,
     full validator) from plan.py, used only with --plan (it imports Bridge)."""
-    ctx = _context(f, recipe)
     catalog, catalog_error = C.load_catalog()
+    ctx = _context(f, recipe, catalog)
     ranks: dict[str, dict] = {}
     for i, o in enumerate(f.ooms):  # several messages of one rank, or without a rank, keep one key each
         key = str(o.rank) if o.rank is not None else "unknown"
@@ -391,6 +390,9 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
     if device_events:
         return _device_event(f, ctx, done, device_events)
     host = [e for e in f.events if e.family in ("host_oom", "host_killed", "sigkill")]
+    other_failure = [s for s in f.failed_ranks.values() if s.value not in (-9, -15, 137, 143, 0)]
+    if host and not any(e.family != "sigkill" for e in host) and other_failure:
+        host = []  # SIGKILLed after another rank failed for another reason: victims, not a host OOM
     if host:
         return _host(f, ctx, done, host)
     kind = "unreadable" if f.unreadable and f.unreadable == len(f.files) and not f.bytes_read else "none"
