@@ -194,7 +194,9 @@ def rank_of(line: str) -> tuple[int | None, str]:
     """(rank from the line's prefix, the line without it)."""
     m = P.RANK_PREFIX.match(line)
     if not m:
-        return None, line
+        m = P.RANK_TAG.search(line, 0, 160)  # "i.finetune/0 [default3]:[rank3]: ..." (launcher prefixes first)
+        if not m:
+            return None, line
     return int(next(g for g in m.groups() if g is not None)), line[m.end():]
 
 

@@ -141,6 +141,7 @@ SIGTERM_VICTIM = re.compile(r"(?:Signal 15 \(SIGTERM\)|exitcode\s{0,8}:\s{0,4}-1
 TORCH_VERSION = re.compile(r"(?i:\b(?:py)?torch)(?:[ _]version)?\s{0,4}(?:==|[:=]|\s)\s{0,4}v?(\d{1,2})\.(\d{1,3})(?:\.\d{1,4})?")
 RANK_PREFIX = re.compile(r"^\s{0,4}(?:\[?\d{4}-\d\d-\d\d[ T][\d:.,]{8,15}\]?\s{1,4})?"
                          r"(?:\[(?:rank|default)(\d{1,6})\]:|(\d{1,6}): |\[1,(\d{1,6})\]<std(?:out|err)>:)")
+RANK_TAG = re.compile(r"\[(?:rank|default)(\d{1,6})\]:")       # anywhere in a line's head (NeMo-Run adds its own)
 RANK_PREFIXES = re.compile(rb"\[(?:rank|default)(\d{1,6})\]:")
 TORCHRUN_RANK = re.compile(r"^\s{0,8}rank\s{0,8}:\s{0,4}(\d{1,6})")
 TORCHRUN_EXIT = re.compile(r"^\s{0,8}exitcode\s{0,8}:\s{0,4}(-?\d{1,4})")
