@@ -328,7 +328,7 @@ def world_size_problem(world_size: Any) -> Problem | None:
 
 
 def argument_problems(cfg: Any, overlays: Any, env: Any, params: Any, world_size: Any, locked: Any,
-                      overlay_dirs: Any, catalog: Any, validator: Any = None) -> tuple[list[str], list[Problem]]:
+                      overlay_dirs: Any, catalog: Any) -> tuple[list[str], list[Problem]]:
     """The overlay names, and every wrong argument (type or value) of ``apply_overlay``/``plan_overlays``."""
     names, problems = _overlay_names(overlays)
     if cfg is None or not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)) and not isinstance(cfg, MutableMapping):
@@ -336,7 +336,7 @@ def argument_problems(cfg: Any, overlays: Any, env: Any, params: Any, world_size
                                           f"got {type(cfg).__name__}", "build one with a recipe, e.g. "
                                           "megatron.bridge.recipes...llama3_8b_pretrain_config()"))
     if env is not None:
-        if not isinstance(env, MutableMapping):
+        if not isinstance(env, Mapping):  # apply_overlay also needs it mutable (checked there)
             problems.append(_argument_problem("env", env, f"env must be a mutable mapping (e.g. os.environ or a dict), "
                                               f"got {type(env).__name__}", "pass env=os.environ, env={} or env=None"))
         else:
@@ -363,8 +363,6 @@ def argument_problems(cfg: Any, overlays: Any, env: Any, params: Any, world_size
     if catalog is not None and not isinstance(catalog, Catalog):
         problems.append(_argument_problem("catalog", catalog, f"catalog must be a Catalog, got {type(catalog).__name__}",
                                           "pass catalog=Catalog(...) or leave it out"))
-    if validator is not None and not callable(validator):
-        problems.append(_argument_problem("validator", validator, "validator must be callable", "leave it out"))
     return names, problems
 
 
@@ -571,8 +569,14 @@ def apply_overlay(cfg: Any, overlays: str | Iterable[str] = (), *, env: MutableM
     and validation (on a copy). The writes themselves are plain attribute/key assignments to objects
     resolved beforehand, and each undo step is independent, so a failure cannot leave half a change.
     """
+    early = []
     if validator is not None and not callable(validator):
-        raise OverlayError([_argument_problem("validator", validator, "validator must be callable", "leave it out")])
+        early.append(_argument_problem("validator", validator, "validator must be callable", "leave it out"))
+    if env is not None and isinstance(env, Mapping) and not isinstance(env, MutableMapping):
+        early.append(_argument_problem("env", env, f"env must be a mutable mapping (e.g. os.environ or a dict), "
+                                       f"got read-only {type(env).__name__}", "pass env=os.environ, env={} or env=None"))
+    if early:
+        raise OverlayError(early)
     report, claims, env_plan = plan_overlays(cfg, overlays, env=env, params=params, world_size=world_size,
                                              locked=locked, catalog=catalog, overlay_dirs=overlay_dirs)
     if validator is not None:
