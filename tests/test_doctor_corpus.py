@@ -244,3 +244,25 @@ def test_plan_computes_savings_and_validates_with_the_engine():
     covering = [s >= shortfall for s in saves]
     assert covering == sorted(covering, reverse=True)   # every covering remedy ranks above every other
     assert data["next_command"].endswith("+mem=" + data["remedies"][0]["name"])
+
+
+@pytest.mark.parametrize("line", ["+ export PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512,expandable_segments:True",
+                                  "[rank0]: env_vars: {'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True', 'X': '1'}",
+                                  "PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:[256:1,512:2],expandable_segments:True"])
+def test_allocator_setting_in_any_printed_form_means_capacity(tmp_path, line):
+    oom = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity "
+           "of 79.11 GiB of which 100.00 MiB is free. Of the allocated memory 70.00 GiB is allocated by PyTorch, and "
+           "8.00 GiB is reserved by PyTorch but unallocated.")
+    p = tmp_path / "a.log"
+    p.write_text(line + "\n" + oom + "\n")
+    assert diagnose(scan([str(p)])).kind == "capacity"   # expandable already on: not fragmentation advice again
+
+
+def test_continuation_without_a_rank_prefix(tmp_path):
+    p = tmp_path / "w.log"
+    p.write_text("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total "
+                 "capacity of 79.11 GiB of which 100.00 MiB is free.\nIncluding non-PyTorch memory, this process has 78.9 "
+                 "GiB memory in use. Of the allocated memory 70.00 GiB is allocated by PyTorch, and 8.00 GiB is reserved "
+                 "by PyTorch but unallocated.\n")
+    o = scan([str(p)]).ooms[0]
+    assert o.wrapped and o.reserved_unallocated == 8 << 30 and o.rank == 0

@@ -263,8 +263,8 @@ def _join_wrapped(body: str, after: bytes, rank: int | None) -> tuple[str, int] 
     for index, raw in enumerate(after.split(b"\n")[:12], start=1):
         text = raw.decode("utf-8", errors="replace")
         r, rest = rank_of(text)
-        if r != rank and (r is not None or rank is not None):
-            continue  # another rank's line interleaved between the pieces
+        if r is not None and r != rank:
+            continue  # another rank's line interleaved between the pieces (a line without a prefix may continue)
         if not rest.strip() or _NEW_RECORD.match(rest) or "out of memory" in rest or taken >= 8:
             break
         rest = rest.strip()

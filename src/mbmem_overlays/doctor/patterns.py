@@ -174,7 +174,10 @@ CONFIG_VALUE = re.compile(r"(?<![\w])(" + "|".join(CONFIG_KEYS) + r")(?![\w])"
                           r"(\[[^\]\n]{0,200}\]|'[^'\n]{0,60}'|\"[^\"\n]{0,60}\"|[\w.+-]{1,40})")
 MEGATRON_LM_SIZES = re.compile(r"(tensor|pipeline|data|context|expert)-(?:model-)?parallel size: (\d{1,6})")
 LAYOUT_SHORT = re.compile(r"(?<![\w])(TP|PP|VPP|CP|EP|DP)\s{0,2}[=:]\s{0,2}(\d{1,6})\b")
-ALLOC_SET = re.compile(r"(?:^|[\s'\"])(?:export\s{1,4})?(PYTORCH_(?:CUDA_|HIP_)?ALLOC_CONF)\s{0,2}[=:]\s{0,2}['\"]?([^'\"\s]{0,300})")
+# "export PYTORCH_CUDA_ALLOC_CONF=a:b", "PYTORCH_CUDA_ALLOC_CONF: a:b", and a printed dict
+# "{'PYTORCH_CUDA_ALLOC_CONF': 'a:b'}" (Bridge's cfg.env_vars).
+ALLOC_SET = re.compile(r"(?:^|[\s'\"{])(?:export\s{1,4})?(PYTORCH_(?:CUDA_|HIP_)?ALLOC_CONF)['\"]?\s{0,2}[=:]\s{0,2}['\"]?"
+                       r"([^'\"\s,}]{1,300}(?:,[^'\"\s,}]{1,300}){0,30})")
 LAUNCH = re.compile(r"(?<![\w/.-])(srun|torchrun|python3?|uv run|mpirun|deepspeed|accelerate launch|bash)\s")
 SCRIPT = re.compile(r"[\w./-]{0,200}\.py\b")
 SLURM_JOB = re.compile(r"\bSLURM_JOB_ID\s{0,2}[=:]\s{0,2}(\d{1,12})\b|\bStepId=(\d{1,12})\b|\bslurm-(\d{1,12})\.out\b|"
