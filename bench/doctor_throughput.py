@@ -24,14 +24,14 @@ lines = []
 for i in range(20000):  # ~2 MB of realistic interleaved 32-rank noise
     r = rng.randrange(32)
     lines.append(rng.choice([
-        f"[rank{r}]: iteration {i:>7}/ 1000000 | consumed samples: {i * 32} | elapsed time per iteration (ms): "
-        f"{rng.uniform(4000, 6000):.1f} | learning rate: 1.0E-04 | global batch size: 32 | lm loss: {rng.uniform(1, 3):.4E}",
+        (f"[rank{r}]: iteration {i:>7}/ 1000000 | consumed samples: {i * 32} | elapsed time per iteration (ms): "
+        f"{rng.uniform(4000, 6000):.1f} | learning rate: 1.0E-04 | global batch size: 32 | lm loss: {rng.uniform(1, 3):.4E}"),
         f"[rank{r}]: [2026-11-30 04:{i % 60:02d}:{r:02d}] INFO megatron.core.distributed: bucket {i % 97} all-reduce done",
         f"[default{r}]:W1130 04:{i % 60:02d}:00 torch/distributed/elastic: heartbeat ok",
     ]))
-OOM = ("[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB. GPU 3 has a total capacity of "
-       "79.11 GiB of which 1.12 GiB is free. Of the allocated memory 54.76 GiB is allocated by PyTorch, and 21.63 GiB "
-       "is reserved by PyTorch but unallocated.\n").encode()
+OOM = (b"[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB. GPU 3 has a total capacity of "
+       b"79.11 GiB of which 1.12 GiB is free. Of the allocated memory 54.76 GiB is allocated by PyTorch, and 21.63 GiB "
+       b"is reserved by PyTorch but unallocated.\n")
 CLAUSE = "Of the allocated memory 1.00 GiB is allocated by PyTorch, "
 CASES = {
     "friendly": ("\n".join(lines) + "\n").encode(),

@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import mbmem
 
 from mbmem_overlays.doctor.diagnose import diagnose
 from mbmem_overlays.doctor.parse import scan
-
-from conftest import mbmem
 
 FIXTURES = Path(__file__).parent / "fixtures" / "doctor"
 NOT_FIRST_FRAG = "+mem=expandable_segments"
@@ -25,21 +24,21 @@ NOT_FIRST_FRAG = "+mem=expandable_segments"
 CASES = [
     # §1 NCCL: NCCL's own buffers, never expandable_segments first
     ("nccl/cuda_failure_2.log", "nccl", "diagnosed", "medium", ["nccl_buffsize", "nccl_nvls_off", "fewer_communicators"],
-     "NCCL_BUFFSIZE=2097152 torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=node-12 train.py "
-     "recipe=llama3_8b_pretrain model.tensor_model_parallel_size=2", 0),
+     ("NCCL_BUFFSIZE=2097152 torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=node-12 train.py "
+     "recipe=llama3_8b_pretrain model.tensor_model_parallel_size=2"), 0),
     ("nccl/calloc_nvls.log", "nccl", "diagnosed", "medium", ["nccl_nvls_off", "nccl_buffsize", "fewer_communicators"],
-     "NCCL_NVLS_ENABLE=0 srun --ntasks-per-node=8 --nodes=2 python train.py recipe=llama3_70b_pretrain "
-     "model.pipeline_model_parallel_size=4", 0),
+     ("NCCL_NVLS_ENABLE=0 srun --ntasks-per-node=8 --nodes=2 python train.py recipe=llama3_70b_pretrain "
+     "model.pipeline_model_parallel_size=4"), 0),
     # §1 cuBLAS / cuDNN workspace: the GPU was full -> capacity ladder
     ("workspace/cublas_create.log", "workspace", "diagnosed", "medium", ["selective_recompute", "micro_batch"],
-     "python -m torch.distributed.run --nproc_per_node=4 train.py recipe=qwen3_8b_sft train.micro_batch_size=4 "
-     "+mem=selective_recompute", 0),
+     ("python -m torch.distributed.run --nproc_per_node=4 train.py recipe=qwen3_8b_sft train.micro_batch_size=4 "
+     "+mem=selective_recompute"), 0),
     ("workspace/cudnn_alloc.log", "workspace", "diagnosed", "medium", ["selective_recompute", "dist_optimizer"],
      "python train.py 'recipe=<recipe>' +mem=selective_recompute", 0),
     # §1 CUDA driver level: expandable segment growth (cuMemCreate), memory saver / colocated engine
     ("driver/expandable_cumemcreate.log", "driver", "diagnosed", "medium", ["selective_recompute", "dist_optimizer"],
-     "torchrun --nproc_per_node=8 train.py recipe=llama3_70b_sft model.pipeline_model_parallel_size=4 "
-     "+mem=selective_recompute", 0),
+     ("torchrun --nproc_per_node=8 train.py recipe=llama3_70b_sft model.pipeline_model_parallel_size=4 "
+     "+mem=selective_recompute"), 0),
     ("driver/memory_saver_vllm.log", "driver", "diagnosed", "medium", ["inference_engine_share", "other_processes"],
      "actor_rollout_ref.rollout.gpu_memory_utilization=0.5", 0),
     # §1 ibv_reg_mr + NCCL user buffers + expandable segments: turn one off, say who set which
@@ -58,13 +57,13 @@ CASES = [
     ("allocator/current_fragmentation.log", "fragmentation", "diagnosed", "high", ["expandable_segments"],
      "python -m torch.distributed.run --nproc_per_node=8 --nnodes=4 train.py recipe=llama3_70b_sft +mem=expandable_segments", 0),
     ("allocator/current_capacity.log", "capacity", "diagnosed", "high", ["selective_recompute", "dist_optimizer"],
-     "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain model.tensor_model_parallel_size=1 "
-     "+mem=selective_recompute", 0),
+     ("torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain model.tensor_model_parallel_size=1 "
+     "+mem=selective_recompute"), 0),
     ("allocator/expandable_already_capacity.log", "capacity", "diagnosed", "high", ["dist_optimizer", "full_recompute"],
      "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain '+mem=[selective_recompute,dist_optimizer]'", 0),
     ("allocator/torch20_old_format.log", "fragmentation", "diagnosed", "high", ["max_split_size_mb"],
-     "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 python pretrain_gpt.py --tensor-model-parallel-size 2 "
-     "--pipeline-model-parallel-size 1 --micro-batch-size 2 --global-batch-size 64", 0),
+     ("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 python pretrain_gpt.py --tensor-model-parallel-size 2 "
+     "--pipeline-model-parallel-size 1 --micro-batch-size 2 --global-batch-size 64"), 0),
     ("allocator/torch1_cached.log", "capacity", "diagnosed", "high", ["selective_recompute"],
      "python train_gpt.py --micro-batch-size 8 --recompute-activations", 0),
     ("allocator/typo21_allowed.log", "fragmentation", "diagnosed", "high", ["expandable_segments"],
@@ -81,18 +80,18 @@ CASES = [
      "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain +mem=selective_recompute", 0),
     # §3 context: torch version, world size, victims, config values
     ("context/torch20_fragmentation_torchrun.log", "fragmentation", "diagnosed", "high", ["max_split_size_mb"],
-     "PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:512 torchrun --nproc_per_node=4 "
-     "train.py recipe=llama3_8b_sft", 0),
+     ("PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,max_split_size_mb:512 torchrun --nproc_per_node=4 "
+     "train.py recipe=llama3_8b_sft"), 0),
     ("context/victims_world_from_torchrun.log", "capacity", "diagnosed", "high", ["selective_recompute"],
-     "torchrun --nnodes=2 --nproc_per_node=8 train.py recipe=llama3_8b_pretrain model.tensor_model_parallel_size=2 "
-     "+mem=selective_recompute", 0),
+     ("torchrun --nnodes=2 --nproc_per_node=8 train.py recipe=llama3_8b_pretrain model.tensor_model_parallel_size=2 "
+     "+mem=selective_recompute"), 0),
     ("context/slurm_sbatch_victims.log", "capacity", "diagnosed", "high", ["selective_recompute"],
      "srun python train.py recipe=llama3_8b_pretrain +mem=selective_recompute", 0),
     ("context/cpu_offload_zero_layers.log", "capacity", "diagnosed", "high", ["cpu_offload", "optimizer_offload"],
      "python train.py recipe=qwen3_8b_sft +mem=cpu_offload mem.cpu_offload.num_layers=1", 0),
     ("context/megatron_lm_args_table.log", "capacity", "diagnosed", "high", ["sequence_parallel", "selective_recompute"],
-     "torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --tensor-model-parallel-size 4 "
-     "--pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 512 --bf16 --sequence-parallel", 0),
+     ("torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --tensor-model-parallel-size 4 "
+     "--pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 512 --bf16 --sequence-parallel"), 0),
     # §4 other processes on the GPU
     ("other_processes/other_pids.log", "other_processes", "diagnosed", "high", ["other_processes"],
      "nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv", 0),
@@ -106,8 +105,8 @@ CASES = [
      "python -m sglang.launch_server --model-path Qwen/Qwen3-8B --mem-fraction-static 0.6 --tp 1", 0),
     # configuration errors at start-up, and logs with nothing to diagnose
     ("configuration/pp_cpu_offload.log", "configuration", "diagnosed", "high", ["optimizer_offload"],
-     "torchrun --nproc_per_node=8 train.py recipe=llama3_70b_sft model.pipeline_model_parallel_size=4 "
-     "+mem=optimizer_offload", 0),
+     ("torchrun --nproc_per_node=8 train.py recipe=llama3_70b_sft model.pipeline_model_parallel_size=4 "
+     "+mem=optimizer_offload"), 0),
     ("configuration/nccl_ub_expandable_init.log", "configuration", "diagnosed", "high", ["drop_expandable"],
      "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain ddp.nccl_ub=true", 0),
     ("no_oom/clean_run.log", "none", "no_oom", "high", [], None, 3),

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core import allocconf
-from ..core.catalog import Catalog, coerce_param, train_recipe_arg  # the engine's own parameter check
+from ..core.catalog import (  # the engine's own parameter check
+    Catalog,
+    coerce_param,
+    train_recipe_arg,
+)
 from ..core.errors import OverlayError
 
 MEM_LIST = re.compile(r"^\+{1,2}mem=\[?([^\]]*)\]?$")

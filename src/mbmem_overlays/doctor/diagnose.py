@@ -342,7 +342,7 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
     notes = config_notes(f, ctx)
     why_not = _why_not(f)
     victims = _victims(f)
-    base = dict(why_not=why_not, notes=notes, evidence=f.evidence, ranks=ranks)
+    base = {"why_not": why_not, "notes": notes, "evidence": f.evidence, "ranks": ranks}
 
     def done(kind, verdict, summary, confidence, reasons, remedies, unknown=(), rank=None, also=(), next_cmd=None):
         reasons = list(reasons) + _world_reasons(f, ctx, victims)
@@ -378,8 +378,8 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
                     "expandable segments are incompatible (memory-tuning skill, Failure Diagnosis)",
                     "high" if ctx.expandable else "medium",
                     [f"{rank_text(e.rank)}: {e.detail} failed {at(e.where)}", *who,
-                     "fix: turn one of them off (NeMo's PerfEnvPlugin drops expandable_segments when NCCL user "
-                     "buffers are on: ecosystem-notes.md)"],
+                     ("fix: turn one of them off (NeMo's PerfEnvPlugin drops expandable_segments when NCCL user "
+                     "buffers are on: ecosystem-notes.md)")],
                     [remedy], rank=e.rank, also=_also(f, "registration"))
     engine = [e for e in f.events if e.family == "engine"]
     if engine and not f.ooms:
@@ -498,7 +498,7 @@ def _also(f: Findings, primary: str) -> list[str]:
 
 
 def _configuration(f: Findings, ctx: Context, done) -> Diagnosis:
-    rule, where, line = f.config_errors[0]
+    rule, where, _ = f.config_errors[0]
     diag, fix, overlay = CONFIG_FIXES.get(rule) or next(
         ((v[1], v[2], v[3]) for k, v in EXTRA_CONFIG.items() if v[0] == rule), (rule, "see `mbmem explain`", ""))
     reasons = [f"the job failed at start-up with a known configuration error {at(where)}; fix: {fix}",
@@ -651,21 +651,21 @@ def _device_event(f: Findings, ctx: Context, done, events: list[Event]) -> Diagn
     if fam == "nccl":
         reasons = [f"{rank_text(e.rank)}: NCCL could not allocate device memory for its communicator buffers "
                    f"{at(e.where)}" + (f" ({e.detail} bytes)" if e.detail else ""),
-                   "NCCL allocates outside PyTorch's caching allocator, so expandable_segments does not help; reduce "
-                   "NCCL's own buffers or the number of communicators, then leave headroom"]
+                   ("NCCL allocates outside PyTorch's caching allocator, so expandable_segments does not help; reduce "
+                   "NCCL's own buffers or the number of communicators, then leave headroom")]
         return done("nccl", "diagnosed", "NCCL ran out of device memory for communicator buffers", "medium",
                     reasons, nccl_remedies(f, ctx) + capacity_remedies(f, ctx)[:2], unknown, e.rank, also)
     if fam == "workspace":
-        reasons = [f"{rank_text(e.rank)}: {e.detail}: cuBLAS/cuDNN could not allocate its workspace or handle "
-                   f"{at(e.where)}",
-                   "the library allocates when the GPU is already full: the caching allocator holds the memory, so "
-                   "this is a capacity problem reported by the library instead of PyTorch's OOM message"]
+        reasons = [(f"{rank_text(e.rank)}: {e.detail}: cuBLAS/cuDNN could not allocate its workspace or handle "
+                   f"{at(e.where)}"),
+                   ("the library allocates when the GPU is already full: the caching allocator holds the memory, so "
+                   "this is a capacity problem reported by the library instead of PyTorch's OOM message")]
         rem = capacity_remedies(f, ctx)
         return done("workspace", "diagnosed", "cuBLAS/cuDNN workspace allocation failed: the GPU was full",
                     "medium", reasons, rem, unknown, e.rank, also)
     saver = f.memory_saver or (f.inference_engine if f.inference_engine else None)
-    reasons = [f"{rank_text(e.rank)}: {e.detail} {at(e.where)}: a driver-level allocation (cuMemCreate/cudaMalloc "
-               "outside the caching allocator's message) failed"]
+    reasons = [(f"{rank_text(e.rank)}: {e.detail} {at(e.where)}: a driver-level allocation (cuMemCreate/cudaMalloc "
+               "outside the caching allocator's message) failed")]
     if saver is not None:
         reasons.append(f"a memory-saver / colocated engine is in the log ({saver.value} {at(saver.where)}): the mapping "
                        "failed because the memory it released was taken, or the engine did not release it")
@@ -705,10 +705,10 @@ def _engine(f: Findings, ctx: Context, done, e: Event) -> Diagnosis:
         free, total, wanted = float(m.group(1)), float(m.group(2)), float(m.group(3))
         new = max(0.05, int((free / total - 0.02) / 0.05) * 0.05)   # below what is free, 2% kept, 0.05 steps
         cmd, note = _engine_command(f, knob, f"{new:.2f}")
-        reasons = [f"{rank_text(e.rank)}: the engine wanted {wanted:g} of the GPU but only {free:g} of {total:g} GiB "
-                   f"was free at start-up {at(e.where)}: other processes (the colocated trainer?) hold the rest",
-                   f"{knob} {wanted:g} -> {new:.2f} fits in the free memory; or free the GPU first (offload or put "
-                   "the trainer to sleep before the engine starts)"]
+        reasons = [(f"{rank_text(e.rank)}: the engine wanted {wanted:g} of the GPU but only {free:g} of {total:g} GiB "
+                   f"was free at start-up {at(e.where)}: other processes (the colocated trainer?) hold the rest"),
+                   (f"{knob} {wanted:g} -> {new:.2f} fits in the free memory; or free the GPU first (offload or put "
+                   "the trainer to sleep before the engine starts)")]
         rem = [C.Remedy("inference_engine_share", f"lower {knob} to {new:.2f}", cost="smaller KV cache",
                         command=cmd, command_note=note),
                *_other_process_remedies(f, ctx)[-1:]]
@@ -720,8 +720,8 @@ def _engine(f: Findings, ctx: Context, done, e: Event) -> Diagnosis:
         value = float(seen.value) if seen else None
     except ValueError:
         pass
-    reasons = [f"{rank_text(e.rank)}: {e.detail} {at(e.where)}: the engine's share holds the weights but leaves no "
-               "room for the KV cache"]
+    reasons = [(f"{rank_text(e.rank)}: {e.detail} {at(e.where)}: the engine's share holds the weights but leaves no "
+               "room for the KV cache")]
     rem = []
     if value is not None and value < 0.95:
         new = min(0.95, round(value + 0.1, 2))

@@ -6,11 +6,11 @@ from __future__ import annotations
 from ..core import rules
 
 CONFIG_FIXES = {  # rule id -> (diagnosis, fix, overlay command fragment)
-    "cpu_offload_pipeline": ("activation CPU offloading with PP>1", "set model.pipeline_model_parallel_size=1, or offload "
-                             "optimizer state instead", "+mem=optimizer_offload"),
+    "cpu_offload_pipeline": ("activation CPU offloading with PP>1", ("set model.pipeline_model_parallel_size=1, or offload "
+                             "optimizer state instead"), "+mem=optimizer_offload"),
     "cpu_offload_recompute": ("activation CPU offloading combined with recompute", "use one of them", "+mem=selective_recompute"),
-    "cpu_offload_cuda_graphs": ("activation CPU offloading with CUDA graphs", "set model.cuda_graph_impl=none, or offload "
-                                "optimizer state instead", "+mem=optimizer_offload"),
+    "cpu_offload_cuda_graphs": ("activation CPU offloading with CUDA graphs", ("set model.cuda_graph_impl=none, or offload "
+                                "optimizer state instead"), "+mem=optimizer_offload"),
     "cpu_offload_num_layers": ("cpu_offloading_num_layers out of range", "use 1 <= mem.cpu_offload.num_layers < num_layers", ""),
     "expandable_segments_nccl_ub": ("NCCL user buffers with expandable segments (torch<2.11)",
                                     "remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF or set ddp.nccl_ub=false", ""),

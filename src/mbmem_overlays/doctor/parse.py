@@ -284,24 +284,23 @@ def _other_failures(body: str, where: str, rank: int | None, f: Findings) -> Non
     if ("ibv_reg" in body or "egister" in body or "ncclMemAlloc" in body) and (m := P.REGISTRATION.search(body)):
         _add_event(f, Event("registration", rank, where, clip(body), m.group(1)))
         return
-    if "NCCL" in body or "nccl" in body or "Cuda failure" in body:
-        if P.NCCL_OOM.search(body):
-            nb = P.NCCL_BYTES.search(body)
-            _add_event(f, Event("nccl", rank, where, clip(body), nb.group(1) if nb else ""))
-            return
-    if "ALLOC_FAILED" in body or "WORKSPACE" in body or "memory_error" in body:
-        if m := P.WORKSPACE.search(body):
-            _add_event(f, Event("workspace", rank, where, clip(body), m.group(1)))
-            return
+    # Each pattern runs only behind a cheap substring test (the per-line work of a flood stays small).
+    if ("NCCL" in body or "nccl" in body or "Cuda failure" in body) and P.NCCL_OOM.search(body):
+        nb = P.NCCL_BYTES.search(body)
+        _add_event(f, Event("nccl", rank, where, clip(body), nb.group(1) if nb else ""))
+        return
+    if ("ALLOC_FAILED" in body or "WORKSPACE" in body or "memory_error" in body) and (m := P.WORKSPACE.search(body)):
+        _add_event(f, Event("workspace", rank, where, clip(body), m.group(1)))
+        return
     if ("OUT_OF_MEMORY" in body or "MemoryAllocation" in body or "out of memory" in body or "cuMem" in body
             or "OutOfMemory" in body or "CUresult" in body) and (m := P.DRIVER.search(body)):
         saver = P.MEMORY_SAVER.search(body)
         _add_event(f, Event("driver", rank, where, clip(body), m.group(1) + (f" ({saver.group(0)})" if saver else "")))
         return
-    if "oom" in body or "OOM" in body or "Out of memory" in body or "out of memory" in body:
-        if m := P.HOST_OOM.search(body):
-            _add_event(f, Event("host_oom", rank, where, clip(body), m.group(1)))
-            return
+    if ("oom" in body or "OOM" in body or "Out of memory" in body or "out of memory" in body) \
+            and (m := P.HOST_OOM.search(body)):
+        _add_event(f, Event("host_oom", rank, where, clip(body), m.group(1)))
+        return
     if "Killed" in body and P.SHELL_KILLED.search(body):
         _add_event(f, Event("host_killed", rank, where, clip(body), "Killed"))
 

@@ -10,7 +10,7 @@ first, the ladder order), then the others by saving.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
 
 from . import command as C
 

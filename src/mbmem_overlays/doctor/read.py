@@ -13,8 +13,9 @@ import glob
 import gzip
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 BLOCK = 4 << 20
 MAX_CARRY = 4 * BLOCK          # a line still without a newline after this many bytes is cut here
@@ -66,7 +67,7 @@ def open_log(path: str, src: Source) -> BinaryIO | None:
             return None
     else:
         try:
-            raw = open(path, "rb")
+            raw = open(path, "rb")  # noqa: SIM115 — the stream is returned; scan() closes it
         except OSError as exc:
             src.problems.append(f"{path}: cannot read ({exc.strerror or exc})")
             return None
