@@ -110,7 +110,7 @@ def test_plot_labels_never_overlap_and_show_capacity_and_fit(tmp_path):
             assert not a.overlaps(b), f"{texts[i].get_text()!r} overlaps {texts[j].get_text()!r}"
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert {"parameters", "gradients", "optimizer", "activations", "other"} <= set(legend)
-    assert any(t.startswith("GPU capacity 80 GiB") for t in legend)
+    assert any(t.startswith("GPU capacity 80.0 GiB") for t in legend)
     verdicts = [t.get_text() for t in ax.texts if "GiB" in t.get_text()]
     assert any(v.endswith("does not fit") for v in verdicts) and any(v.endswith(" fits") for v in verdicts)
     colors = {p.get_facecolor() for p in ax.patches if p.get_height() > 0 and p.get_fill()}
@@ -188,12 +188,15 @@ def test_search_pins_the_layout_fields_the_user_set(bridge, capsys):
 def test_printed_commands_run_as_pasted(bridge, capsys):
     """The recommendation and the cheapest search result, each pasted into a shell: train.py dry-runs it,
     our rules and Bridge's validation pass, exit 0. (Each paste imports Bridge anew: ~40 s.)"""
-    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "40GiB",
-                       "--set", "model.tensor_model_parallel_size=2", "--set", "train.train_iters=20")
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80G",
+                       "--set", "train.train_iters=20")
     assert rc == 0 and rec["fits"]
+    assert "'mem.selective_recompute.modules=[core_attn,mlp]'" in rec["command"]  # a parameter the ladder chose
     rc, found = cli_json(capsys, "plan", "--recipe", "llama3_8b_peft", "--world-size", "8", "--gpu-memory", "30GiB",
-                         "--search", "--top", "1", "--overlay", "expandable", "--set", "train.train_iters=20")
+                         "--search", "--top", "1", "--overlay", "recompute", "--set", "mem.recompute.modules=[core_attn]",
+                         "--set", "train.train_iters=20")
     assert rc == 0 and found["results"]
+    assert "'mem.recompute.modules=[core_attn]'" in found["results"][0]["command"]  # the user's alias, verbatim
     for command in (rec["command"], found["results"][0]["command"]):
         assert command.startswith("python train.py recipe=") and command.endswith("run.dry_run=true")
         out = paste(command)

@@ -272,7 +272,7 @@ def draw_bars(rows: list[tuple[str, P.Breakdown]], *, title: str, capacity: floa
         left = [a + b for a, b in zip(left, vals)]
     if capacity:
         ax.axvline(capacity / 2**30, color="black", linestyle="--", linewidth=1.2, zorder=1,
-                   label=f"GPU capacity {capacity / 2**30:.0f} GiB")
+                   label=f"GPU capacity {capacity / 2**30:.1f} GiB")
         ax.axvline(limit / 2**30, color="grey", linestyle=":", linewidth=1.2, zorder=1,
                    label=f"fit limit {limit / 2**30:.1f} GiB ({margin:.0%} margin)")
     for y, (_, b), total in zip(ys, rows, totals):
