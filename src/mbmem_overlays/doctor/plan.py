@@ -75,6 +75,8 @@ def make_planner(recipe: str | None) -> Callable:
                               world_size=world, locked=locked)
             except OverlayError as exc:
                 return "NOT VALID (engine, on the recipe): " + "; ".join(p.message for p in exc.problems)
+            except Exception as exc:  # noqa: BLE001 — reported as "not validated", never raised
+                return f"not validated: the engine stopped with {type(exc).__name__}: {exc}"
             return f"validated by the engine on recipe {name} at world size {world} (Bridge's config)"
 
         return ranked, text, validator
