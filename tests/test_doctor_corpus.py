@@ -51,6 +51,8 @@ CASES = [
      "srun python train.py recipe=llama3_8b_sft +mem=optimizer_offload mem.optimizer_offload.fraction=0.5", 0),
     ("host_oom/slurm_oom_kill_event.log", "host_oom", "diagnosed", "high", ["host_memory"],
      "sacct -j 991234 --format=JobID,State,ExitCode,MaxRSS,ReqMem", 0),
+    ("host_oom/python_memoryerror.log", "host_oom", "diagnosed", "high", ["dataloader_workers", "host_memory"],
+     "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_sft dataset.num_workers=8", 0),
     ("host_oom/bash_killed_137.log", "host_oom", "diagnosed", "medium", ["host_memory"],
      "dmesg -T | grep -iE 'out of memory|oom-kill|killed process'", 0),
     # §2 every historical PyTorch format

@@ -435,9 +435,10 @@ def _next_command(ctx: Context, remedy: C.Remedy, catalog, catalog_error, f: Fin
         status = validator(overlays, params, text)
         return text, status
     where = "" if ctx.launch.kind == "train.py" else "recipe not seen in the log: fill in <recipe>; "
+    sets = "".join(f"; the override {k}={C._text(v)} is not checked without Bridge" for k, v in remedy.overrides.items())
     return text, (where + "checked against the overlay catalogue (names, parameters, no two overlays writing one "
-                  "field, the layout rules the log shows); not validated on the recipe's config: add --plan with "
-                  "Megatron Bridge installed, or run `mbmem apply --recipe R --overlay ...` before launching")
+                  f"field, the layout rules the log shows){sets}; not validated on the recipe's config: add --plan "
+                  "with Megatron Bridge installed, or run `mbmem apply --recipe R --overlay ...` before launching")
 
 
 def _why_not(f: Findings) -> list[str]:
@@ -737,33 +738,45 @@ def _engine(f: Findings, ctx: Context, done, e: Event) -> Diagnosis:
                 "medium", reasons, rem, rank=e.rank, also=_also(f, "engine"))
 
 
+# The process's own host allocation failed (no killer involved).
+HOST_ALLOC_FAILURES = ("MemoryError", "_ArrayMemoryError", "std::bad_alloc", "[Errno 12] Cannot allocate memory")
+
+
 def _host(f: Findings, ctx: Context, done, events: list[Event]) -> Diagnosis:
     confirmed = [e for e in events if e.family == "host_oom"]
     e = (confirmed or events)[0]
     reasons = [f"{rank_text(e.rank)}: {e.detail} {at(e.where)}"]
     remedies = []
-    offload = [o for o in ctx.overlays if o in ("optimizer_offload", "cpu_offload")]
-    if _flag(f, "optimizer_cpu_offload") or "optimizer_offload" in offload:
+    if _flag(f, "optimizer_cpu_offload") or "optimizer_offload" in ctx.overlays:
         remedies.append(C.Remedy("optimizer_offload_fraction", "keep less optimizer state in host memory "
                                  "(optimizer offload fraction 1.0 -> 0.5)", overlay="optimizer_offload",
                                  params={"fraction": 0.5}, cost="more GPU memory for optimizer state"))
+    workers = _int(f, "num_workers")
+    if workers and workers > 1:  # cfg.dataset.num_workers (megatron/bridge/data/base.py:34, data/loaders.py:326)
+        remedies.append(C.Remedy("dataloader_workers", f"halve the dataloader workers per rank ({workers} -> "
+                                 f"{workers // 2} {at(f.config['num_workers'].where)}): each is a process with its "
+                                 "own copy of the dataset state", overrides={"dataset.num_workers": workers // 2},
+                                 cost="slower data loading if the loader was the bottleneck"))
     remedies.append(C.Remedy("host_memory", "give the job the node's memory (Slurm --mem=0), fewer dataloader workers "
                              "per rank, and no other jobs on the node", cost="none"))
-    if confirmed:
+    also = _also(f, "host_oom")
+    if confirmed and any(a in e.detail for a in HOST_ALLOC_FAILURES):
+        reasons.append("the process's own host allocation failed: host RAM, not GPU memory")
+        summary, conf = "host out of memory: a host allocation failed (host RAM, not GPU memory)", "high"
+    elif confirmed:
         reasons.append("the kernel's OOM killer (or Slurm's cgroup) killed it: host RAM, not GPU memory")
         summary, conf = "host out of memory: the OOM killer ended the process (host RAM, not GPU memory)", "high"
-        check = None
     else:
         reasons.append("SIGKILL / exit 137 / 'Killed' is what the OOM killer sends, but a scheduler or a user can "
                        "send it too; the kernel log would confirm it")
         summary, conf = "probably host out of memory: the process was SIGKILLed (exit 137) with no GPU OOM", "medium"
         check = (f"sacct -j {f.slurm_job} --format=JobID,State,ExitCode,MaxRSS,ReqMem" if f.slurm_job
                  else "dmesg -T | grep -iE 'out of memory|oom-kill|killed process'")
-    if check:
-        return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=_also(f, "host_oom"),
-                    next_cmd=check)
-    if remedies and remedies[0].overlay:
-        return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=_also(f, "host_oom"))
-    return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=_also(f, "host_oom"),
-                next_cmd=(f"sacct -j {f.slurm_job} --format=JobID,State,ExitCode,MaxRSS,ReqMem" if f.slurm_job else
-                          "free -g  # then request more host memory (#SBATCH --mem=0) or lower dataloader workers"))
+        return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=also, next_cmd=check)
+    if remedies[0].overlay or remedies[0].overrides:
+        return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=also)
+    check = f"sacct -j {f.slurm_job} --format=JobID,State,ExitCode,MaxRSS,ReqMem" if f.slurm_job else None
+    d = done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=also, next_cmd=check)
+    if check is None:
+        d.command_check = "no command: the log shows no host-memory setting to change; see the remedies"
+    return d

@@ -39,12 +39,13 @@ FAILURE_TRIGGERS = (
     b"oom",          # oom-kill, oom_kill, invoked oom-killer
     b"NCCL WARN", b"ibv_reg", b"local_rank",
     b"Error: ",      # exceptions: the configuration errors' fragments are matched on these lines
+    b"bad_alloc",    # std::bad_alloc: a host allocation failed
 )
 CONTEXT_TRIGGERS = (
     b"ersion", b"orch==", b".py ", b"orld", b"ORLD", b"SLURM_", b"arallel", b"batch_size", b"ecompute", b"ffload",
     b"_optimizer", b"nccl_ub", b"num_layers", b"seq_length", b"mem_fraction", b"sleep", b"cuda_graph", b"P=", b"P:",
     b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem", b"CUresult",
-    b"SBATCH", b"--nodes", b"erminated",
+    b"SBATCH", b"--nodes", b"erminated", b"num_workers",
 )
 TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS
 
@@ -297,7 +298,7 @@ def _other_failures(body: str, where: str, rank: int | None, f: Findings) -> Non
         saver = P.MEMORY_SAVER.search(body)
         _add_event(f, Event("driver", rank, where, clip(body), m.group(1) + (f" ({saver.group(0)})" if saver else "")))
         return
-    if ("oom" in body or "OOM" in body or "Out of memory" in body or "out of memory" in body) \
+    if ("oom" in body or "OOM" in body or "emory" in body or "bad_alloc" in body) \
             and (m := P.HOST_OOM.search(body)):
         _add_event(f, Event("host_oom", rank, where, clip(body), m.group(1)))
         return
@@ -395,7 +396,7 @@ def _context(body: str, where: str, f: Findings) -> None:
 # Cheap substring gates: a pattern runs only on lines that can hold its match (the per-line work of a flood).
 _WORLD_HINTS = ("orld", "ORLD", "nproc", "nnodes", "SLURM_", "ntasks", "--nodes", " -N")
 _CONFIG_HINTS = ("_size", "parallel", "recompute", "offload", "_optimizer", "nccl_ub", "seq_length", "num_layers",
-                 "utilization", "mem_fraction", "sleep_mode", "cuda_graph", "use_te")
+                 "utilization", "mem_fraction", "sleep_mode", "cuda_graph", "use_te", "num_workers")
 _ENGINE_HINTS = ("llm", "LLM", "lang", "Lang", "TensorRT", "lmdeploy")
 
 

@@ -130,7 +130,9 @@ REGISTRATION = re.compile(r"(ibv_reg_(?:dmabuf_)?mr|ncclCommRegister|ncclMemAllo
                           r"[^\n]{0,300}?(?:Bad address|failed|error|errno|EFAULT)")
 HOST_OOM = re.compile(r"(Out of memory: Kill(?:ed)? process \d{1,10}|oom-kill(?:er)?:|invoked oom-killer|Memory cgroup out of memory|"
                       r"Detected \d{1,9} oom[_-]kill events?|oom_kill event|OOM Killed|OOMKilled|"
-                      r"Some of your processes may have been killed by the cgroup out-of-memory handler)")
+                      r"Some of your processes may have been killed by the cgroup out-of-memory handler|"
+                      # the process's own host allocations failing: Python, NumPy, C++, errno ENOMEM
+                      r"(?<![A-Za-z])MemoryError\b|_ArrayMemoryError|std::bad_alloc|\[Errno 12\] Cannot allocate memory)")
 SHELL_KILLED = re.compile(r"(?:^\s{0,8}|: |\d )Killed(?:\s{2,60}\S[^\n]{0,300})?\s{0,4}$")
 EXIT_137 = re.compile(r"(?:exit(?:ed with)? (?:code|status)[ :=]{0,3}137\b|exitcode\s{0,8}:\s{0,4}-9\b|"
                       r"Signal 9 \(SIGKILL\)|died with <Signals\.SIGKILL: 9>|ExitCode(?:=| )9:0|signal 9\b|Exit code 137)")
@@ -168,7 +170,7 @@ CONFIG_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vi
                "recompute_modules", "cpu_offloading", "cpu_offloading_num_layers", "cpu_offloading_activations",
                "use_distributed_optimizer", "nccl_ub", "sequence_parallel", "optimizer_cpu_offload",
                "optimizer_offload_fraction", "num_layers", "gpu_memory_utilization", "mem_fraction_static",
-               "enable_sleep_mode", "cuda_graph_impl", "use_te_rng_tracker")
+               "enable_sleep_mode", "cuda_graph_impl", "use_te_rng_tracker", "num_workers")
 CONFIG_VALUE = re.compile(r"(?<![\w])(" + "|".join(CONFIG_KEYS) + r")(?![\w])"
                           r"(?:\s{0,4}[=:]\s{0,4}|\s{1,4}\.{2,80}\s{1,4}|\s{1,4})"
                           r"(\[[^\]\n]{0,200}\]|'[^'\n]{0,60}'|\"[^\"\n]{0,60}\"|[\w.+-]{1,40})")

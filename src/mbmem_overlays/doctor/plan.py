@@ -69,10 +69,16 @@ def make_planner(recipe: str | None) -> Callable:
         text = (f"savings from the memory model on {name}, world size {world}"
                 + (f"; the failed request was short by {shortfall / GiB:.2f} GiB" if shortfall else ""))
 
+        base_sets = C.overrides_in(ctx.launch)
+
         def validator(overlays: list[str], params: dict, command_text: str) -> str:
+            new_sets = {k: v for k, v in C.overrides_in(C.parse_launch(command_text)).items()
+                        if base_sets.get(k) != v and not k.startswith(SKIP_OVERRIDE_PREFIXES)}
             try:
-                plan_overlays(copy.deepcopy(cfg), overlays, env={}, params={k: C._typed(v) for k, v in params.items()},
-                              world_size=world, locked=locked)
+                work = copy.deepcopy(cfg)
+                more = apply_overrides(work, [f"{k}={v}" for k, v in new_sets.items()]) if new_sets else {}
+                plan_overlays(work, overlays, env={}, params={k: C._typed(v) for k, v in params.items()},
+                              world_size=world, locked={**locked, **more})
             except OverlayError as exc:
                 return "NOT VALID (engine, on the recipe): " + "; ".join(p.message for p in exc.problems)
             except Exception as exc:  # noqa: BLE001 — reported as "not validated", never raised
