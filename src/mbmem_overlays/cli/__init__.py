@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from ..core.errors import OverlayError
 from ..core.sizes import SizeError
-from . import apply, doctor, explain, list_overlays, plan, recommend, slurm
+from . import apply, args, doctor, explain, list_overlays, plan, recommend, slurm
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
 
-COMMANDS = (list_overlays, explain, apply, doctor, slurm, plan, recommend)
+COMMANDS = (list_overlays, explain, apply, args, doctor, slurm, plan, recommend)
 
 
 class CommandLineError(Exception):

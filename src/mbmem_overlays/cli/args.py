@@ -1,0 +1,85 @@
+"""``mbmem args``: the overlays as arguments for Megatron Bridge's own launcher, after the same validation as
+``mbmem apply``.
+
+Bridge's ``scripts/training/train.sh`` -> ``setup_experiment.py`` (NeMo-Run) takes ``--env KEY=VALUE`` for the
+job's environment and trailing ``KEY=VALUE`` ConfigContainer overrides that ``run_recipe.py`` hands to
+``omegaconf_utils.process_config_with_overrides`` (shared/reference/bridge-config-surface.md §4 "CLI overrides",
+§6 "setup_experiment.py"). The allocator setting must be an ``--env`` pair: setup_experiment forwards only the
+names given with ``--env``, and PyTorch reads PYTORCH_CUDA_ALLOC_CONF once, before the first CUDA allocation
+(ecosystem-notes.md), so setting it inside the process is too late.
+
+Everything printed is derived from the engine's Report (``report.changes``, ``report.env_to_export``); the word
+forms live in ``launch/nemo_run.py`` (importable without NeMo-Run) so the plugin and this command agree.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+from .common import (EXIT_INCOMPLETE, EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options,
+                     build_with_overrides, catalog_for, csv_list, preflight, split_sets)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("args", help="the overlays as --env pairs and KEY=VALUE overrides for Bridge's launcher "
+                                     "(run_recipe.py / setup_experiment.py), validated like mbmem apply")
+    add_recipe_options(p, world_size="optional")
+    p.add_argument("--overlay", "-O", action="append", default=[], help="overlay names, comma-separated or repeated")
+    p.add_argument("--param", action="append", default=[], metavar="OVERLAY.PARAM=VALUE")
+    p.add_argument("--only", choices=("env", "overrides"),
+                   help="print only the --env pairs (setup_experiment.py) or only the overrides (run_recipe.py)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (errors included)")
+    p.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    from ..api import apply_overlay
+    from ..bridge.recipes import world_size_for
+    from ..core.errors import OverlayError, ValidationRejected
+    from ..core.report import exit_code, to_dict, validation_lines
+    from ..launch.nemo_run import env_words, launcher_overrides
+    catalog = catalog_for(args.overlay_dir)
+    names = csv_list(args.overlay)
+    user_overrides, params = split_sets(args.set)
+    params.update(split_sets([f"mem.{p}" for p in args.param])[1])
+    problems = preflight(args.recipe, names, params, user_overrides, catalog)
+    if problems:
+        raise UsageError(problems)
+    cfg, changes, problems = build_with_overrides(args.recipe, user_overrides)
+    if problems:
+        raise OverlayError(problems)
+    world, _ = world_size_for(cfg, args.world_size)
+    try:
+        # env={}: the job's environment must not depend on the shell that prints the arguments (as mbmem slurm)
+        report = apply_overlay(cfg, names, env={}, params=params, world_size=world,
+                               locked={path: new for path, _, new in changes}, validate=True, catalog=catalog)
+    except ValidationRejected as exc:
+        report = exc.report
+    code = exit_code(report)
+    v = report.validation
+    if code == EXIT_REJECTED:
+        if args.json:
+            print(json.dumps(to_dict(report, recipe=args.recipe), indent=2, default=repr))
+        print("\n".join(["mbmem args: nothing printed for the launcher:", *validation_lines(v)]), file=sys.stderr)
+        return code
+    if v.launch_requirements:  # a placeholder stood in during validation; the job has none (as mbmem slurm)
+        lines = ["mbmem args: the job needs what validation only had a placeholder for:"]
+        lines += [f"  - {r}\n    fix: add --set {r.split(' (', 1)[0]}" for r in v.launch_requirements]
+        print("\n".join(lines), file=sys.stderr)
+        return EXIT_USAGE
+    env = dict(sorted(report.env_to_export.items()))
+    overrides = [*user_overrides, *launcher_overrides(report)]
+    words = {"env": env_words(env), "overrides": overrides}
+    argv = words[args.only] if args.only else [*words["env"], *overrides]
+    if args.json:
+        print(json.dumps(to_dict(report, recipe=args.recipe, world_size=world,
+                                 launcher={"env": env, "overrides": overrides, "argv": argv}),
+                         indent=2, default=repr))
+    else:
+        print(" ".join(shlex.quote(w) for w in argv))
+    print(f"# validated for world size {world}: {v.verdict}", file=sys.stderr)
+    if code == EXIT_INCOMPLETE:
+        print("\n".join(validation_lines(v)[1:]), file=sys.stderr)
+    return code
