@@ -98,7 +98,7 @@ def test_train_lora_regather_plan(tmp_path):
     assert "2 of 4 target modules will re-gather" in out.stdout and "linear_qkv: re-gathers" in out.stdout
     out = train(*base, env=env)
     assert out.returncode != 0
-    assert "tensor parallel size is one" in out.stderr and "model.tensor_model_parallel_size=2" in out.stderr
+    assert "no LoRA adapter will re-gather" in out.stderr and "model.tensor_model_parallel_size=2" in out.stderr
     assert not any(ROOT.glob("outputs")), "Hydra littered the working tree"
 
 
