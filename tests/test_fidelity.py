@@ -230,6 +230,19 @@ def test_fine_grained_offload_modules(bridge, recipe, modules):
     both_reject(bridge, cfg, "fine_grained_offload_modules", 2, env={"NVTE_CPU_OFFLOAD_V1": "1"})
 
 
+def test_moe_layer_recompute_counts_as_moe_recompute_for_offload(bridge, recipe):
+    # the deprecated flag appends 'moe' to recompute_modules before the fine-grained offload check runs
+    cfg = recipe(MOE, "model.moe_layer_recompute=true", "model.fine_grained_activation_offloading=true",
+                 "model.offload_modules=[expert_fc1]", "model.recompute_granularity=null")
+    both_reject(bridge, cfg, "fine_grained_offload_modules", 8, env={"NVTE_CPU_OFFLOAD_V1": "1"})
+
+
+def test_moe_graph_scope_needs_drop_padding(bridge, recipe):
+    cfg = with_fields(recipe(MOE), {"model.cuda_graph_impl": "transformer_engine", "model.cuda_graph_modules": ["moe"],
+                                    "model.cuda_graph_scope": None})
+    both_reject(bridge, cfg, "graph_modules_fit_the_model", 8)
+
+
 def test_fine_grained_offload_needs_nvte_cpu_offload_v1(recipe):
     cfg = recipe(L8, "model.fine_grained_activation_offloading=true", "model.offload_modules=[core_attn]")
     assert "fine_grained_offload_te_env" in ours(cfg, world=2)[0]

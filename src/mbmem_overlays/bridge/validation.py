@@ -45,7 +45,8 @@ TE_ONLY_CHECKS: tuple[tuple[str, dict[str, Any]], ...] = (
 # rejections of the user's settings, which must stay rejections (transformer_config.py:1582/1704/2156,
 # Bridge config.py:2049).
 TE_MARKERS = ("install TE", "TE version", "TE >=", "TE <", "Transformer Engine >=", "FusedAdam from TransformerEngine",
-              "update TE version", "transformer_engine is not installed", "No module named 'transformer_engine'")
+              "update TE version", "transformer_engine is not installed", "No module named 'transformer_engine'",
+              "transformer-engine>=")  # "Only transformer-engine>=1.7.0 supports MoE FP8 training" (C:2295-2299)
 
 # runtime_config_update's steps in the order they run (config.py:1853-1887 and validate() at 1136-1480), each with
 # the source file whose frame in a traceback says validation was inside it. When a TE-only check stops

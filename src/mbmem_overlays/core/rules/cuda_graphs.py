@@ -140,3 +140,48 @@ def full_iteration_graph_modules_empty(view, c):
                         graph_modules(view), 'cuda_graph_modules must be empty when cuda_graph_impl="full_iteration" '
                         "(a full-iteration graph captures everything; the recipe's cuda_graph_scope counts too)",
                         "set model.cuda_graph_modules=[] and model.cuda_graph_scope=null")
+
+
+@check(enforced_by="megatron-core",
+       oracle=("cuda_graph_modules must not contain both moe and moe_router",
+               "moe_preprocess cuda graph is only supported with moe_router cuda graph",
+               "moe cuda graph is only supported for MoE", "mlp cuda graph is only supported for dense layers",
+               "moe cuda graph is only supported with drop-padding MoE",
+               "moe_preprocess cuda graph is not supported when there are DtoH copies"),
+       source=f"{GRAPHS_SKILL}, Constraints ('Do not combine moe and moe_router', 'moe_preprocess requires "
+              "moe_router', 'token-dropless routing limits graphable scope'); C transformer_config.py:2471-2511",
+       reads=(*GRAPH_READS, "model.num_moe_experts", "model.moe_layer_freq", "model.moe_expert_capacity_factor",
+              "model.moe_pad_expert_input_to_capacity", "model.moe_token_dispatcher_type",
+              "model.moe_router_padding_for_fp8"))
+def graph_modules_fit_the_model(view, c):
+    """Per-layer graph scopes exist in the model: moe/moe_router apart, moe_preprocess with moe_router, MoE scopes on MoE."""
+    if view.get("model.cuda_graph_impl") not in ("local", "transformer_engine"):
+        return
+    scopes = graph_modules(view)
+    who, fix = view.parties("model.cuda_graph_modules"), "choose scopes the model has: see the cuda-graphs skill"
+    if "moe" in scopes and "moe_router" in scopes:
+        yield c.problem(who, "model.cuda_graph_modules", scopes,
+                        "cuda_graph_modules must not contain both moe and moe_router", "keep one of them")
+    if "moe_preprocess" in scopes and "moe_router" not in scopes:
+        yield c.problem(who, "model.cuda_graph_modules", scopes,
+                        "moe_preprocess cuda graph is only supported with moe_router cuda graph", "add moe_router")
+    experts = view.get("model.num_moe_experts") or 0
+    if experts <= 1:
+        if {"moe", "moe_router"} & set(scopes):
+            yield c.problem(who, "model.cuda_graph_modules", scopes, "moe cuda graph is only supported for MoE", fix)
+        return
+    freq = view.get("model.moe_layer_freq", 1)
+    if (freq == 1 or (isinstance(freq, (list, tuple)) and 0 not in freq)) and "mlp" in scopes:
+        yield c.problem(who, "model.cuda_graph_modules", scopes,
+                        "mlp cuda graph is only supported for dense layers, but every layer of this model is MoE", fix)
+    dropless = view.get("model.moe_expert_capacity_factor") is None or not view.get("model.moe_pad_expert_input_to_capacity")
+    if dropless:
+        if "moe" in scopes:
+            yield c.problem(who, "model.cuda_graph_modules", scopes,
+                            "moe cuda graph is only supported with drop-padding MoE (set moe_expert_capacity_factor and "
+                            "moe_pad_expert_input_to_capacity)", "graph moe_router instead of moe")
+        if view.get("model.moe_token_dispatcher_type") == "alltoall" and "moe_preprocess" in scopes and (
+                view.get("model.moe_expert_capacity_factor") is not None or view.get("model.moe_router_padding_for_fp8")):
+            yield c.problem(who, "model.cuda_graph_modules", scopes,
+                            "moe_preprocess cuda graph is not supported when there are DtoH copies and synchronizations "
+                            "in the preprocess step", "drop moe_preprocess")

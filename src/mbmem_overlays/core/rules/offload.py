@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .facts import MEM_SKILL, NO_GRAPHS, OFFLOAD_SKILL, SURFACE, graph_modules
+from .facts import MEM_SKILL, NO_GRAPHS, OFFLOAD_SKILL, SELECTIVE_READS, SURFACE, graph_modules, selective_modules
 from .registry import both_on, check
 
 
@@ -128,8 +128,8 @@ def offload_modules(view) -> list[str]:
                "fused_group_mlp requires use_transformer_engine_op_fuser",
                "fused_group_mlp offloads the whole fused grouped MLP"),
        source=f"{OFFLOAD_SKILL}, Fine-grained activation offloading; C transformer_config.py:1848-1902",
-       reads=("model.fine_grained_activation_offloading", "model.offload_modules", "model.recompute_granularity",
-              "model.recompute_modules", "model.activation_offload_fraction",
+       reads=("model.fine_grained_activation_offloading", "model.offload_modules", *SELECTIVE_READS,
+              "model.activation_offload_fraction",
               "model.use_transformer_engine_op_fuser"))
 def fine_grained_offload_modules(view, c):
     """Fine-grained offload: valid, non-empty offload_modules and their pairings."""
@@ -150,8 +150,7 @@ def fine_grained_offload_modules(view, c):
         yield c.problem(who, "model.offload_modules", mods,
                         "attn_proj cannot be set to offload_modules alone without core_attn (its input is core_attn's "
                         "output, which core_attn's backward needs)", "add core_attn to model.offload_modules")
-    recompute_moe = (view.get("model.recompute_granularity") == "selective"
-                     and "moe" in (view.get("model.recompute_modules") or ["core_attn"]))
+    recompute_moe = "moe" in selective_modules(view)  # moe_layer_recompute adds it first (C:1835-1846)
     if recompute_moe and INSIDE_MOE & set(mods):
         yield c.problem(view.parties("model.offload_modules", "model.recompute_modules"), "model.offload_modules", mods,
                         f"Cannot offload {sorted(INSIDE_MOE & set(mods))} while recomputing the entire MoE layer",
