@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-import humanfriendly
-
 # PyTorch's OOM messages print binary units with "iB"; the doctor reads them with this table.
 UNITS = {"bytes": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -30,6 +28,7 @@ def parse_size(text: str) -> float:
     """
     if not isinstance(text, str):
         raise SizeError(f"cannot read memory size {text!r} (not text); {EXAMPLES}")
+    import humanfriendly  # here, not at module level: `mbmem list` and `doctor` never pay its ~40 ms import
     shown = text if len(text) <= 60 else text[:57] + "..."  # a 400-digit input must not flood the terminal
     try:
         value = humanfriendly.parse_size(text.strip())
