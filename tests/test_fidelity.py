@@ -209,7 +209,7 @@ def test_graphed_attention_recompute_with_dropout(bridge, recipe):
 
 def test_selective_recompute_with_num_layers(bridge, recipe):
     cfg = recipe(L8, "model.recompute_granularity=selective", "model.recompute_num_layers=2")
-    both_reject(bridge, cfg, "selective_recompute_settings", 2)
+    both_reject(bridge, cfg, "recompute_settings", 2)
 
 
 def test_moe_layer_recompute_with_full_recompute(bridge, recipe):

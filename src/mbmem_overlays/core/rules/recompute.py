@@ -129,22 +129,31 @@ def recompute_shared_experts_overlap(view, c):
 
 
 @check(enforced_by="megatron-core",
-       oracle=('recompute_method must be "block" or "uniform"', "recompute_num_layers must be between"),
-       source=f"{RECOMPUTE_SKILL}, Full-layer recompute; {SURFACE} §1.4 (C:1731-1747)",
+       oracle=('recompute_method must be "block" or "uniform"', 'must be "block" or "uniform".',
+               "recompute_num_layers must be between", "recompute_num_layers must be None."),
+       source=f"{RECOMPUTE_SKILL}, Full-layer and selective recompute; {SURFACE} §1.4 (C transformer_config.py:1724-1755)",
        reads=("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers"))
-def full_recompute_settings(view, c):
-    """Full recompute needs recompute_method uniform/block and recompute_num_layers."""
-    if view.get("model.recompute_granularity") != "full":
+def recompute_settings(view, c):
+    """Full recompute needs method uniform/block and num_layers; selective takes no num_layers; a method is uniform/block."""
+    g = view.get("model.recompute_granularity")
+    if g not in ("full", "selective"):
         return
     method, n = view.get("model.recompute_method"), view.get("model.recompute_num_layers")
     who = view.parties("model.recompute_granularity", "model.recompute_method")
-    if method not in ("uniform", "block"):
+    if method is not None and method not in ("uniform", "block"):
+        yield c.problem(who, "model.recompute_method", method, f'recompute_method: {method} must be "block" or "uniform".',
+                        "set model.recompute_method=uniform" + (" (or null for selective recompute)" if g == "selective" else ""))
+    elif method is None and g == "full":
         yield c.problem(who, "model.recompute_method", method,
                         'Using recompute_granularity: full so recompute_method must be "block" or "uniform"',
                         "use +mem=full_recompute (method defaults to uniform) or set model.recompute_method=uniform")
-    if n is None:
+    if g == "full" and n is None:
         yield c.problem(who, "model.recompute_num_layers", n,
                         "recompute_num_layers must be set with full recompute", "set mem.full_recompute.num_layers=1")
+    if g == "selective" and n is not None:
+        yield c.problem(who, "model.recompute_num_layers", n,
+                        "When using recompute_granularity: selective recompute_num_layers must be None.",
+                        "set model.recompute_num_layers=null (it only applies to full recompute)")
 
 
 @check(enforced_by="docs", source=f"{SURFACE} §1.4 (C:1742-1747: the message states the range; only None is checked)",
@@ -175,25 +184,6 @@ def distribute_saved_activations_sp(view, c):
                         "model.distribute_saved_activations", True,
                         "distribute_saved_activations must be false when sequence parallel is enabled",
                         "set model.distribute_saved_activations=false (SP already splits the saved activations)")
-
-
-@check(enforced_by="megatron-core",
-       oracle=("recompute_num_layers must be None.", 'must be "block" or "uniform".'),
-       source=f"{RECOMPUTE_SKILL}, Selective recompute; {SURFACE} §1.4 (C transformer_config.py:1730-1755)",
-       reads=("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers"))
-def selective_recompute_settings(view, c):
-    """Selective recompute takes no recompute_num_layers; a method must be uniform/block."""
-    if view.get("model.recompute_granularity") != "selective":
-        return
-    method, n = view.get("model.recompute_method"), view.get("model.recompute_num_layers")
-    who = view.parties("model.recompute_granularity", "model.recompute_num_layers")
-    if n is not None:
-        yield c.problem(who, "model.recompute_num_layers", n,
-                        "When using recompute_granularity: selective recompute_num_layers must be None.",
-                        "set model.recompute_num_layers=null (it only applies to full recompute)")
-    if method is not None and method not in ("uniform", "block"):
-        yield c.problem(who, "model.recompute_method", method, f'recompute_method: {method} must be "block" or "uniform".',
-                        "set model.recompute_method=null")
 
 
 @check(enforced_by="megatron-core", oracle="Do not set --moe-layer-recompute with full recompute granularity",
