@@ -20,11 +20,7 @@ Each row is rebuilt from the configuration that was measured, not from a look-al
 No constant in the plan is fitted to these rows; every term names the code it comes from (plan.py).
 """
 
-import os
 
-# The measured rows are Bridge's performance recipes (megatron.bridge.perf_recipes): opt in to that module.
-os.environ["MBMEM_RECIPE_MODULES"] = ",".join(
-    x for x in (os.environ.get("MBMEM_RECIPE_MODULES", ""), "megatron.bridge.perf_recipes") if x)
 
 from mbmem_overlays.bridge.overrides import apply_overrides  # noqa: E402
 from mbmem_overlays.bridge.recipes import build_recipe  # noqa: E402

@@ -16,12 +16,6 @@ from mbmem_overlays.memory.steps import build_plan
 from conftest import mbmem
 
 pytestmark = pytest.mark.bridge
-
-
-@pytest.fixture(autouse=True)
-def perf_recipes(monkeypatch):
-    """Bridge's performance recipes (megatron.bridge.perf_recipes) hold the measured configurations."""
-    monkeypatch.setenv("MBMEM_RECIPE_MODULES", "megatron.bridge.perf_recipes")
 L8 = "llama3_8b_pretrain_config"
 
 

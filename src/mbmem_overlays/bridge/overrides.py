@@ -86,7 +86,7 @@ def request_problems(names: list[str], params: dict[str, Any], catalog) -> list[
             continue
         if spec.name not in {s.name for s in specs}:
             specs.append(spec)
-    problems += engine._normalize_params(specs, params, catalog)[1]
+    problems += engine.normalize_params(specs, params, catalog)[1]
     return problems
 
 

@@ -24,14 +24,16 @@ from .overrides import apply_overrides
 from .stack import prepare
 
 RECIPE_PACKAGE = "megatron.bridge.recipes"
+# Bridge ships its performance-harness recipes (the configurations NVIDIA measured) in a sibling package.
+BRIDGE_RECIPE_PACKAGES = (RECIPE_PACKAGE, "megatron.bridge.perf_recipes")
 RECIPE_MODULES_ENV = "MBMEM_RECIPE_MODULES"
 _DOTTED = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def allowed_modules() -> list[str]:
-    """``megatron.bridge.recipes`` plus the modules named in ``MBMEM_RECIPE_MODULES``."""
+    """Bridge's recipe packages plus the modules named in ``MBMEM_RECIPE_MODULES``."""
     extra = [m.strip() for m in os.environ.get(RECIPE_MODULES_ENV, "").split(",") if m.strip()]
-    return [RECIPE_PACKAGE, *extra]
+    return [*BRIDGE_RECIPE_PACKAGES, *extra]
 
 
 def _within(module: str, allowed: list[str]) -> bool:

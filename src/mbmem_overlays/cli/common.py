@@ -60,9 +60,13 @@ def catalog_for(overlay_dirs: list[str] | None):
     """The overlay catalogue; a bad overlay directory is a usage error (exit 2), not a rejection."""
     from ..core.catalog import Catalog
     try:
-        return Catalog(overlay_dirs)
+        catalog = Catalog(overlay_dirs)
     except OverlayError as exc:
         raise UsageError(exc.problems) from None
+    missing = [p for p in catalog.problems if p.check == "overlay_dir"]
+    if missing:  # a directory the user named does not exist: nothing from it can be what they meant
+        raise UsageError(missing)
+    return catalog
 
 
 def preflight(recipe: str | None, names: list[str], params: dict[str, Any], overrides: list[str],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from ..core.report import SCHEMA_VERSION
 from .common import catalog_for
@@ -19,9 +20,11 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": 0, "overlays": [
             {"name": name, "summary": cat.specs[name].summary, "aliases": list(cat.specs[name].aliases),
-             "builtin": cat.specs[name].builtin, "path": str(cat.specs[name].path)} for name in cat.names()]},
-            indent=2, default=str))
+             "builtin": cat.specs[name].builtin, "path": str(cat.specs[name].path)} for name in cat.names()],
+            "problems": [p.render() for p in cat.problems]}, indent=2, default=str))
         return 0
+    for problem in cat.problems:  # broken user overlay files: listed, never fatal for the others
+        print(f"mbmem list: warning: {problem.render()}", file=sys.stderr)
     width = max(len(n) for n in cat.names())
     for name in cat.names():
         spec = cat.specs[name]

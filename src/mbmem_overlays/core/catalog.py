@@ -266,7 +266,7 @@ def _check_params(c: _Checker, data: dict, meta: Any) -> dict[str, ParamSpec]:
         if choices is not None and (not isinstance(choices, list) or not choices
                                     or any(_plain_problem(x) or isinstance(x, (list, dict)) for x in choices)):
             c.bad(f"overlay.params.{pname}.choices", choices, f"choices of {pname} must be a non-empty list of values",
-                  f"write it as  choices: [a, b]")
+                  "write it as  choices: [a, b]")
             continue
         bounds = {}
         for key in ("min", "max"):

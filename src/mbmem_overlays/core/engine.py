@@ -119,7 +119,7 @@ class View:
 
 
 # ----------------------------------------------------------------------------- parameters
-def _normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
+def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
                       catalog: Catalog) -> tuple[dict[str, dict[str, Any]], list[Problem]]:
     given: dict[str, dict[str, Any]] = {s.name: {} for s in specs}
     spelled: dict[tuple[str, str], str] = {}   # (overlay, param) -> how the caller wrote it, for conflicts
@@ -408,7 +408,7 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
     specs.sort(key=lambda s: s.name)  # order-independence: the order given never matters
     # Every problem is collected and raised once at the end ("all violations at once"); a bad
     # parameter keeps its default and a claim on a missing field is dropped so the checks still run.
-    resolved_params, param_problems = _normalize_params(specs, params, catalog)
+    resolved_params, param_problems = normalize_params(specs, params, catalog)
     problems += param_problems
 
     selected = tuple(s.name for s in specs)
