@@ -139,9 +139,21 @@ def _setup(plugin: Any, task: Any, executor: Any) -> None:
     plugin.report = report
 
 
+def _offline_hub_first() -> None:
+    """nemo_run imports huggingface_hub (through leptonai), which reads HF_HOME/HF_HUB_OFFLINE once, at import.
+    Bridge's recipes need our offline HF configs (bridge/stack.py ``prepare``), so point the hub at them first,
+    under the same condition as ``prepare``; when the user imported nemo_run before us, it is too late (README)."""
+    import os
+    import sys
+    if "huggingface_hub" not in sys.modules and not os.environ.get("MBMEM_USE_USER_HF"):
+        from ..bridge import hf_offline
+        hf_offline.activate()
+
+
 def _build_plugin_class():
     from dataclasses import dataclass, field
 
+    _offline_hub_first()
     import nemo_run as run
 
     @dataclass(kw_only=True)

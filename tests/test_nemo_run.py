@@ -1,0 +1,112 @@
+"""The NeMo-Run plugin (extra ``run``): same engine and verdicts as apply_overlay, the executor's environment,
+refusal before submission, and a real submission through NeMo-Run's SlurmExecutor + LocalTunnel."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, snapshot
+from slurm_cluster import Cluster, available
+
+if importlib.util.find_spec("nemo_run") is None:
+    pytest.skip("the [run] extra (requirements/run.lock) is not installed", allow_module_level=True)
+# nemo_run imports huggingface_hub: the plugin module must come first so the hub reads the offline HF configs
+from mbmem_overlays.launch.nemo_run import MemoryOverlays  # noqa: E402
+
+import nemo_run  # noqa: E402
+
+JOB = ROOT / "examples" / "run_recipe_dry.py"
+RECIPE = "tiny_llama"  # TP1 PP1 CP1: valid for the one CPU task the Slurm job runs
+
+
+@pytest.fixture
+def nemorun_home(tmp_path):
+    before = nemo_run.config.get_nemorun_home()
+    nemo_run.config.set_nemorun_home(str(tmp_path / "nemo_run"))
+    yield tmp_path / "nemo_run"
+    nemo_run.config.set_nemorun_home(before)
+
+
+def _script(*extra):
+    return nemo_run.Script(path=str(JOB), entrypoint=sys.executable, args=["--recipe", RECIPE, *extra])
+
+
+def test_import_of_the_module_alone_does_not_import_nemo_run():
+    probe = ("import sys, mbmem_overlays.launch.nemo_run as m\nassert 'nemo_run' not in sys.modules\n"
+             "m.MemoryOverlays\nassert 'nemo_run' in sys.modules\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.bridge
+def test_partial_task_config_gets_the_same_changes_as_apply_overlay(bridge):
+    from mbmem_overlays import apply_overlay
+    cfg, expected = bridge.load_recipe("llama3_8b_pretrain"), bridge.load_recipe("llama3_8b_pretrain")
+    task = nemo_run.Partial(dict, config=cfg)
+    executor = nemo_run.LocalExecutor(ntasks_per_node=8)
+    plugin = MemoryOverlays(overlays=["cpu_offload", "expandable_segments"], params={"cpu_offload.num_layers": 2})
+    plugin.setup(task, executor)
+    report = apply_overlay(expected, ["cpu_offload", "expandable_segments"], env={},
+                           params={"cpu_offload.num_layers": 2}, world_size=8, validate=True)
+    assert report.field_changes and snapshot(task.config) == snapshot(expected)
+    assert executor.env_vars["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert plugin.report.validation.world_size == 8  # from the executor: 1 node x 8 processes
+
+
+@pytest.mark.bridge
+def test_bridge_rejection_stops_the_launch_before_submission(bridge, nemorun_home):
+    from mbmem_overlays.core.errors import ValidationRejected
+    executor = nemo_run.LocalExecutor()
+    plugin = MemoryOverlays(overlays=["cpu_offload"], recipe=RECIPE)
+    task = _script("model.pipeline_model_parallel_size=2")  # cpu_offload needs PP=1 (our rule, as mbmem apply)
+    with pytest.raises(Exception) as info:
+        nemo_run.run(task, executor=executor, plugins=[plugin], dryrun=True)
+    assert "cpu_offload" in str(info.value) and "pipeline" in str(info.value)
+    assert not isinstance(info.value, ValidationRejected) or info.value.report
+    assert executor.env_vars == {}
+    assert not list(nemorun_home.rglob("*.sh")), "nothing may be written for submission"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = available()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"Slurm integration test cannot run in CI: {reason}")
+        pytest.skip(reason)
+    c = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.mark.slurm
+@pytest.mark.bridge
+def test_slurm_executor_submits_a_job_with_the_overlays(cluster, nemorun_home, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # the LocalTunnel runs sbatch/squeue in this process's env
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    executor = nemo_run.SlurmExecutor(account="", nodes=1, ntasks_per_node=1, time="00:05:00",
+                                      tunnel=nemo_run.LocalTunnel(job_dir=str(tmp_path / "jobs")),
+                                      packager=nemo_run.Packager())
+    plugin = MemoryOverlays(overlays=["expandable_segments", "selective_recompute"], recipe=RECIPE)
+    task = _script("--plan-only", "train.micro_batch_size=2")
+    with nemo_run.Experiment("mbmem-slurm", executor=executor, log_level="WARN") as exp:
+        exp.add(task, name="plan", plugins=[plugin])
+        exp.run(sequential=True, detach=False, tail_logs=False)
+    logs = [p for p in (tmp_path / "jobs").rglob("*.out")] + [p for p in (tmp_path / "jobs").rglob("*.log")]
+    text = "\n".join(p.read_text() for p in logs)
+    line = next((ln for ln in text.splitlines() if "MBMEM_PLAN " in ln), None)
+    assert line, f"no plan in the job's output: {logs} {text[-2000:]}"
+    plan = json.loads(line.split("MBMEM_PLAN ", 1)[1])
+    assert plan["package"]  # the job imported mbmem_overlays
+    assert plan["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # set by the launcher, before start
+    assert plan["overrides"][0] == "train.micro_batch_size=2"
+    assert "model.recompute_granularity=selective" in plan["overrides"]
