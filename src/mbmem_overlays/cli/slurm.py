@@ -37,6 +37,8 @@ def register(sub) -> None:
     p.add_argument("--cpu-smoke", action="store_true", help="plan instead of train, no GPU directives (CPU clusters)")
     p.add_argument("--no-validate", action="store_true", help="render without importing Bridge")
     p.add_argument("-o", metavar="FILE", help="write the script here instead of stdout (a new regular file)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout: the verdict and the script (or its path with -o), errors included")
     p.set_defaults(fn=run)
 
 
@@ -44,6 +46,16 @@ def _launch_requirement_fix(requirement: str) -> str:
     # "checkpoint.pretrained_checkpoint=<path ...> (why)" -> "--set checkpoint.pretrained_checkpoint=<path ...>"
     setting = requirement.split(" (", 1)[0]
     return f"--set {setting}"
+
+
+def _refuse(args, message: str, code: int, problems=()) -> int:
+    """Say why nothing was written: on stderr, and as the JSON object under --json."""
+    print(f"mbmem slurm: not written: {message}", file=sys.stderr)
+    if args.json:
+        import json
+        from ..core.report import error_dict
+        print(json.dumps(error_dict(message, code, problems=problems), indent=2, default=repr))
+    return code
 
 
 def run(args) -> int:
@@ -69,8 +81,7 @@ def run(args) -> int:
         slurm.collect(shared, mine, slurm.overlay_env_problems(overlays, catalog), slurm.output_file_problems(args.o),
                       unvalidated)
     except OverlayError as exc:
-        print(f"mbmem slurm: not written: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
     code = EXIT_OK
     if args.no_validate:
         env = slurm.static_env(overlays, catalog)
@@ -82,23 +93,21 @@ def run(args) -> int:
             raise OverlayError(problems)
         world = args.nodes * args.gpus_per_node
         try:
-            # env={}: the script must not depend on the rendering shell's environment
-            report = apply_overlay(cfg, overlays, env={}, params=params, world_size=world,
+            # The job's environment is the script's own exports, not the rendering shell's: validate with exactly
+            # those (e.g. Megatron FSDP refuses the standard CUDA_DEVICE_MAX_CONNECTIONS=1).
+            report = apply_overlay(cfg, overlays, env=dict(slurm.STANDARD_ENV), params=params, world_size=world,
                                    locked={path: new for path, _, new in changes}, validate=True, catalog=catalog)
         except ValidationRejected as exc:
             report = exc.report
         v = report.validation
         if not v.ok:
-            print(f"mbmem slurm: not written: {v.verdict}", file=sys.stderr)
-            return EXIT_REJECTED
+            return _refuse(args, v.verdict, EXIT_REJECTED)
         if v.launch_requirements:
             # Validation stood in a placeholder (e.g. PEFT's pretrained checkpoint): "PASSED" would be untrue for
             # the job, which has no such placeholder (bridge/validation.py, "PEFT requires a pretrained checkpoint").
-            lines = [f"mbmem slurm: not written: the job needs what validation only had a placeholder for "
-                     f"(world size {world}):"]
+            lines = [f"the job needs what validation only had a placeholder for (world size {world}):"]
             lines += [f"  - {r}\n    fix: add {_launch_requirement_fix(r)}" for r in v.launch_requirements]
-            print("\n".join(lines), file=sys.stderr)
-            return EXIT_USAGE
+            return _refuse(args, "\n".join(lines), EXIT_USAGE)
         env = report.env_to_export
         verdict = f"validated for world size {world}: {v.verdict}"
         if not v.complete:
@@ -109,8 +118,14 @@ def run(args) -> int:
         if args.o:
             slurm.write_script(args.o, text)
     except OverlayError as exc:
-        print(f"mbmem slurm: not written: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
+    if args.json:
+        import json
+        from ..core.report import SCHEMA_VERSION
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": code, "verdict": verdict,
+                          "path": args.o, "script": None if args.o else text, "job_log": output_log,
+                          "environment": env}, indent=2, default=str))
+        return code
     if args.o:
         print(f"wrote {args.o} ({verdict})", file=sys.stderr)
     else:
