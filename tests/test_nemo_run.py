@@ -22,6 +22,7 @@ from mbmem_overlays.launch.nemo_run import MemoryOverlays  # noqa: E402
 import nemo_run  # noqa: E402
 
 JOB = ROOT / "examples" / "run_recipe_dry.py"
+EXAMPLE = ROOT / "examples" / "nemo_run_launch.py"
 RECIPE = "tiny_llama"  # TP1 PP1 CP1: valid for the one CPU task the Slurm job runs
 
 
@@ -90,23 +91,36 @@ def cluster(tmp_path_factory):
 
 @pytest.mark.slurm
 @pytest.mark.bridge
-def test_slurm_executor_submits_a_job_with_the_overlays(cluster, nemorun_home, tmp_path, monkeypatch):
-    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # the LocalTunnel runs sbatch/squeue in this process's env
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    executor = nemo_run.SlurmExecutor(account="", nodes=1, ntasks_per_node=1, time="00:05:00",
-                                      tunnel=nemo_run.LocalTunnel(job_dir=str(tmp_path / "jobs")),
-                                      packager=nemo_run.Packager())
-    plugin = MemoryOverlays(overlays=["expandable_segments", "selective_recompute"], recipe=RECIPE)
-    task = _script("--plan-only", "train.micro_batch_size=2")
-    with nemo_run.Experiment("mbmem-slurm", executor=executor, log_level="WARN") as exp:
-        exp.add(task, name="plan", plugins=[plugin])
-        exp.run(sequential=True, detach=False, tail_logs=False)
-    logs = [p for p in (tmp_path / "jobs").rglob("*.out")] + [p for p in (tmp_path / "jobs").rglob("*.log")]
-    text = "\n".join(p.read_text() for p in logs)
+def test_slurm_executor_submits_a_job_with_the_overlays(cluster, tmp_path):
+    """examples/nemo_run_launch.py through SlurmExecutor + LocalTunnel to the real Slurm: the job imports the
+    package and prints the plan it received (its overrides and its environment at start)."""
+    env = {**os.environ, "SLURM_CONF": str(cluster.conf), "NEMORUN_HOME": str(tmp_path / "nemo_run")}
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # only the launcher may set it
+    jobs = tmp_path / "jobs"
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--executor", "slurm", "--job-dir", str(jobs),
+                          "--recipe", RECIPE, "--overlay", "expandable_segments,selective_recompute",
+                          "--set", "train.micro_batch_size=2", "--plan-only"],
+                         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    logs = [p for p in jobs.rglob("*") if p.is_file() and p.suffix in (".out", ".log")]
+    text = "\n".join(p.read_text(errors="replace") for p in logs)
     line = next((ln for ln in text.splitlines() if "MBMEM_PLAN " in ln), None)
-    assert line, f"no plan in the job's output: {logs} {text[-2000:]}"
+    assert line, f"no plan in the job's output: {logs} {text[-2000:]} {out.stdout[-2000:]}"
     plan = json.loads(line.split("MBMEM_PLAN ", 1)[1])
     assert plan["package"]  # the job imported mbmem_overlays
     assert plan["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # set by the launcher, before start
-    assert plan["overrides"][0] == "train.micro_batch_size=2"
-    assert "model.recompute_granularity=selective" in plan["overrides"]
+    assert plan["overrides"] == ["train.micro_batch_size=2", "model.recompute_granularity=selective",
+                                 "model.recompute_modules=[core_attn]"]
+    sbatch = "\n".join(p.read_text() for p in jobs.rglob("*.sh"))
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in sbatch
+
+
+@pytest.mark.bridge
+def test_example_refuses_before_submitting(tmp_path):
+    env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "nemo_run")}
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--recipe", RECIPE, "--overlay", "cpu_offload",
+                          "--set", "model.pipeline_model_parallel_size=2", "--world-size", "2"],
+                         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "not launched" in out.stderr and "cpu_offload" in out.stderr and "Traceback" not in out.stderr
+    assert "MBMEM_PLAN" not in out.stdout
