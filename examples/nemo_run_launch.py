@@ -5,7 +5,7 @@
     python examples/nemo_run_launch.py --recipe tiny_llama --overlay expandable_segments,selective_recompute
 
     # Slurm through a local tunnel (run on a login node: sbatch runs here)
-    python examples/nemo_run_launch.py --executor slurm --job-dir /shared/jobs --recipe tiny_llama \\
+    NEMORUN_HOME=/shared/nemo_run python examples/nemo_run_launch.py --executor slurm --account ACCOUNT --recipe tiny_llama \\
         --overlay expandable_segments --plan-only
 
 The task is a ``run.Script`` shaped like Bridge's ``scripts/training/run_recipe.py`` (``--recipe NAME`` then
@@ -36,9 +36,11 @@ HERE = Path(__file__).resolve().parent
 def executor_for(args) -> run.Executor:
     if args.executor == "local":
         return run.LocalExecutor(ntasks_per_node=args.tasks)
-    return run.SlurmExecutor(account=args.account or "", partition=args.partition, nodes=args.nodes,
+    return run.SlurmExecutor(account=args.account, partition=args.partition, nodes=args.nodes,
                              ntasks_per_node=args.tasks, time=args.time,
-                             tunnel=run.LocalTunnel(job_dir=str(Path(args.job_dir).resolve())),
+                             # a LocalTunnel copies nothing (nemo_run run/experiment.py rsyncs only for SSHTunnel):
+                             # its job_dir must be the experiments folder NeMo-Run writes the sbatch script into
+                             tunnel=run.LocalTunnel(job_dir=str(Path(run.config.get_nemorun_home()) / "experiments")),
                              packager=run.Packager())  # the script runs from this checkout, not a git archive
 
 
@@ -55,11 +57,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--world-size", type=int, help="GPUs to validate for (default: nodes x tasks per node)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--tasks", type=int, default=1, help="tasks (processes) per node")
-    p.add_argument("--job-dir", default="nemo_run_jobs", help="Slurm: where the tunnel writes the job files")
     p.add_argument("--account")
     p.add_argument("--partition")
     p.add_argument("--time", default="00:10:00")
     args = p.parse_args(argv)
+    if args.executor == "slurm" and not args.account:
+        p.error("--executor slurm needs --account (NeMo-Run names the job and its log files after it)")
     params = {}
     for item in args.param:  # typed as train.py and mbmem read them (Hydra's value grammar)
         key, _, value = item.partition("=")

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -94,17 +95,24 @@ def cluster(tmp_path_factory):
 def test_slurm_executor_submits_a_job_with_the_overlays(cluster, tmp_path):
     """examples/nemo_run_launch.py through SlurmExecutor + LocalTunnel to the real Slurm: the job imports the
     package and prints the plan it received (its overrides and its environment at start)."""
-    env = {**os.environ, "SLURM_CONF": str(cluster.conf), "NEMORUN_HOME": str(tmp_path / "nemo_run")}
+    env = {**os.environ, "SLURM_CONF": str(cluster.conf), "NEMORUN_HOME": str(tmp_path / "nrhome")}
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # only the launcher may set it
-    jobs = tmp_path / "jobs"
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--executor", "slurm", "--job-dir", str(jobs),
+    # observed with NeMo-Run 0.11.1: NEMORUN_HOME=<tmp>/nemo_run with the launch run from <tmp> doubled the job
+    # paths in the sbatch script (#SBATCH --output=<tmp>/<tmp>/...); another name and working folder do not
+    jobs = tmp_path / "nrhome"
+    work = tmp_path / "work"
+    work.mkdir()
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--executor", "slurm", "--account", "mbmem",
                           "--recipe", RECIPE, "--overlay", "expandable_segments,selective_recompute",
                           "--set", "train.micro_batch_size=2", "--plan-only"],
-                         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+                         cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    logs = [p for p in jobs.rglob("*") if p.is_file() and p.suffix in (".out", ".log")]
-    text = "\n".join(p.read_text(errors="replace") for p in logs)
-    line = next((ln for ln in text.splitlines() if "MBMEM_PLAN " in ln), None)
+    deadline, line = time.time() + 180, None
+    while line is None and time.time() < deadline:  # NeMo-Run returns once sbatch has accepted the job
+        logs = [p for p in jobs.rglob("log-*.out") if p.is_file()]
+        text = "\n".join(p.read_text(errors="replace") for p in logs)
+        line = next((ln for ln in text.splitlines() if "MBMEM_PLAN " in ln), None)
+        time.sleep(0.5)
     assert line, f"no plan in the job's output: {logs} {text[-2000:]} {out.stdout[-2000:]}"
     plan = json.loads(line.split("MBMEM_PLAN ", 1)[1])
     assert plan["package"]  # the job imported mbmem_overlays
