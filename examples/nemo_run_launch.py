@@ -22,13 +22,14 @@ import argparse
 import sys
 from pathlib import Path
 
+# isort: off
 # Before nemo_run: nemo_run imports huggingface_hub, which must first see the offline HF configs.
 from mbmem_overlays.launch.nemo_run import MemoryOverlays
+import nemo_run as run
+# isort: on
 
-import nemo_run as run  # noqa: E402  (after the plugin, see above)
-
-from mbmem_overlays.core.errors import OverlayError  # noqa: E402
-from mbmem_overlays.core.values import parse_value  # noqa: E402
+from mbmem_overlays.core.errors import OverlayError
+from mbmem_overlays.core.values import parse_value
 
 HERE = Path(__file__).resolve().parent
 

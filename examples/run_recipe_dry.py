@@ -33,7 +33,9 @@ def main(argv: list[str]) -> int:
         return 0
     from mbmem_overlays.bridge.stack import prepare
     prepare()  # Bridge on a CPU host: the Transformer Engine shim and the offline HF configs
-    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.bridge.training.utils.omegaconf_utils import (
+        process_config_with_overrides,
+    )
 
     from mbmem_overlays.bridge.recipes import load_recipe, world_size_for
     from mbmem_overlays.bridge.validation import validate_config

@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT, mbmem, snapshot
 
 from mbmem_overlays.launch.nemo_run import env_words, hydra_word
-
-from conftest import ROOT, mbmem, snapshot
 
 OVERLAYS = "expandable_segments,cpu_offload,dist_optimizer"
 SETS = ["--set", "train.micro_batch_size=2", "--param", "cpu_offload.num_layers=2"]
@@ -48,7 +47,9 @@ def test_usage_error_before_bridge():
 
 @pytest.mark.bridge
 def test_printed_overrides_through_bridges_machinery_equal_apply_overlay(bridge, capsys):
-    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.bridge.training.utils.omegaconf_utils import (
+        process_config_with_overrides,
+    )
 
     from mbmem_overlays import apply_overlay
     code, out = _args_json(capsys, "--recipe", "llama3_8b_pretrain", "--overlay", OVERLAYS, "--world-size", "8", *SETS)
@@ -76,7 +77,9 @@ def test_printed_overrides_through_bridges_machinery_equal_apply_overlay(bridge,
 def test_env_vars_entry_is_added_in_struct_mode(bridge, capsys):
     """A recipe without PYTORCH_CUDA_ALLOC_CONF in env_vars: Bridge's struct-mode parser needs '+' to add the
     key; the printed word must be accepted and give what apply_overlay writes."""
-    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+    from megatron.bridge.training.utils.omegaconf_utils import (
+        process_config_with_overrides,
+    )
 
     from mbmem_overlays import apply_overlay
     from mbmem_overlays.launch.nemo_run import launcher_overrides
@@ -111,7 +114,7 @@ def test_text_output_is_one_shell_line_and_nemo_run_is_never_imported():
              f"code = main(['args', '--recipe', 'llama3_8b_pretrain', '--overlay', {OVERLAYS!r}, '--world-size', '8',"
              f" *{SETS!r}])\n"
              "print('NEMO_RUN_IMPORTED', 'nemo_run' in sys.modules, code)\n")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(check=False, args=[sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "NEMO_RUN_IMPORTED False 0" in out.stdout
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("--env"))

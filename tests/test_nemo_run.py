@@ -11,16 +11,16 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, snapshot
 from slurm_cluster import Cluster, available
 
 if importlib.util.find_spec("nemo_run") is None:
     pytest.skip("the [run] extra (requirements/run.lock) is not installed", allow_module_level=True)
+# isort: off
 # nemo_run imports huggingface_hub: the plugin module must come first so the hub reads the offline HF configs
-from mbmem_overlays.launch.nemo_run import MemoryOverlays  # noqa: E402
-
-import nemo_run  # noqa: E402
+from mbmem_overlays.launch.nemo_run import MemoryOverlays
+import nemo_run
+# isort: on
 
 JOB = ROOT / "examples" / "run_recipe_dry.py"
 EXAMPLE = ROOT / "examples" / "nemo_run_launch.py"
@@ -42,7 +42,7 @@ def _script(*extra):
 def test_import_of_the_module_alone_does_not_import_nemo_run():
     probe = ("import sys, mbmem_overlays.launch.nemo_run as m\nassert 'nemo_run' not in sys.modules\n"
              "m.MemoryOverlays\nassert 'nemo_run' in sys.modules\nprint('ok')")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(check=False, args=[sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -102,7 +102,7 @@ def test_slurm_executor_submits_a_job_with_the_overlays(cluster, tmp_path):
     jobs = tmp_path / "nrhome"
     work = tmp_path / "work"
     work.mkdir()
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--executor", "slurm", "--account", "mbmem",
+    out = subprocess.run(check=False, args=[sys.executable, str(EXAMPLE), "--executor", "slurm", "--account", "mbmem",
                           "--recipe", RECIPE, "--overlay", "expandable_segments,selective_recompute",
                           "--set", "train.micro_batch_size=2", "--plan-only"],
                          cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
@@ -126,7 +126,7 @@ def test_slurm_executor_submits_a_job_with_the_overlays(cluster, tmp_path):
 @pytest.mark.bridge
 def test_example_refuses_before_submitting(tmp_path):
     env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "nemo_run")}
-    out = subprocess.run([sys.executable, str(EXAMPLE), "--recipe", RECIPE, "--overlay", "cpu_offload",
+    out = subprocess.run(check=False, args=[sys.executable, str(EXAMPLE), "--recipe", RECIPE, "--overlay", "cpu_offload",
                           "--set", "model.pipeline_model_parallel_size=2", "--world-size", "2"],
                          cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]

@@ -18,8 +18,18 @@ import json
 import shlex
 import sys
 
-from .common import (EXIT_INCOMPLETE, EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options,
-                     build_with_overrides, catalog_for, csv_list, preflight, split_sets)
+from .common import (
+    EXIT_INCOMPLETE,
+    EXIT_REJECTED,
+    EXIT_USAGE,
+    UsageError,
+    add_recipe_options,
+    build_with_overrides,
+    catalog_for,
+    csv_list,
+    preflight,
+    split_sets,
+)
 
 
 def register(sub) -> None:
