@@ -200,11 +200,12 @@ def test_fp8_delayed_scaling_with_layernorm_recompute(recipe, clean_env):
     apply_overlay(cfg, "selective_recompute", env=clean_env, params={"modules": ["layernorm"]})
 
 
-def test_vpp_divisibility_is_a_documented_rule_megatron_core_skips_for_even_pp(recipe, clean_env, bridge):
-    # 80 layers / PP4 = 20 per rank, VPP 3 does not divide it. The skill's code anchor shows the check,
-    # but megatron-core 0.19.2 runs it only for uneven pipeline splits: Bridge accepts, we refuse.
+def test_vpp_divisibility_is_a_runtime_rule_bridge_validation_skips_for_even_pp(recipe, clean_env, bridge):
+    # 80 layers / PP4 = 20 per rank, VPP 3 does not divide it. megatron-core's config checks run it only for
+    # uneven pipeline splits; for even ones it asserts at model build (transformer_block.py): Bridge's
+    # validation accepts, the job would fail on the GPUs, we refuse before launch.
     rejected(recipe(L70, "model.virtual_pipeline_model_parallel_size=3"), ["expandable_segments"], clean_env,
-             "must be divisible by virtual", world_size=32)
+             "should be divisible by vp_size 3", world_size=32)
     assert bridge.validate_config(recipe(L70, "model.virtual_pipeline_model_parallel_size=3"), world_size=32).ok
     from mbmem_overlays.core.rules import doc_only_checks
     assert "vpp_layer_divisibility" in doc_only_checks()
