@@ -122,3 +122,18 @@ def test_text_output_is_one_shell_line_and_nemo_run_is_never_imported():
     assert words[:2] == ["--env", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
     assert "train.micro_batch_size=2" in words and "model.cpu_offloading=true" in words
     assert "# validated for world size 8: PASSED" in out.stderr
+
+
+@pytest.mark.bridge
+def test_only_prints_one_half_and_json_rejection_is_an_object(bridge, capsys):
+    from mbmem_overlays.cli import main
+    base = ["args", "--recipe", "llama3_8b_pretrain", "--overlay", OVERLAYS, "--world-size", "8", *SETS]
+    assert main([*base, "--only", "env"]) == 0
+    assert shlex.split(capsys.readouterr().out) == ["--env", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
+    assert main([*base, "--only", "overrides"]) == 0
+    words = shlex.split(capsys.readouterr().out)
+    assert words[0] == "train.micro_batch_size=2" and not any(w.startswith("-") for w in words)
+    code = main(["args", "--recipe", "llama3_8b_pretrain", "--overlay", "cpu_offload",
+                 "--set", "model.pipeline_model_parallel_size=2", "--world-size", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["ok"] is False and out["exit_code"] == 1 and "launcher" not in out

@@ -62,17 +62,21 @@ def test_partial_task_config_gets_the_same_changes_as_apply_overlay(bridge):
 
 
 @pytest.mark.bridge
-def test_bridge_rejection_stops_the_launch_before_submission(bridge, nemorun_home):
-    from mbmem_overlays.core.errors import ValidationRejected
+def test_refusal_stops_the_launch_before_submission_with_apply_overlays_message(bridge, nemorun_home):
+    from mbmem_overlays import OverlayError, apply_overlay
     executor = nemo_run.LocalExecutor()
     plugin = MemoryOverlays(overlays=["cpu_offload"], recipe=RECIPE)
-    task = _script("model.pipeline_model_parallel_size=2")  # cpu_offload needs PP=1 (our rule, as mbmem apply)
-    with pytest.raises(Exception) as info:
+    task = _script("model.pipeline_model_parallel_size=2")  # cpu_offload needs PP=1 (as mbmem apply)
+    with pytest.raises(OverlayError) as info:
         nemo_run.run(task, executor=executor, plugins=[plugin], dryrun=True)
-    assert "cpu_offload" in str(info.value) and "pipeline" in str(info.value)
-    assert not isinstance(info.value, ValidationRejected) or info.value.report
-    assert executor.env_vars == {}
-    assert not list(nemorun_home.rglob("*.sh")), "nothing may be written for submission"
+    cfg = bridge.load_recipe(RECIPE)
+    bridge.apply_overrides(cfg, ["model.pipeline_model_parallel_size=2"])
+    with pytest.raises(OverlayError) as direct:
+        apply_overlay(cfg, ["cpu_offload"], env={}, world_size=1, validate=True,
+                      locked={"model.pipeline_model_parallel_size": 2})
+    assert str(info.value) == str(direct.value) and "cpu_offload" in str(info.value)
+    assert executor.env_vars == {} and plugin.report is None
+    assert not list(nemorun_home.rglob("*_sbatch.sh")) and not list(nemorun_home.rglob("log-*"))
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,10 @@ def _setup(plugin: Any, task: Any, executor: Any) -> None:
                                     "the task carries no ConfigContainer (run.Partial(fn, config=cfg)) and is not "
                                     "a run.Script", "pass run.Partial(pretrain, config=cfg) or "
                                     "run.Script('scripts/training/run_recipe.py', args=[...])")])
+    needs = report.validation.launch_requirements if report.validation is not None else []
+    if needs:  # a placeholder stood in during validation; the job has none (as mbmem slurm and mbmem args)
+        raise OverlayError([Problem(("nemo_run",), r.split("=", 1)[0], None, f"the job needs {r}",
+                                    f"add {r.split(' (', 1)[0]} to the task's overrides") for r in needs])
     executor.env_vars.update(report.env_to_export)
     plugin.report = report
 
