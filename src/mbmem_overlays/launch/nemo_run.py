@@ -107,7 +107,9 @@ def _apply_to_script(plugin: Any, task: Any, world: int | None) -> Report:
         raise OverlayError([Problem(("nemo_run",), "recipe", None,
                                     "a run.Script task needs the recipe to validate against",
                                     "pass MemoryOverlays(recipe='llama3_8b_pretrain_config', ...)")])
+    from ..bridge.stack import prepare
     user = _script_overrides(task.args)
+    prepare()  # the Transformer Engine shim and offline HF configs, as cli.common.build_with_overrides
     cfg = load_recipe(plugin.recipe)
     changes, problems = check_overrides(cfg, user)
     if problems:
