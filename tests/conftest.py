@@ -61,3 +61,21 @@ def snapshot(cfg) -> str:
     """A byte-comparable rendering of a whole ConfigContainer (Bridge's own to_dict)."""
     import json
     return json.dumps(cfg.to_dict(), sort_keys=True, default=repr)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A real one-node Slurm (tests/slurm_cluster.py) for the module's tests; stopped when the module ends, so
+    the next module's cluster can take the same ports. Fails in CI when it cannot start, skips elsewhere."""
+    from slurm_cluster import Cluster, available
+    reason = available()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"Slurm integration test cannot run in CI: {reason}")
+        pytest.skip(reason)
+    c = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()

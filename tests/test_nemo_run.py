@@ -12,7 +12,6 @@ import time
 
 import pytest
 from conftest import ROOT, snapshot
-from slurm_cluster import Cluster, available
 
 if importlib.util.find_spec("nemo_run") is None:
     pytest.skip("the [run] extra (requirements/run.lock) is not installed", allow_module_level=True)
@@ -79,19 +78,6 @@ def test_refusal_stops_the_launch_before_submission_with_apply_overlays_message(
     assert not list(nemorun_home.rglob("*_sbatch.sh")) and not list(nemorun_home.rglob("log-*"))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = available()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm integration test cannot run in CI: {reason}")
-        pytest.skip(reason)
-    c = Cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
 
 
 @pytest.mark.slurm

@@ -16,7 +16,6 @@ from mbmem_overlays.launch import slurm as slurm_mod
 from mbmem_overlays.launch.slurm import render
 
 from conftest import mbmem, run_cmd
-from slurm_cluster import Cluster, available
 
 HOSTILE = ["x; rm -rf ~", "$(id)", "`id`", "a'b\"c", "${HOME}", "x && touch /tmp/mbmem-pwned", "x|id", "* ?"]
 # Template syntax inside values (issue 15 #1): the old renderer expanded {{KEY}} found inside an earlier value.
@@ -361,19 +360,6 @@ def test_peft_without_a_checkpoint_is_not_passed(tmp_path):
 
 
 # ----------------------------------------------------------------------------- a real Slurm
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = available()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm integration test cannot run in CI: {reason}")
-        pytest.skip(reason)
-    c = Cluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
 
 
 PROCESS_ENV_PROBE = """#!{python}

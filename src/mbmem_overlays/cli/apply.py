@@ -14,14 +14,10 @@ import sys
 from ..core.errors import OverlayError, ValidationRejected
 from .common import (
     EXIT_REJECTED,
-    UsageError,
     add_recipe_options,
     build_with_overrides,
-    catalog_for,
-    csv_list,
-    preflight,
+    read_request,
     shown_changes,
-    split_sets,
     train_command,
 )
 
@@ -42,13 +38,7 @@ def run(args) -> int:
     from ..bridge.recipes import model_summary, world_size_for
     from ..bridge.stack import progress
     from ..core.report import exit_code, render_json, render_text
-    catalog = catalog_for(args.overlay_dir)
-    names = csv_list(args.overlay)
-    overrides, params = split_sets(args.set)
-    params.update(split_sets([f"mem.{p}" for p in args.param])[1])
-    problems = preflight(args.recipe, names, params, overrides, catalog)
-    if problems:
-        raise UsageError(problems)
+    catalog, names, overrides, params = read_request(args)
     cfg, changes, problems = build_with_overrides(args.recipe, overrides)
     locked = {path: new for path, _, new in changes}
     world, assumed = world_size_for(cfg, args.world_size)

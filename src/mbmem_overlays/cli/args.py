@@ -22,13 +22,9 @@ from .common import (
     EXIT_INCOMPLETE,
     EXIT_REJECTED,
     EXIT_USAGE,
-    UsageError,
     add_recipe_options,
     build_with_overrides,
-    catalog_for,
-    csv_list,
-    preflight,
-    split_sets,
+    read_request,
 )
 
 
@@ -50,13 +46,7 @@ def run(args) -> int:
     from ..core.errors import OverlayError, ValidationRejected
     from ..core.report import exit_code, to_dict, validation_lines
     from ..launch.nemo_run import env_words, launcher_overrides
-    catalog = catalog_for(args.overlay_dir)
-    names = csv_list(args.overlay)
-    user_overrides, params = split_sets(args.set)
-    params.update(split_sets([f"mem.{p}" for p in args.param])[1])
-    problems = preflight(args.recipe, names, params, user_overrides, catalog)
-    if problems:
-        raise UsageError(problems)
+    catalog, names, user_overrides, params = read_request(args)
     cfg, changes, problems = build_with_overrides(args.recipe, user_overrides)
     if problems:
         raise OverlayError(problems)

@@ -83,6 +83,20 @@ def preflight(recipe: str | None, names: list[str], params: dict[str, Any], over
     return problems
 
 
+def read_request(args) -> tuple[Any, list[str], list[str], dict[str, object]]:
+    """What apply-like commands (apply, args) read the same way: the catalogue, the overlay names, the Bridge
+    overrides and the overlay parameters (``--set mem.*`` and ``--param``); every problem visible without Bridge
+    is raised at once, before the import (exit 2)."""
+    catalog = catalog_for(args.overlay_dir)
+    names = csv_list(args.overlay)
+    overrides, params = split_sets(args.set)
+    params.update(split_sets([f"mem.{p}" for p in args.param])[1])
+    problems = preflight(args.recipe, names, params, overrides, catalog)
+    if problems:
+        raise UsageError(problems)
+    return catalog, names, overrides, params
+
+
 def recipe_with_overrides(recipe: str, sets: list[str]) -> tuple[Any, dict[str, Any], dict[str, object]]:
     """(config, the fields the user set, overlay parameters) from ``--recipe`` and ``--set`` (imports Bridge)."""
     from ..bridge.overrides import apply_overrides
