@@ -400,3 +400,15 @@ def test_real_sbatch_runs_the_plan_and_refuses_a_bad_set(cluster, tmp_path):
     assert "[selective_recompute] model.recompute_granularity" in good_log and "dry run" in good_log  # the plan
     assert states["bad"] == "FAILED", bad_log[-4000:]
     assert "CPU offloading does not work when activation recomputation is enabled" in bad_log
+
+
+@pytest.mark.bridge
+def test_megatron_fsdp_job_leaves_cuda_device_max_connections_unset():
+    # Bridge refuses FSDP with CUDA_DEVICE_MAX_CONNECTIONS=1, which the field's standard environment sets
+    out = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--overlay", "expandable_segments",
+                "--set", "ddp.use_megatron_fsdp=true", "--set", "checkpoint.ckpt_format=fsdp_dtensor",
+                "--nodes", "1", "--gpus-per-node", "2")
+    assert out.returncode == 0, out.stderr
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out.stdout and "export PYTORCH_CUDA_ALLOC_CONF" in out.stdout
+    plain = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--nodes", "1", "--gpus-per-node", "2", "--no-validate")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in plain.stdout

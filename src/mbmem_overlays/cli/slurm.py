@@ -83,6 +83,7 @@ def run(args) -> int:
     except OverlayError as exc:
         return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
     code = EXIT_OK
+    standard = slurm.standard_env()
     if args.no_validate:
         env = slurm.static_env(overlays, catalog)
         verdict = "not validated (--no-validate); train.py validates again inside the job"
@@ -95,7 +96,8 @@ def run(args) -> int:
         try:
             # The job's environment is the script's own exports, not the rendering shell's: validate with exactly
             # those (e.g. Megatron FSDP refuses the standard CUDA_DEVICE_MAX_CONNECTIONS=1).
-            report = apply_overlay(cfg, overlays, env=dict(slurm.STANDARD_ENV), params=params, world_size=world,
+            standard = slurm.standard_env(cfg)
+            report = apply_overlay(cfg, overlays, env=dict(standard), params=params, world_size=world,
                                    locked={path: new for path, _, new in changes}, validate=True, catalog=catalog)
         except ValidationRejected as exc:
             report = exc.report
@@ -113,7 +115,8 @@ def run(args) -> int:
         if not v.complete:
             code = EXIT_INCOMPLETE
     try:
-        text = slurm.render(overlays=overlays, env=env, cpu_smoke=args.cpu_smoke, verdict=verdict, **options)
+        text = slurm.render(overlays=overlays, env=env, cpu_smoke=args.cpu_smoke, verdict=verdict, standard=standard,
+                            **options)
         slurm.make_log_folder(output_log)
         if args.o:
             slurm.write_script(args.o, text)

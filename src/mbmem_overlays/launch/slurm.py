@@ -52,6 +52,19 @@ STANDARD_ENV = {
     "PYTHONUNBUFFERED": "1",
     "SLURM_UNBUFFEREDIO": "1",
 }
+
+
+def standard_env(cfg=None) -> dict[str, str]:
+    """STANDARD_ENV for this config: Megatron FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (Bridge config.py
+    _validate_and_apply_megatron_fsdp_configs, "FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset"), so
+    an FSDP job leaves it unset."""
+    from ..core.paths import read
+    env = dict(STANDARD_ENV)
+    if cfg is not None and (read(cfg, "ddp.use_megatron_fsdp", False) or read(cfg, "dist.use_megatron_fsdp", False)):
+        env.pop("CUDA_DEVICE_MAX_CONNECTIONS")
+    return env
+
+
 # Variables the script itself sets for the tasks; inside a container they must win over the image's.
 SCRIPT_ENV = ("MBMEM_WORKDIR", "MBMEM_PYTHON", "MBMEM_NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -286,13 +299,14 @@ def train_args(recipe: str, overlays: list[str], sets: list[str], *, cpu_smoke: 
 def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpus_per_node: int,
            env: dict[str, str], cpu_smoke: bool = False, python: str | None = None, workdir: str | None = None,
            container_image: str | None = None, container_mounts: str | None = None, cpus_per_task: int | None = None,
-           output: str | None = None, verdict: str = "not validated", **sbatch) -> str:
+           output: str | None = None, verdict: str = "not validated", standard: dict[str, str] | None = None,
+           **sbatch) -> str:
     """The sbatch script text. Raises OverlayError listing every problem with the options."""
     problems = option_problems(recipe=recipe, overlays=overlays, sets=sets, nodes=nodes, gpus_per_node=gpus_per_node,
                                cpus_per_task=cpus_per_task, python=python, workdir=workdir,
                                container_image=container_image, container_mounts=container_mounts, output=output,
                                **sbatch)
-    exports = {**STANDARD_ENV, **env}
+    exports = {**(STANDARD_ENV if standard is None else standard), **env}
     problems += env_problems(exports)
     if problems:
         raise OverlayError(problems)
