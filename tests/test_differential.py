@@ -57,7 +57,7 @@ def test_the_oracle_checks_the_config_the_engine_builds(bridge):
     case = Case("moonlight_16b_pretrain_config", 8, (("model.expert_model_parallel_size", 1),
                                                      ("model.cuda_graph_impl", "none")), ("selective_recompute",))
     cfg = differential.base_config(case)
-    fields, _ = differential.prospective(cfg, case, CATALOG)
+    fields, _, _ = differential.prospective(cfg, case, CATALOG)
     assert fields["model.recompute_modules"] == ["mla_up_proj"]
     assert evaluate(case, CATALOG).verdict == "agree"
 

@@ -209,6 +209,7 @@ def base_config(case: Case):
 
 
 def _params(case: Case, catalog: Catalog) -> dict[str, dict[str, Any]]:
+    # Unlike engine.normalize_params, a value the engine refuses is kept: the oracle sees what the user asked for.
     given = dict(case.params)
     out = {}
     for name in case.overlays:
@@ -218,10 +219,10 @@ def _params(case: Case, catalog: Catalog) -> dict[str, dict[str, Any]]:
     return out
 
 
-def prospective(cfg, case: Case, catalog: Catalog) -> tuple[dict[str, Any], dict[str, str]]:
-    """The fields and environment the engine would set for the case's overlays, computed the engine's way
-    (parameters substituted, resolvers run on the prospective view, allocator settings merged key-wise), even
-    where the engine refuses the combination."""
+def prospective(cfg, case: Case, catalog: Catalog) -> tuple[dict[str, Any], dict[str, str], dict[str, dict[str, Any]]]:
+    """The fields, environment and (resolved) parameters the engine would use for the case's overlays, computed
+    the engine's way (parameters substituted, resolvers run on the prospective view, allocator settings merged
+    key-wise), even where the engine refuses the combination."""
     env = dict(case.env)
     fields: dict[str, Any] = {}
     params = _params(case, catalog)
@@ -246,7 +247,7 @@ def prospective(cfg, case: Case, catalog: Catalog) -> tuple[dict[str, Any], dict
             more_fields, more_env = resolver(view, params[name])
             fields.update(more_fields)
             env.update({k: str(v) for k, v in more_env.items()})
-    return fields, env
+    return fields, env, params
 
 
 def evaluate(case: Case, catalog: Catalog | None = None) -> Outcome:
@@ -263,11 +264,11 @@ def evaluate(case: Case, catalog: Catalog | None = None) -> Outcome:
     except OverlayError as exc:
         ours = sorted({p.check or "composition" for p in exc.problems})
     oracle_cfg = copy.deepcopy(cfg)
-    fields, env = prospective(oracle_cfg, case, catalog)
+    fields, env, params = prospective(oracle_cfg, case, catalog)
     for path, value in fields.items():
         write(oracle_cfg, path, copy.deepcopy(value))
-    fired = tuple(c.id for c in rules.CHECKS if any(True for _ in c(View(oracle_cfg, {}, env, case.world_size,
-                                                                               case.overlays, _params(case, catalog)))))
+    view = View(oracle_cfg, {}, env, case.world_size, case.overlays, params)
+    fired = tuple(c.id for c in rules.CHECKS if any(True for _ in c(view)))
     result = validate_config(oracle_cfg, world_size=case.world_size, env=env)
     if result.ok and not result.complete:  # the oracle could not decide on this host
         return Outcome(case, "incomplete", tuple(ours), None, None, result.not_checkable[-1], fired)
