@@ -49,12 +49,25 @@ def run_cmd(args, timeout=300, env=None, cwd=ROOT):
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def train(*args, timeout=300, env=None):
+def train_process(*args, timeout=300, env=None):
+    """``python train.py ...`` in a new process: for tests about the process itself (exit before the Bridge
+    import, the environment it exports, the console entry)."""
     return run_cmd([sys.executable, "train.py", *args], timeout=timeout, env=env)
 
 
-def mbmem(*args, timeout=300, env=None):
+def mbmem_process(*args, timeout=300, env=None):
+    """``python -m mbmem_overlays.cli ...`` in a new process (see train_process)."""
     return run_cmd([sys.executable, "-m", "mbmem_overlays.cli", *args], timeout=timeout, env=env)
+
+
+def train(*args, timeout=300, env=None):
+    """train.py's behaviour: returns an object with returncode, stdout and stderr."""
+    return train_process(*args, timeout=timeout, env=env)
+
+
+def mbmem(*args, timeout=300, env=None):
+    """mbmem's behaviour: returns an object with returncode, stdout and stderr."""
+    return mbmem_process(*args, timeout=timeout, env=env)
 
 
 def snapshot(cfg) -> str:
