@@ -1,0 +1,40 @@
+"""Text from users, shown safely (issue 22 #9).
+
+Names, values and log excerpts reach the terminal in warnings, ``explain`` and the doctor's evidence. A
+control character (an ANSI escape that clears the screen or retitles the window), a bidirectional
+override (U+202E makes ``txt.exe`` read as ``exe.txt``) or an invisible format character would be printed
+raw. :func:`shown` escapes them, Python-style (``\\x1b``, ``\\u202e``), and leaves all other text as it is.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+# C0 and C1 controls, DEL, and the Unicode format/separator characters that change how text reads:
+# bidi embeddings, overrides and isolates, marks, zero-width characters, line/paragraph separators.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+                     "\ufeff\ufff9-\ufffb\ud800-\udfff]")
+_UNSAFE_LINE = re.compile("[\n\t]|" + _UNSAFE.pattern)
+
+
+def _escape(m: re.Match) -> str:
+    ch = m.group()
+    code = ord(ch)
+    if ch == "\n":
+        return "\\n"
+    if ch == "\t":
+        return "\\t"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def shown(text: object, *, one_line: bool = True) -> str:
+    """``text`` as it may be printed: unsafe characters escaped (and, with ``one_line``, newlines and tabs
+    too, so one value stays one line)."""
+    s = text if isinstance(text, str) else str(text)
+    s = (_UNSAFE_LINE if one_line else _UNSAFE).sub(_escape, s)
+    # Characters of the 'Cf' (format) category not listed above, e.g. tag characters (U+E0000 block).
+    if any(ord(c) > 0xFFFF for c in s):
+        s = "".join(f"\\U{ord(c):08x}" if ord(c) > 0xFFFF and unicodedata.category(c) in ("Cf", "Co", "Cn")
+                    else c for c in s)
+    return s
