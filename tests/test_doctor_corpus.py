@@ -112,9 +112,10 @@ CASES = [
     ("configuration/nccl_ub_expandable_init.log", "configuration", "diagnosed", "high", ["drop_expandable"],
      "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain ddp.nccl_ub=true", 0),
     ("no_oom/clean_run.log", "none", "no_oom", "high", [], None, 3),
-    ("no_oom/error_lines.log", "none", "no_oom", "high", [], None, 3),
+    # "no OOM" is high only for a log that reached the end of training (issue 23 §3): these stopped on errors
+    ("no_oom/error_lines.log", "none", "no_oom", "medium", [], None, 3),
     # SIGKILLed by torchrun after another rank's non-memory error: victims, not a host OOM
-    ("no_oom/sigkill_victims_of_other_error.log", "none", "no_oom", "high", [], None, 3),
+    ("no_oom/sigkill_victims_of_other_error.log", "none", "no_oom", "medium", [], None, 3),
 ]
 
 
@@ -213,7 +214,7 @@ def test_text_names_rank_only_when_known():
 def test_json_has_schema_version_and_exit_code():
     out = mbmem("doctor", str(FIXTURES / "allocator/truncated.log"), "--json")
     data = json.loads(out.stdout)
-    assert out.returncode == 4 == data["exit_code"] and data["schema_version"] == 2 and data["verdict"] == "unsure"
+    assert out.returncode == 4 == data["exit_code"] and data["schema_version"] == 3 and data["verdict"] == "unsure"
 
 
 def test_default_doctor_says_savings_were_not_computed():

@@ -1,22 +1,33 @@
 """``mbmem doctor INPUT...``: read what a job left behind — its logs and its PyTorch memory snapshots.
 
-- Logs (files, globs, ``-``): an OOM or configuration failure is diagnosed; a log with per-rank memory lines
-  gets the run report (per-rank headroom, fragmentation, plan against measured, what can be turned off).
+- Logs (files, globs, ``-``): an OOM or configuration failure is diagnosed (with the per-rank table when the
+  job printed memory lines); a log without one but with per-rank memory lines gets the run report (per-rank
+  headroom, fragmentation, plan against measured with ``--plan``, what can be turned off); docs/doctor.md.
 - Snapshots (``*.pickle``, ``*.pickle.gz``, detected by content): the state at the OOM (or the peak) per
   device, by allocation site, against the plan (``cli/doctor_snapshot.py``).
 Logs and snapshots may be given together: each part is reported, and the exit code is the more serious one.
 
 Never imports Bridge or torch, except with ``--plan`` (which builds the recipe to compute each remedy's
-saving and to validate the next command with the engine). Exit codes: docs/exit-codes.md.
+saving, the planned per-rank peaks, and to validate the next command with the engine). Every option is
+checked before any input is read (exit 2); inputs that are not regular files are reported and skipped, never
+opened for a blocking read; text from the inputs is escaped before it is printed (core.text.shown).
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from typing import Any
 
-EPILOG = ("exit codes: 0 diagnosed or reported; 2 unreadable input (binary, missing, closed stdin, refused "
-          "snapshot); 3 no OOM or known error found and no memory lines to report; 4 unsure (an OOM was found but "
-          "the numbers needed for a verdict are not in the input)")
+from ..core.errors import OverlayError, Problem
+from .common import UsageError
+
+EPILOG = ("exit codes: 0 diagnosed or reported (an OOM diagnosis, or a run report from the memory lines: healthy, "
+          "at_risk, fragmenting, over_provisioned); 2 usage error or unreadable input (binary, damaged gzip, missing, a "
+          "fifo/device/folder, closed stdin, refused snapshot or --plot path) when nothing was found in the rest; 3 "
+          "no OOM, known error or memory line found; 4 unsure (something says out of memory, but the numbers needed "
+          "for a verdict are not in the input)")
+MAX_WORLD = 1 << 20
 
 
 def register(sub) -> None:
@@ -45,27 +56,83 @@ def register(sub) -> None:
     p.set_defaults(fn=run)
 
 
+def _problem(option: str, value: Any, message: str, fix: str) -> Problem:
+    return Problem(("argument",), option, value, message, fix, check="usage")
+
+
+def checked_options(args) -> dict[str, Any]:
+    """Every problem with the log half's options at once, before any input is read (exit 2)."""
+    from ..bridge.overrides import syntax_problem
+    from ..bridge.recipes import recipe_name_problem
+    from ..core.outfile import output_problems
+    from ..core.sizes import parse_size
+    problems: list[Problem] = []
+    out: dict[str, Any] = {"capacity": None, "world": None, "margin": 0.05}
+    if args.recipe is not None and (p := recipe_name_problem(args.recipe)):
+        problems.append(p)
+    for s in args.set:
+        if p := syntax_problem(s):
+            problems.append(p)
+    if args.gpu_memory is not None:
+        try:
+            out["capacity"] = parse_size(args.gpu_memory)
+        except ValueError as exc:
+            problems.append(_problem("--gpu-memory", args.gpu_memory, str(exc), "e.g. --gpu-memory 80GiB"))
+    try:
+        out["margin"] = float(args.margin)
+        if not 0 <= out["margin"] < 1:
+            raise ValueError
+    except ValueError:
+        problems.append(_problem("--margin", args.margin, f"--margin must be a fraction in [0, 1), got {args.margin!r}",
+                                 "e.g. --margin 0.05 keeps 5% of the GPU free"))
+    if args.world_size is not None:
+        text = args.world_size.strip()
+        if not (text.isascii() and text.isdigit() and len(text) <= 8 and 1 <= int(text) <= MAX_WORLD):
+            problems.append(_problem("--world-size", args.world_size, f"--world-size must be a whole number of GPUs "
+                                     f"from 1 to {MAX_WORLD}, got {args.world_size!r}", "e.g. --world-size 32"))
+        else:
+            out["world"] = int(text)
+    if args.plot is not None:
+        from ..doctor.plot import PLOT_SUFFIXES
+        problems += output_problems(args.plot, "--plot", force=args.force, suffixes=PLOT_SUFFIXES)
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            problems.append(_problem("--plot", args.plot, "--plot needs matplotlib, which is not installed",
+                                     "pip install 'mbmem-overlays[plot]' (or pip install matplotlib), or drop --plot"))
+    if problems:
+        raise UsageError(problems)
+    return out
+
+
 def run(args) -> int:
-    from ..doctor.read import expand
+    from ..doctor.read import expand, non_regular
     from ..doctor.snapshot import looks_like_snapshot
+    checked = checked_options(args)
     paths = expand(args.logs)
-    snapshots = [p for p in paths if p != "-" and looks_like_snapshot(p)]
+    # Only regular files are opened (issue 22 #6): a fifo or device never reaches a reader that would block.
+    snapshots = [p for p in paths if p != "-" and not non_regular(p) and looks_like_snapshot(p)]
     logs = [p for p in paths if p not in snapshots]
     if snapshots or args.against:
         from .doctor_snapshot import report as snapshot_report
         snap = snapshot_report(args, snapshots)
         if not logs:
-            print(json.dumps(snap.payload, indent=2) if args.json else snap.text)
+            _print(args, snap.payload, snap.text)
             return snap.exit_code
     else:
         snap = None
-    code, text, payload = run_logs(args, logs)
+    code, text, payload = run_logs(args, logs, checked)
     if snap is not None:  # logs and snapshots together: both reports; the more serious exit code
         payload["snapshot"] = snap.payload
         text = f"{text}\n\n{snap.text}"
         code = max(code, snap.exit_code, key=_seriousness)
-    print(json.dumps(payload, indent=2, default=repr) if args.json else text)
+    _print(args, payload, text)
     return code
+
+
+def _print(args, payload: dict, text: str) -> None:
+    from ..core.text import shown
+    # JSON escapes control characters itself; text from a log is escaped here (issue 22 #9).
+    print(json.dumps(payload, indent=2, default=repr) if args.json else shown(text, one_line=False))
 
 
 def _seriousness(code: int) -> int:
@@ -73,15 +140,65 @@ def _seriousness(code: int) -> int:
     return {2: 3, 4: 2, 0: 1, 3: 0}.get(code, 4)
 
 
-def run_logs(args, logs: list[str]) -> tuple[int, str, dict]:
+def replan_command(args, checked: dict[str, Any]) -> str:
+    """This doctor command with --plan, every word quoted (the next command of a report whose advice needs
+    the memory model to be sized)."""
+    from ..doctor.command import render_tokens
+    words = ["mbmem", *(w for d in args.overlay_dir for w in ("--overlay-dir", d)), "doctor",
+             *("<saved-log>" if p == "-" else p for p in args.logs), "--plan"]
+    if args.recipe:
+        words += ["--recipe", args.recipe]
+    for s in args.set:
+        words += ["--set", s]
+    if checked["world"]:
+        words += ["--world-size", str(checked["world"])]
+    if args.gpu_memory:
+        words += ["--gpu-memory", args.gpu_memory]
+    if args.margin != "0.05":
+        words += ["--margin", args.margin]
+    return render_tokens(words)
+
+
+def run_logs(args, logs: list[str], checked: dict[str, Any] | None = None) -> tuple[int, str, dict]:
     """(exit code, text, JSON object) for the log inputs."""
     from ..doctor.diagnose import diagnose
     from ..doctor.parse import scan
     from ..doctor.render import as_json, render
+    checked = checked if checked is not None else checked_options(args)
     findings = scan(logs)
-    planner = None
+    planner = run_planner = None
     if args.plan:
         from ..doctor.plan import make_planner
+        from ..doctor.run_plan import make_run_planner
         planner = make_planner(args.recipe)
-    d = diagnose(findings, args.recipe, planner=planner)
-    return d.exit_code, render(d, findings), as_json(d, findings)
+        run_planner = make_run_planner(args.recipe, list(args.set), checked["world"], list(args.overlay_dir),
+                                       checked["margin"])
+    d = diagnose(findings, args.recipe, planner=planner, capacity=checked["capacity"], margin=checked["margin"],
+                 run_planner=run_planner, overlay_dirs=list(args.overlay_dir),
+                 replan=None if args.plan else replan_command(args, checked))
+    text, payload = render(d, findings), as_json(d, findings)
+    code = d.exit_code
+    if args.plot:
+        code, text, payload = _plot(args, d, code, text, payload)
+    return code, text, payload
+
+
+def _plot(args, d, code: int, text: str, payload: dict) -> tuple[int, str, dict]:
+    from pathlib import Path
+
+    from ..core.outfile import write_output
+    from ..doctor.plot import PLOT_SUFFIXES, render
+    if not d.run:
+        payload["plot"] = None
+        return code, text + "\nplot: not written (no readable per-rank memory lines in the input)", payload
+    title = f"per-rank memory: {d.kind}" + (f", hot rank {d.run['hot_rank']}" if d.run.get("hot_rank") is not None else "")
+    image = render(d.run, title, Path(args.plot).suffix)
+    try:
+        write_output(args.plot, image, "--plot", force=args.force, suffixes=PLOT_SUFFIXES)
+    except OverlayError as exc:  # the path changed since it was checked (a link or a file appeared)
+        print(f"mbmem doctor: {exc}", file=sys.stderr)
+        payload["plot"] = None
+        payload["plot_error"] = str(exc)
+        return 2, text + f"\nplot: not written: {exc}", payload
+    payload["plot"] = args.plot
+    return code, text + f"\nplot: {args.plot}", payload

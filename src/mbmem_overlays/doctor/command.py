@@ -155,15 +155,49 @@ def _canonical(name: str, catalog: Catalog | None) -> str:
 
 
 def _text(value: Any) -> str:
-    return "true" if value is True else "false" if value is False else str(value)
+    """A value as Hydra's override grammar (train.py) and Megatron-LM's flags read it."""
+    return "true" if value is True else "false" if value is False else "null" if value is None else str(value)
 
 
 def _env_tokens(env: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in env.items()]
 
 
+ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.S)
+
+
 def render_tokens(tokens: list[str]) -> str:
-    return shlex.join(tokens)
+    """The command as a shell reads it back: every word quoted (issue 22 #2b: a value from a log or an option
+    never becomes shell syntax); the leading ``VAR=value`` words quote the value only, so they stay
+    assignments."""
+    out, leading = [], True
+    for t in tokens:
+        m = ASSIGNMENT.fullmatch(t) if leading else None
+        if m:
+            out.append(f"{m.group(1)}={shlex.quote(m.group(2))}")
+        else:
+            leading = False
+            out.append(shlex.quote(t))
+    return " ".join(out)
+
+
+def overlay_dirs_env(overlays: list[str], catalog: Catalog | None, dirs: list[str]) -> dict[str, str]:
+    """``MBMEM_OVERLAY_DIRS`` for a printed train.py command that selects a user overlay (issue 22 #2a): the
+    command must find the overlay where this process found it, from any folder and in a Slurm script."""
+    if catalog is None or not dirs:
+        return {}
+    user = False
+    for name in overlays:
+        try:
+            user = user or not catalog.resolve(name).builtin
+        except OverlayError:
+            continue
+    if not user:
+        return {}
+    import os
+
+    from ..core.catalog import USER_DIRS_ENV
+    return {USER_DIRS_ENV: os.pathsep.join(dict.fromkeys(os.path.abspath(d) for d in dirs))}
 
 
 def check_catalog(overlays: list[str], params: dict[str, Any], layout: dict[str, int],
@@ -214,9 +248,9 @@ def _typed(value: Any) -> Any:
         return value
 
 
-def load_catalog() -> tuple[Catalog | None, str | None]:
+def load_catalog(overlay_dirs: list[str] | None = None) -> tuple[Catalog | None, str | None]:
     try:
-        return Catalog(), None
+        return Catalog(overlay_dirs), None
     except OverlayError as exc:
         return None, "; ".join(p.message for p in exc.problems)
 

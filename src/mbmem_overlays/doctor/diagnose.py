@@ -14,17 +14,25 @@ Decision. Rules of honesty (issue 16):
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..core.text import shown
 from . import command as C
+from . import patterns as P
+from . import run_report as RR
 from .known import CONFIG_FIXES, EXTRA_CONFIG
 from .parse import OOM, Event, Findings
 
 GiB = 1 << 30
-SCHEMA_VERSION = 2
-# Exit code per verdict (README, "OOM doctor").
-EXIT_CODES = {"diagnosed": 0, "unreadable": 2, "no_oom": 3, "unsure": 4}
+SCHEMA_VERSION = 3   # 3: the run report (``run``), verdict "reported", kinds oom_unclassified and the run verdicts
+# Exit code per verdict (docs/doctor.md, "Exit codes"): a run report is an answer (0), not "nothing found" (3).
+EXIT_CODES = {"diagnosed": 0, "reported": 0, "unreadable": 2, "no_oom": 3, "unsure": 4}
+# "Barely": after serving the request, free + reserved-but-unallocated would keep less than this share of the
+# GPU, while allocated + the request reach NEAR_CAPACITY of it (issue 23 §3: say both, medium confidence).
+BARELY = 0.05
+NEAR_CAPACITY = 0.90
 
 # Costs as documented (memory/costs.py holds the same numbers with their sources; kept as text here so the
 # default doctor never imports the memory layer).
@@ -44,8 +52,9 @@ COST = {
 @dataclass
 class Diagnosis:
     kind: str            # fragmentation | capacity | other_processes | nccl | workspace | driver | registration |
-    #                      host_oom | configuration | allocator_unknown | none | unreadable
-    verdict: str         # diagnosed | unsure | no_oom | unreadable
+    #                      host_oom | configuration | allocator_unknown | oom_unclassified | none | unreadable |
+    #                      the run verdicts: healthy | at_risk | fragmenting | over_provisioned
+    verdict: str         # diagnosed | reported | unsure | no_oom | unreadable
     summary: str
     confidence: str      # high | medium | low
     next_command: str | None
@@ -60,6 +69,8 @@ class Diagnosis:
     rank: int | None = None
     also: list[str] = field(default_factory=list)
     savings: str = ""
+    run: dict | None = None          # the run report (run_report.run_json) when the log has memory lines
+    run_lines: list[str] = field(default_factory=list)   # its text: the per-rank table and notes
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -91,15 +102,39 @@ class Context:
     launch: C.Launch
     world: int | None
     world_where: str
+    run_plan: Any = None          # run_plan.RunPlan with --plan on a log with memory lines
 
     @property
     def expandable_exists(self) -> bool | None:
         return None if self.torch is None else self.torch >= (2, 1)
 
 
+def launch_problem(text: str | None) -> str | None:
+    """Why the launch command seen in the log may not be reused for a printed command (issue 22 #2b, #9): it
+    holds characters a terminal would act on, or a recipe word that is not a recipe name."""
+    if not text:
+        return None
+    if shown(text) != text:
+        return "it holds control or bidirectional characters"
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        words = text.split()
+    from ..bridge.recipes import recipe_name_problem
+    for w in words:
+        key, sep, value = w.partition("=")
+        if sep and key.lstrip("+") in ("recipe", "recipe.function") and recipe_name_problem(value) is not None:
+            return f"its recipe {value!r} is not a recipe name"
+    return None
+
+
 def _context(f: Findings, recipe: str | None, catalog) -> Context:
-    launch = C.parse_launch(f.command.value if f.command else None, f.command.where if f.command else "",
-                            recipe or f.recipe)
+    text = f.command.value if f.command else None
+    refused = launch_problem(text)
+    if refused:
+        f.problems.append(f"the launch command in the log [{f.command.where}] is not reused: {refused}")
+        text = None
+    launch = C.parse_launch(text, f.command.where if text else "", recipe or f.recipe)
     if recipe and launch.kind == "template":
         launch = C.parse_launch(None, "", recipe)
     overlays = [catalog.aliases.get(o, o) if catalog else o for o in C.overlays_in(launch)]  # canonical names
@@ -171,6 +206,12 @@ def assess(o: OOM, expandable: bool) -> tuple[str, list[str], list[str]]:
     if avail >= o.requested:
         reasons.append(f"{who}: {gib(o.free)} free + {gib(o.reserved_unallocated)} reserved-but-unallocated = "
                        f"{gib(avail)} >= the {gib(o.requested)} request: the memory exists but is fragmented {where}")
+        if o.capacity and o.allocated is not None and avail - o.requested < BARELY * o.capacity \
+                and o.allocated + o.requested >= NEAR_CAPACITY * o.capacity:
+            reasons.append(f"{who}: but only barely ({gib(avail - o.requested)} would be left) while {gib(o.allocated)} "
+                           f"of {gib(o.capacity)} is allocated: fragmentation caused this failure; capacity is next: "
+                           f"the next allocation of this size will fail too {where}")
+            return "both", reasons, []
         return "fragmentation", reasons, []
     shortfall = o.requested - avail
     reasons.append(f"{who}: {gib(o.free)} free + {gib(o.reserved_unallocated)} reserved-but-unallocated = {gib(avail)} "
@@ -329,11 +370,21 @@ def registration_remedy(f: Findings, ctx: Context) -> tuple[C.Remedy, list[str]]
 
 
 # ----------------------------------------------------------------------------- the diagnosis
-def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Diagnosis:
+def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, capacity: float | None = None,
+             margin: float = 0.05, run_planner: Any = None, overlay_dirs: list[str] | None = None,
+             replan: str | None = None) -> Diagnosis:
     """``planner``: optional callable (remedies, ctx, findings) -> (remedies with savings, status text,
-    full validator) from plan.py, used only with --plan (it imports Bridge)."""
-    catalog, catalog_error = C.load_catalog()
+    full validator) from plan.py, used only with --plan (it imports Bridge). ``run_planner``: optional
+    callable (report, ctx, findings, remedies) -> priced remedies, from run_plan.py (--plan). ``capacity``
+    (--gpu-memory) and ``margin`` judge the run report; ``overlay_dirs`` (--overlay-dir) is where user
+    overlays are found, and printed commands carry it; ``replan`` is this doctor command with --plan, the
+    next command of a report that needs the memory model to size its advice."""
+    from ..core.catalog import user_dirs
+    dirs = [str(d) for d in user_dirs(overlay_dirs)]
+    catalog, catalog_error = C.load_catalog(overlay_dirs)
     ctx = _context(f, recipe, catalog)
+    report = RR.build(f, capacity, margin)
+    priced: dict = {}
     ranks: dict[str, dict] = {}
     for i, o in enumerate(f.ooms):  # several messages of one rank, or without a rank, keep one key each
         key = str(o.rank) if o.rank is not None else "unknown"
@@ -344,10 +395,16 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
     victims = _victims(f)
     base = {"why_not": why_not, "notes": notes, "evidence": f.evidence, "ranks": ranks}
 
-    def done(kind, verdict, summary, confidence, reasons, remedies, unknown=(), rank=None, also=(), next_cmd=None):
+    def done(kind, verdict, summary, confidence, reasons, remedies, unknown=(), rank=None, also=(), next_cmd=None,
+             check_text=None, want_command=True):
         reasons = list(reasons) + _world_reasons(f, ctx, victims)
         cmd, check, savings = next_cmd, "", ""
-        if remedies and planner is not None:
+        if verdict == "reported":
+            validator = None
+            if remedies and run_planner is None and any(r.overlay or r.overrides or r.remove_overlays for r in remedies):
+                savings = ("not sized: add --plan (imports Megatron Bridge) to put the memory model's new peak on the "
+                           "hot rank next to each change and validate its command on the recipe")
+        elif remedies and planner is not None:
             remedies, savings, validator = planner(remedies, ctx, f)
         else:
             validator = None
@@ -355,19 +412,36 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
                 savings = ("savings not computed: run `mbmem doctor --plan ...` with Megatron Bridge installed to "
                            "compute what each remedy saves for this recipe and layout")
                 name = recipe or f.recipe
-                cap = next((o.capacity for o in f.ooms if o.capacity), None)
-                if name:
-                    savings += (f", or `mbmem recommend --recipe {name} --world-size {ctx.world or '<N>'} "
-                                f"--gpu-memory {f'{cap / GiB:.2f}GiB' if cap else '<SIZE>'}`")
-        if remedies and cmd is None and remedies[0].command:
+                cap = next((o.capacity for o in f.ooms if o.capacity), None) or capacity
+                if name:  # every word quoted: the recipe and sizes reach a command the user pastes (issue 22 #2b)
+                    hint = C.render_tokens(["mbmem", *(a for d in (overlay_dirs or []) for a in ("--overlay-dir", d)),
+                                            "recommend", "--recipe", name, "--world-size", str(ctx.world or "<N>"),
+                                            "--gpu-memory", f"{cap / GiB:.2f}GiB" if cap else "<SIZE>"])
+                    savings += f", or `{hint}`"
+        if not want_command:
+            pass
+        elif remedies and cmd is None and remedies[0].command:
             cmd, check = remedies[0].command, remedies[0].command_note or "not a training command: nothing to validate"
         elif remedies and cmd is None:
-            cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator)
+            cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator, dirs)
         elif cmd:
-            check = "not a training command: nothing to validate"
-        return Diagnosis(kind, verdict, summary, confidence, cmd, check, reasons, [_remedy_dict(r) for r in remedies],
-                         unknown=list(unknown), rank=rank, also=list(also), savings=savings, **base)
+            check = check_text or "not a training command: nothing to validate"
+        fields = base if verdict != "reported" else {**base, "why_not": []}  # "not first" is OOM advice
+        return Diagnosis(kind, verdict, summary, confidence, cmd, check, reasons,
+                         [_remedy_dict(r, priced.get(id(r))) for r in remedies],
+                         unknown=list(unknown), rank=rank, also=list(also), savings=savings, **fields)
 
+    if report is not None and run_planner is not None:
+        ctx.run_plan = run_planner(report, ctx, f)
+    d = _pick(f, ctx, done, victims, report, priced, replan)
+    if report is not None:
+        d.run = RR.run_json(report)
+        d.run_lines = run_lines(report)
+    return d
+
+
+def _pick(f: Findings, ctx: Context, done, victims, report, priced, replan) -> Diagnosis:
+    """The first family that claims the log, in order of how certain its evidence is; then the run report."""
     if f.config_errors:
         return _configuration(f, ctx, done)
     regs = [e for e in f.events if e.family == "registration"]
@@ -395,17 +469,187 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None) -> Dia
         host = []  # SIGKILLed after another rank failed for another reason: victims, not a host OOM
     if host:
         return _host(f, ctx, done, host)
-    kind = "unreadable" if f.unreadable and f.unreadable == len(f.files) and not f.bytes_read else "none"
+    oom_like = [e for e in f.events if e.family == "oom_like"]
+    if oom_like:
+        return _oom_like(f, ctx, done, oom_like)
+    if report is not None:
+        return _run(f, ctx, done, report, priced, replan)
+    return _nothing(f, done)
+
+
+def _nothing(f: Findings, done) -> Diagnosis:
+    """No OOM: "high" only for a log that reached the end of training and was read whole (issue 23 §3)."""
     msg = "no CUDA/HIP out-of-memory message, OOM-killer record or known configuration error found"
-    d = done(kind, "unreadable" if kind == "unreadable" else "no_oom",
-             msg + (f" ({'; '.join(f.problems)})" if f.problems else ""),
-             "high" if f.bytes_read and not f.long_lines else "medium", [], [])
-    return d
+    cut = f.unreadable or f.incomplete
+    if cut:
+        d = done("unreadable", "unreadable", msg + f" in what could be read; {cut} input(s) could not be read (whole)"
+                 + (f" ({'; '.join(f.problems)})" if f.problems else ""), "low",
+                 ["nothing can be ruled out for the part that was not read: exit 2, as for unreadable input"], [])
+        return d
+    reasons, conf = [], "medium"
+    if f.ended is not None and f.bytes_read and not f.long_lines:
+        reasons.append(f"the log reached the end of training normally ({f.ended.value}) {at(f.ended.where)}")
+        conf = "high"
+    elif f.bytes_read:
+        reasons.append("the log does not show the end of training (\"after training is done\"): it may still be "
+                       "running, be cut, or have stopped for another reason, so an OOM after its last line cannot be "
+                       "ruled out")
+    if f.long_lines:
+        reasons.append("some lines were too long to read whole")
+    if f.oom_mentions:
+        where, line = f.oom_mentions[0]
+        reasons.append(f"{len(f.oom_mentions)} line(s) mention OOM without reporting one, e.g. {at(where)}: {line[:160]}")
+        conf = "medium"
+    return done("none", "no_oom", msg + (f" ({'; '.join(f.problems)})" if f.problems else ""), conf, reasons, [])
 
 
-def _remedy_dict(r: C.Remedy) -> dict:
+def _oom_like(f: Findings, ctx: Context, done, events: list[Event]) -> Diagnosis:
+    """A line says out of memory in a wording no family reads (issue 23 §3): an OOM, unsure, with the numbers
+    the line shows."""
+    e = events[0]
+    sizes = [f"{m.group(1)} {m.group(2)}" for m, _ in zip(re.finditer(P.SIZE, e.line), range(8))]
+    reasons = [f"{rank_text(e.rank)}: {e.detail!r} {at(e.where)}: a line that says the job ran out of memory, in a "
+               "wording the doctor has no reader for",
+               ("numbers on the line: " + ", ".join(sizes)) if sizes else "no sizes on the line"]
+    if len(events) > 1:
+        reasons.append(f"{len(events) - 1} more such line(s), e.g. {at(events[1].where)}")
+    if "OutOfRes" in e.detail or "out of resource" in e.detail.lower():
+        reasons.append("a Triton 'out of resource' error is usually a kernel asking for more shared memory per block "
+                       "than the GPU has: a smaller block size or num_stages for that kernel, not a memory overlay")
+        return done("oom_unclassified", "unsure", "out of resources in a Triton kernel (shared memory, not GPU "
+                    "memory, unless the line says otherwise)", "low", reasons, [], rank=e.rank, also=_also(f, "oom_like"))
+    remedies = [defrag_remedy(ctx, f)] + capacity_remedies(f, ctx)
+    reasons.append("first step: the zero-cost fragmentation fix, then the capacity ladder; the memory lines or the "
+                   "full error message would tell which")
+    return done("oom_unclassified", "unsure", "out of memory (the line does not show the numbers needed for a "
+                "verdict)", "low", reasons, remedies, ["the requested size", "the free memory",
+                                                      "reserved-but-unallocated"], e.rank, _also(f, "oom_like"))
+
+
+def run_lines(rep: RR.RunReport) -> list[str]:
+    lines = RR.table(rep)
+    for t in rep.theoretical[:2]:
+        parts = ", ".join(f"{k.replace('_', ' ')} {rep.size(v)}" for k, v in t.parts.items())
+        lines.append(f"the job's own estimate (printed once, for the first pipeline stage): {parts} {at(t.where)}")
+    if rep.plan_status:
+        lines.append(f"plan: {rep.plan_status}")
+    return lines
+
+
+def _run(f: Findings, ctx: Context, done, rep: RR.RunReport, priced: dict, replan: str | None) -> Diagnosis:
+    """No OOM, and memory lines: the run report's verdict, its numbers, and advice in both directions."""
+    hot = rep.hot
+    reasons = [x.text for x in rep.findings if x.kind == rep.kind][:12]
+    also = [f"{x.kind}: {x.text}" for x in rep.findings if x.kind != rep.kind][:8]
+    reasons += rep.notes
+    unknown = list(rep.unknown)
+    if rep.unreadable:
+        unknown.append(f"{len(rep.unreadable)} memory report(s) could not be used: {rep.unreadable[0]}")
+    summary = {"at_risk": "at risk: a rank is within the margin of its GPU's capacity",
+               "fragmenting": "fragmenting: the allocator reserves memory it cannot hand out",
+               "over_provisioned": "over-provisioned: every rank has room to spare; memory savings that cost "
+                                   "throughput can be given back",
+               "healthy": "healthy: no rank is near capacity and the allocator is not fragmenting"}[rep.kind]
+    summary = f"{summary}; hot rank: {RR.who(hot)}"
+    if rep.kind == "at_risk":
+        remedies = ([defrag_remedy(ctx, f)] if "fragmenting" in [x.kind for x in rep.findings] and not ctx.expandable
+                    else []) + capacity_remedies(f, ctx)
+    elif rep.kind == "fragmenting":
+        if ctx.expandable:
+            reasons.append(f"expandable_segments is already on ({ctx.expandable_source}): the allocator still "
+                           "retries or holds unused reserved memory; treat it as capacity pressure")
+            remedies = capacity_remedies(f, ctx)
+        else:
+            remedies = [defrag_remedy(ctx, f)]
+    elif rep.kind == "over_provisioned":
+        remedies = turn_off_remedies(f, ctx)
+        if not remedies:
+            reasons.append("nothing that costs throughput is on in what the log shows (no recompute, no offload, "
+                           "TP = PP = 1 or not shown): the room is for a larger micro-batch or sequence")
+    else:
+        remedies = []
+    plan = ctx.run_plan
+    if plan is not None and remedies:
+        results = plan.price(remedies, rep)
+        for r, res in zip(remedies, results):
+            priced[id(r)] = res
+        fitting = [(r, res) for r, res in zip(remedies, results) if res.get("command") and res.get("fits")]
+        if fitting:
+            r, res = fitting[0]
+            return done(rep.kind, "reported", summary, rep.confidence, reasons, remedies, unknown, hot.rank, also,
+                        next_cmd=res["command"], check_text=res["check"])
+        return done(rep.kind, "reported", summary, rep.confidence, reasons + [
+            "no change was validated and predicted to fit with the margin: see each one's predicted peak"], remedies,
+            unknown, hot.rank, also, want_command=False)
+    if rep.kind == "over_provisioned" and remedies:
+        cmd = replan
+        return done(rep.kind, "reported", summary, rep.confidence, reasons, remedies, unknown, hot.rank, also,
+                    next_cmd=cmd, check_text=("the doctor again with --plan: the memory model sizes each change on the "
+                                              "hot rank and the engine validates its train.py command on the recipe "
+                                              "(turning memory savings off without a plan can bring the OOM back)"))
+    return done(rep.kind, "reported", summary, rep.confidence, reasons, remedies, unknown, hot.rank, also)
+
+
+def turn_off_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
+    """What an over-provisioned run can afford to turn off or relax, by documented throughput gain, largest
+    first (memory/costs.py: the memory-tuning, activation-recompute and cpu-offloading skills)."""
+    from ..memory.costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST
+    have = set(ctx.overlays)
+    rg = str(f.config["recompute_granularity"].value).lower().strip("'\"") if "recompute_granularity" in f.config else ""
+    modules = str(f.config["recompute_modules"].value) if "recompute_modules" in f.config else ""
+    out: list[tuple[float, C.Remedy]] = []
+
+    def off(overlay: str, path: str, value) -> dict:
+        return ({"remove_overlays": (overlay,)} if overlay in have else {"overrides": {path: value}})
+    if "optimizer_offload" in have or _flag(f, "optimizer_cpu_offload"):
+        out.append((COSTS["optimizer_offload"][0], C.Remedy(
+            "optimizer_offload_off", "keep the optimizer state on the GPU (optimizer CPU offload off)",
+            cost=f"gives back {COSTS['optimizer_offload'][1]}",
+            **off("optimizer_offload", "optimizer.optimizer_cpu_offload", False))))
+    if "full_recompute" in have or rg == "full":
+        gain = COSTS["full_recompute"][0] - COSTS["selective_recompute"][0]
+        out.append((gain, C.Remedy("full_to_selective", "recompute only the narrowest module instead of whole layers "
+                                   "(full -> selective recompute)", overlay="selective_recompute",
+                                   remove_overlays=("full_recompute",) if "full_recompute" in have else (),
+                                   cost=f"gives back most of {COSTS['full_recompute'][1]}")))
+    tp, pp = ctx_layout(f, "tp"), ctx_layout(f, "pp")
+    if tp and tp > 1 and tp % 2 == 0:
+        sets = {"model.tensor_model_parallel_size": tp // 2}
+        if tp // 2 == 1 and _flag(f, "sequence_parallel"):
+            sets["model.sequence_parallel"] = False
+        out.append((TP_DOUBLING_COST[0], C.Remedy("tp_halved", f"halve tensor parallelism (TP {tp} -> {tp // 2}; DP "
+                                                  "doubles)", overrides=sets,
+                                                  cost=f"gives back the TP communication: {TP_DOUBLING_COST[1]}")))
+    if "cpu_offload" in have or _flag(f, "cpu_offloading"):
+        out.append((COSTS["cpu_offload"][0], C.Remedy(
+            "cpu_offload_off", "keep activations on the GPU (activation CPU offload off)",
+            cost=f"gives back {COSTS['cpu_offload'][1]}", **off("cpu_offload", "model.cpu_offloading", False))))
+    if pp and pp > 1 and pp % 2 == 0:
+        sets = {"model.pipeline_model_parallel_size": pp // 2}
+        if pp // 2 == 1 and ctx_layout(f, "vpp"):
+            sets["model.virtual_pipeline_model_parallel_size"] = None
+        out.append((DP_HALVING_COST[0], C.Remedy("pp_halved", f"halve pipeline parallelism (PP {pp} -> {pp // 2}; DP "
+                                                 "doubles, a smaller pipeline bubble)", overrides=sets,
+                                                 cost=f"gives back the bubble and DP: {DP_HALVING_COST[1]}")))
+    if "selective_recompute" in have or rg == "selective":
+        wide = any(label in modules for label in ("mlp", "moe"))
+        gain = COSTS["selective_recompute_mlp" if wide else "selective_recompute"][0]
+        out.append((gain, C.Remedy("selective_off", "stop recomputing (selective recompute off)",
+                                   cost=f"gives back {COSTS['selective_recompute_mlp' if wide else 'selective_recompute'][1]}",
+                                   **off("selective_recompute", "model.recompute_granularity", None))))
+    return [r for _, r in sorted(out, key=lambda x: -x[0])]
+
+
+def ctx_layout(f: Findings, key: str) -> int | None:
+    return f.layout.get(key)
+
+
+def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     d = {"name": r.name, "action": r.action, "cost": r.cost, "saves_bytes": None if r.saves is None else int(r.saves),
          "command": r.command}
+    if priced:  # --plan on a run report: the memory model's new peak on the hot rank, the validated command
+        d.update({k: priced.get(k) for k in ("train_command", "check", "planned_hot_bytes", "predicted_peak_bytes",
+                                             "fits")})
     if r.overlay:
         d["overlay"] = r.overlay
     for k in ("params", "overrides", "env"):
@@ -416,8 +660,12 @@ def _remedy_dict(r: C.Remedy) -> dict:
     return d
 
 
-def _next_command(ctx: Context, remedy: C.Remedy, catalog, catalog_error, f: Findings, validator) -> tuple[str, str]:
+def _next_command(ctx: Context, remedy: C.Remedy, catalog, catalog_error, f: Findings, validator,
+                  dirs: list[str] | None = None) -> tuple[str, str]:
     tokens, overlays = C.apply_remedy(ctx.launch, remedy, catalog)
+    env = C.overlay_dirs_env(overlays, catalog, dirs or [])
+    if env and not any(t.startswith(tuple(f"{k}=" for k in env)) for t in tokens):
+        tokens = [f"{k}={v}" for k, v in env.items()] + tokens
     text = C.render_tokens(tokens)
     if ctx.launch.kind == "megatron-lm":
         return text, ("not validated: a Megatron-LM command (the doctor validates train.py overlays); "
@@ -530,15 +778,16 @@ def _allocator(f: Findings, ctx: Context, done, victims) -> Diagnosis:
         reasons.append(f"... and {len(results) - 8} more OOM message(s)")
     if ctx.expandable:
         reasons.append(f"expandable_segments is already on: {ctx.expandable_source}")
+    both = "both" in kinds
     if "capacity" in kinds:
         kind = "capacity"
     elif "other_processes" in kinds:
         kind = "other_processes"
-    elif "fragmentation" in kinds:
+    elif "fragmentation" in kinds or both:
         kind = "fragmentation"
     else:
         kind = "allocator_unknown"
-    lead = next((r for r in results if r[1] == kind), results[0])[0]
+    lead = next((r for r in results if r[1] == kind or (kind == "fragmentation" and r[1] == "both")), results[0])[0]
     complete = not unknown
     also = _also(f, "allocator")
     if ctx.expandable_exists is not None:
@@ -558,6 +807,11 @@ def _allocator(f: Findings, ctx: Context, done, victims) -> Diagnosis:
             reasons.append("memory-tuning skill, Quick Decision step 1: zero throughput cost, no model change")
         summary = "allocator fragmentation: free + reserved-but-unallocated memory covers the failed request"
         conf = "high" if complete else "medium"
+        if both:
+            summary = ("fragmentation caused this failure; capacity is next: free + reserved-but-unallocated covers "
+                       "the request only barely, so the next allocation of this size will fail too")
+            conf = "medium"
+            reasons.append("remedies: expandable_segments first (zero cost), then a capacity remedy right after it")
     elif kind == "capacity":
         remedies = capacity_remedies(f, ctx)
         summary = ("genuine capacity limit: the OOM happened with expandable_segments already on" if ctx.expandable

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import memlines as ML
 from . import patterns as P
 from . import read
 from .known import config_fragments
@@ -40,12 +41,16 @@ FAILURE_TRIGGERS = (
     b"NCCL WARN", b"ibv_reg", b"local_rank",
     b"Error: ",      # exceptions: the configuration errors' fragments are matched on these lines
     b"bad_alloc",    # std::bad_alloc: a host allocation failed
+    b"OOM",          # "OOM" in any wording (issue 23 §3): a line that says it is never "no OOM"
+    b"lloc",         # allocation failures in words (failed to allocate, alloc failed, CUDA calloc)
+    b"cudaError", b"CUresult", b"OutOfRes",
+    b"training is done",   # the end of a normal run (Megatron-LM / Bridge print "after training is done")
 )
 CONTEXT_TRIGGERS = (
     b"ersion", b"orch==", b".py ", b"orld", b"ORLD", b"SLURM_", b"arallel", b"batch_size", b"ecompute", b"ffload",
     b"_optimizer", b"nccl_ub", b"num_layers", b"seq_length", b"mem_fraction", b"sleep", b"cuda_graph", b"P=", b"P:",
-    b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem", b"CUresult",
-    b"SBATCH", b"--nodes", b"erminated", b"num_workers",
+    b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem",
+    b"SBATCH", b"--nodes", b"erminated", b"num_workers", b"MiB /", b"total_memory=", b"_mapping", b"Non-default",
 )
 TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS
 
@@ -83,6 +88,7 @@ class OOM:
 class Event:
     """A failure line that is not the allocator's message, or a kill signal."""
     family: str           # nccl | workspace | driver | engine | registration | host_oom | host_killed | sigkill | sigterm
+    #                       | oom_like (says out of memory in a wording no family above claims)
     rank: int | None
     where: str
     line: str
@@ -119,6 +125,17 @@ class Findings:
     _world_rank: int = 99
     slurm_nodes: Seen | None = None
     slurm_tasks_per_node: Seen | None = None
+    # The run's own memory lines (memlines.py): the latest report per rank, the ones that could not be used.
+    memory: dict = field(default_factory=dict)                               # rank (or file) -> RankSeries
+    memory_unreadable: list = field(default_factory=list)                    # MemoryReport, the first ones
+    memory_unreadable_count: int = 0
+    memory_dropped: int = 0                                                  # ranks beyond memlines.MAX_RANKS
+    theoretical: list = field(default_factory=list)                          # memlines.Theoretical
+    capacity: Seen | None = None                                             # value: bytes per GPU; line says how
+    ended: Seen | None = None                                                # "after training is done"
+    oom_mentions: list = field(default_factory=list)                         # (where, line): hints, not failures
+    bridge_summary: Seen | None = None                                       # Bridge's non-default config summary
+    incomplete: int = 0                                                      # inputs whose read failed part-way
 
     @property
     def alloc_where(self) -> str:
@@ -173,15 +190,28 @@ def scan(paths: list[str]) -> Findings:
             findings.bytes_read += src.bytes_read
             findings.long_lines += src.long_lines
             findings.problems += src.problems
-            if src.bytes_read == 0 and any("read failed" in p for p in src.problems):
-                findings.unreadable += 1
+            if any("read failed" in p for p in src.problems):
+                if src.bytes_read == 0:
+                    findings.unreadable += 1
+                else:
+                    findings.incomplete += 1
             if path != "-":
                 try:
                     stream.close()
                 except read.READ_ERRORS:
                     pass
     _world_from_sbatch(findings)
+    _check_recipe(findings)
     return findings
+
+
+def _check_recipe(f: Findings) -> None:
+    """A recipe name read from the log reaches printed commands: only a name that could be a recipe is kept."""
+    if f.recipe:
+        from ..bridge.recipes import recipe_name_problem
+        if recipe_name_problem(f.recipe) is not None:
+            f.problems.append(f"the recipe name {f.recipe!r} in the log is not a recipe name; not used")
+            f.recipe = None
 
 
 def _world_from_sbatch(f: Findings) -> None:
@@ -205,12 +235,25 @@ def parse_line(line: str, where: str, f: Findings, fragments: dict[str, str], st
     rank, body = rank_of(line)
     if rank is not None:
         f.ranks_seen.add(rank)
+    if "memory (" in body and _memory_lines(body, where, rank, f) and "out of memory" not in body:
+        return  # a report of the run's memory, nothing else: the failure patterns need not run on it
+    if "Theoretical memory footprints" in body:
+        theory = ML.parse_theoretical(body, where)
+        if theory is not None and len(f.theoretical) < MAX_THEORY:
+            f.theoretical.append(theory)
+        return
     if "out of memory. " in body and P.TORCH_ANCHOR.search(body):
         _torch_oom(body, where, rank, f, after)
-    elif "OutOfMemoryError" in body and "Tried to allocate" not in body and "out of memory" not in body:
-        pass  # the exception's class alone on a traceback line: the message line follows
-    else:
-        _other_failures(body, where, rank, f)
+    elif "OutOfMemoryError" in body and "Tried to allocate" in body and "out of memory" not in body:
+        _torch_oom_abbreviated(body, where, rank, f)
+    elif "OutOfMemoryError" in body and "out of memory" not in body:
+        # the exception's class alone (a traceback line): the message line usually follows and wins; if it
+        # does not, this line alone still makes the log an OOM (issue 23 §3)
+        _add_event(f, Event("oom_like", rank, where, clip(body), "OutOfMemoryError"))
+    elif not _other_failures(body, where, rank, f):
+        _oom_like(body, where, rank, f)
+    if f.ended is None and "training is done" in body and P.END_OF_TRAINING.search(body):
+        f.ended = Seen("after training is done", where, clip(body))
     _signals(body, where, rank, f, state)
     for frag, rule in fragments.items():
         if frag in body:
@@ -219,6 +262,57 @@ def parse_line(line: str, where: str, f: Findings, fragments: dict[str, str], st
                 f.cite(where, line)
             break
     _context(body, where, f)
+
+
+MAX_THEORY = 8
+MAX_UNREADABLE_KEPT = 16
+
+
+def _memory_lines(body: str, where: str, rank: int | None, f: Findings) -> bool:
+    """Read the memory reports on a line (memlines.py); True when it held at least one."""
+    reports = ML.parse_reports(body, where, rank)
+    for r in reports:
+        if r.unreadable:
+            f.memory_unreadable_count += 1
+            if len(f.memory_unreadable) < MAX_UNREADABLE_KEPT:
+                f.memory_unreadable.append(r)
+            continue
+        key = r.rank if r.rank is not None else f"? ({where.rpartition(':')[0]})"
+        if not ML.add_report(f.memory, key, r):
+            f.memory_dropped += 1
+    return bool(reports)
+
+
+def _oom_like(body: str, where: str, rank: int | None, f: Findings) -> None:
+    """A line no family claimed that still says out of memory (issue 23 §3): a failure, unless the words
+    before it make it advice or a hypothesis ("to avoid OOM", "if you run out of memory")."""
+    m = P.OOM_WORDS.search(body)
+    if m is None:
+        m = P.ALLOC_WORDS.search(body)
+        if m is None or not P.MEMORY_WORDS.search(body):
+            return
+    if P.MENTION.search(body, max(0, m.start() - 60), m.start()):
+        if len(f.oom_mentions) < MAX_EVIDENCE:
+            f.oom_mentions.append((where, clip(body)))
+        return
+    _add_event(f, Event("oom_like", rank, where, clip(body), m.group(0)))
+
+
+def _torch_oom_abbreviated(body: str, where: str, rank: int | None, f: Findings) -> None:
+    """"OutOfMemoryError: Tried to allocate 12.60 GiB. GPU had 12.44 GiB free of 79.19": PyTorch's exception,
+    its message shortened by whoever pasted it. The numbers it shows are read; the rest stay unknown."""
+    text = body[body.find("OutOfMemoryError"):][:P.MESSAGE_WINDOW]
+    requested = P._size(P.REQUESTED, text)
+    free = capacity = None
+    if m := P.FREE_OF.search(text):
+        free = P.to_bytes(m.group(1), m.group(2))
+        if m.group(3):
+            capacity = P.to_bytes(m.group(3), m.group(4) or m.group(2))
+    oom = OOM(rank, where, requested, capacity, free, None, None, None, None, None, [], "CUDA",
+              "abbreviated (numbers cut by the reporter)", None, partial=True, line=clip(body))
+    if len(f.ooms) < MAX_RECORDS:
+        f.ooms.append(oom)
+        f.cite(where, body)
 
 
 def _add_event(f: Findings, ev: Event) -> None:
@@ -278,32 +372,36 @@ def _join_wrapped(body: str, after: bytes, rank: int | None) -> tuple[str, int] 
     return (out, last) if taken else None
 
 
-def _other_failures(body: str, where: str, rank: int | None, f: Findings) -> None:
+def _other_failures(body: str, where: str, rank: int | None, f: Findings) -> bool:
+    """Record the line's failure if a family claims it; True when one did."""
     if "emory" in body and (m := P.ENGINE_FREE.search(body) or P.ENGINE_SHARE_TOO_SMALL.search(body)):
         _add_event(f, Event("engine", rank, where, clip(body), m.group(0)))
-        return
+        return True
     if ("ibv_reg" in body or "egister" in body or "ncclMemAlloc" in body) and (m := P.REGISTRATION.search(body)):
         _add_event(f, Event("registration", rank, where, clip(body), m.group(1)))
-        return
+        return True
     # Each pattern runs only behind a cheap substring test (the per-line work of a flood stays small).
     if ("NCCL" in body or "nccl" in body or "Cuda failure" in body) and P.NCCL_OOM.search(body):
         nb = P.NCCL_BYTES.search(body)
         _add_event(f, Event("nccl", rank, where, clip(body), nb.group(1) if nb else ""))
-        return
+        return True
     if ("ALLOC_FAILED" in body or "WORKSPACE" in body or "memory_error" in body) and (m := P.WORKSPACE.search(body)):
         _add_event(f, Event("workspace", rank, where, clip(body), m.group(1)))
-        return
+        return True
     if ("OUT_OF_MEMORY" in body or "MemoryAllocation" in body or "out of memory" in body or "cuMem" in body
-            or "OutOfMemory" in body or "CUresult" in body) and (m := P.DRIVER.search(body)):
+            or "cu_mem" in body or "OutOfMemory" in body or "CUresult" in body or "cudaError" in body) \
+            and (m := P.DRIVER.search(body)):
         saver = P.MEMORY_SAVER.search(body)
         _add_event(f, Event("driver", rank, where, clip(body), m.group(1) + (f" ({saver.group(0)})" if saver else "")))
-        return
+        return True
     if ("oom" in body or "OOM" in body or "emory" in body or "bad_alloc" in body) \
             and (m := P.HOST_OOM.search(body)):
         _add_event(f, Event("host_oom", rank, where, clip(body), m.group(1)))
-        return
+        return True
     if "Killed" in body and P.SHELL_KILLED.search(body):
         _add_event(f, Event("host_killed", rank, where, clip(body), "Killed"))
+        return True
+    return False
 
 
 def _signals(body: str, where: str, rank: int | None, f: Findings, state: dict) -> None:
@@ -385,6 +483,10 @@ def _context(body: str, where: str, f: Findings) -> None:
     if f.engine_command is None and ("launch_server" in body or "vllm serve" in body or "entrypoints" in body) \
             and 'File "' not in body and (lm := re.search(r"(?:python3?\s+-m\s+\S+|vllm serve)[^\n]{0,2000}", body)):
         f.engine_command = Seen(lm.group(0).strip(), where, clip(body))
+    if f.bridge_summary is None and "Non-default values (vs Mcore" in body:
+        f.bridge_summary = Seen("Bridge configuration summary", where, clip(body))
+    if f.capacity is None and ("MiB /" in body or "MiB/" in body or "total_memory=" in body):
+        _capacity(body, where, f)
     if f.nvls is None and "NVLS" in body:
         f.nvls = Seen("NVLS", where, clip(body))
     if f.verl is None and ("WorkerDict" in body or "TaskRunner" in body or "verl" in body):
@@ -393,10 +495,20 @@ def _context(body: str, where: str, f: Findings) -> None:
         f.memory_saver = Seen(sm.group(0), where, clip(body))
 
 
+def _capacity(body: str, where: str, f: Findings) -> None:
+    """GPU capacity printed by the job: torch's device properties (exact), or an nvidia-smi table row."""
+    if (m := P.TORCH_DEVICE_MEMORY.search(body)) and int(m.group(1)) > 0:
+        f.capacity = Seen(int(m.group(1)) * ML.MiB, where, "torch device properties total_memory=" + m.group(1) + "MB")
+    elif (m := P.NVIDIA_SMI_MEMORY.search(body)) and 0 < int(m.group(2)) and int(m.group(1)) <= int(m.group(2)):
+        f.capacity = Seen(int(m.group(2)) * ML.MiB, where, f"nvidia-smi {m.group(2)}MiB total")
+    if f.capacity is not None:
+        f.cite(where, body)
+
+
 # Cheap substring gates: a pattern runs only on lines that can hold its match (the per-line work of a flood).
 _WORLD_HINTS = ("orld", "ORLD", "nproc", "nnodes", "SLURM_", "ntasks", "--nodes", " -N")
 _CONFIG_HINTS = ("_size", "parallel", "recompute", "offload", "_optimizer", "nccl_ub", "seq_length", "num_layers",
-                 "utilization", "mem_fraction", "sleep_mode", "cuda_graph", "use_te", "num_workers")
+                 "utilization", "mem_fraction", "sleep_mode", "cuda_graph", "use_te", "num_workers", "_mapping")
 _ENGINE_HINTS = ("llm", "LLM", "lang", "Lang", "TensorRT", "lmdeploy")
 
 

@@ -122,9 +122,14 @@ NCCL_OOM = re.compile(r"(?:Cuda failure (?:2|'out of memory')|NCCL WARN[^\n]{0,3
 NCCL_BYTES = re.compile(r"(?:Failed to CUDA (?:calloc|malloc)|cuMemCreate|alloc(?:ate)?)[^\n]{0,40}?(\d{1,15}) bytes")
 WORKSPACE = re.compile(r"(CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|CUDNN_STATUS_NOT_ENOUGH_WORKSPACE|"
                        r"HIPBLAS_STATUS_ALLOC_FAILED|MIOPEN_STATUS_ALLOC_FAILED|rocblas_status_memory_error)")
-DRIVER = re.compile(r"(CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|CUDA (?:driver )?(?i:error): out of memory|"
-                    r"hipErrorOutOfMemory|HIP error: out of memory|CUresult error\s{0,4}result=2\b|cuMem(?:Create|Map|SetAccess|AddressReserve)\b[^\n]{0,200}?(?:fail|error|"
-                    r"out of memory|\b2\b))")
+# CUresult / cudaError code 2 is CUDA_ERROR_OUT_OF_MEMORY / cudaErrorMemoryAllocation (CUDA driver and runtime API
+# enums); memory-saver libraries print it as "CUresult error result=2" or "CUresult error: 2 (out of memory)".
+DRIVER = re.compile(r"(CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|hipErrorMemoryAllocation|"
+                    r"CUDA (?:driver )?(?i:error): out of memory|"
+                    r"hipErrorOutOfMemory|HIP error: out of memory|CUresult(?: error)?[:=\s]{1,4}(?:result=)?2\b|"
+                    r"cudaError(?:_t)?[:=\s]{1,4}2\b|"
+                    r"cuMem(?:Create|Map|SetAccess|AddressReserve)\b[^\n]{0,200}?(?:fail|error|out of memory|\b2\b)|"
+                    r"cu_mem_(?:create|map)\b[^\n]{0,200}?(?:fail|error|out of memory|\b2\b))")
 MEMORY_SAVER = re.compile(r"(?i:torch_memory_saver|memory[_ ]saver|sleep[_ ]mode|wake[_ ]up|CuMemAllocator)")
 REGISTRATION = re.compile(r"(ibv_reg_(?:dmabuf_)?mr|ncclCommRegister|ncclMemAlloc|NCCL_USER_BUFFER|register (?:user )?buffer)"
                           r"[^\n]{0,300}?(?:Bad address|failed|error|errno|EFAULT)")
@@ -139,6 +144,31 @@ EXIT_137 = re.compile(r"(?:exit(?:ed with)? (?:code|status)[ :=]{0,3}137\b|exitc
 SIGTERM_VICTIM = re.compile(r"(?:Signal 15 \(SIGTERM\)|exitcode\s{0,8}:\s{0,4}-15\b|<Signals\.SIGTERM: 15>|"
                             r"Sending process \d{1,10} closing signal SIGTERM|received SIGTERM|exit(?:ed with)? code 143\b)")
 
+# --- anything else that says out of memory (issue 23 §3) --------------------------------------------------
+# A line that says it in any usual spelling is an OOM, "unsure" at least, even when no family above claims it:
+# "no OOM" may never be said with confidence about a log that holds one. The allocation wordings need a word
+# about memory on the line ("failed to allocate a port" is not an OOM).
+OOM_WORDS = re.compile(r"((?i:out[ _-]?of[ _-]?memory|cannot allocate memory|(?:not enough|insufficient) "
+                       r"(?:(?:gpu|device|cuda|free|host|pinned) )?memory|out of resource)|"
+                       r"(?<![A-Za-z_])OOM(?![A-Za-z])|MemoryAllocation|_ALLOC_FAILED|OutOfResources|"
+                       r"CUresult(?: error)?[:=\s]{1,4}(?:result=)?2\b|cudaError(?:_t)?[:=\s]{1,4}2\b)")
+ALLOC_WORDS = re.compile(r"(?i:(?:failed|unable|could not|cannot) to allocate|(?:failed|unable|could not|cannot) allocate|"
+                         r"alloc(?:ation)? (?:failed|failure|error))")
+MEMORY_WORDS = re.compile(r"(?i:memory|bytes|\d\s?[KMGT]i?B\b|cuda|gpu|device|calloc|malloc|workspace|buffer|tensor|hbm|vram)")
+# Words before the match that make it a mention, not a report ("to avoid OOM", "may run out of memory").
+MENTION = re.compile(r"(?i:\b(?:avoid(?:s|ing)?|prevent(?:s|ing)?|reduc(?:e|es|ing)|risk|may|might|could|would|if|"
+                     r"whether|in case|help(?:s)?|without|fewer|less likely|to save|suggest|recommend|tip|hint|"
+                     r"try|consider|when)\b)")
+# The abbreviated message some reporters paste: "OutOfMemoryError: Tried to allocate X. GPU had Y free of Z".
+FREE_OF = re.compile(SIZE + r" free(?: of (\d{1,12}(?:\.\d{1,6})?)(?:\s?([KMGT]iB|[KMGT]B))?)?")
+# Megatron-LM and Bridge print this when training returns (training.py / pretrain.py "after training is done").
+END_OF_TRAINING = re.compile(r"after training is done")
+
+# --- capacity per GPU ------------------------------------------------------------------------------------
+NVIDIA_SMI_MEMORY = re.compile(r"\|\s{0,40}(\d{1,7})MiB\s{0,4}/\s{0,4}(\d{1,7})MiB\s{0,4}\|")
+# torch's _CudaDeviceProperties repr: total_memory in MiB ("total_memory=81079MB").
+TORCH_DEVICE_MEMORY = re.compile(r"total_memory=(\d{1,9})MB\b")
+
 # --- context ------------------------------------------------------------------------------------------
 TORCH_VERSION = re.compile(r"(?i:\b(?:py)?torch)(?:[ _]version)?\s{0,4}(?:==|[:=]|\s)\s{0,4}v?(\d{1,2})\.(\d{1,3})(?:\.\d{1,4})?")
 RANK_PREFIX = re.compile(r"^\s{0,4}(?:\[?\d{4}-\d\d-\d\d[ T][\d:.,]{8,15}\]?\s{1,4})?"
@@ -149,6 +179,7 @@ TORCHRUN_RANK = re.compile(r"^\s{0,8}rank\s{0,8}:\s{0,4}(\d{1,6})")
 TORCHRUN_EXIT = re.compile(r"^\s{0,8}exitcode\s{0,8}:\s{0,4}(-?\d{1,4})")
 WORLD = [  # (pattern, how to read the world size), first match of the highest-priority kind wins
     ("launcher", re.compile(r"\b(?:WORLD_SIZE|world[_ ]size|using world size)\s{0,4}[=:]?\s{0,4}(\d{1,7})\b")),
+    ("launcher", re.compile(r"\bworld_size\s{1,4}\.{2,80}\s{1,4}(\d{1,7})\b")),      # Megatron-LM's arguments dump
     ("torchrun", re.compile(r"--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b[^\n]{0,400}?--nnodes[= ]{1,3}(\d{1,6})\b")),
     ("torchrun", re.compile(r"--nnodes[= ]{1,3}(\d{1,6})\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
     ("torchrun", re.compile(r"(?:torchrun|distributed\.run)\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
@@ -170,11 +201,11 @@ CONFIG_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vi
                "recompute_modules", "cpu_offloading", "cpu_offloading_num_layers", "cpu_offloading_activations",
                "use_distributed_optimizer", "nccl_ub", "sequence_parallel", "optimizer_cpu_offload",
                "optimizer_offload_fraction", "num_layers", "gpu_memory_utilization", "mem_fraction_static",
-               "enable_sleep_mode", "cuda_graph_impl", "use_te_rng_tracker", "num_workers")
+               "enable_sleep_mode", "cuda_graph_impl", "use_te_rng_tracker", "num_workers", "use_tp_pp_dp_mapping")
 CONFIG_VALUE = re.compile(r"(?<![\w])(" + "|".join(CONFIG_KEYS) + r")(?![\w])"
                           r"(?:\s{0,4}[=:]\s{0,4}|\s{1,4}\.{2,80}\s{1,4}|\s{1,4})"
                           r"(\[[^\]\n]{0,200}\]|'[^'\n]{0,60}'|\"[^\"\n]{0,60}\"|[\w.+-]{1,40})")
-MEGATRON_LM_SIZES = re.compile(r"(tensor|pipeline|data|context|expert)-(?:model-)?parallel size: (\d{1,6})")
+MEGATRON_LM_SIZES = re.compile(r"(?<![\w-])(tensor|pipeline|data|context|expert)-(?:model-)?parallel size: (\d{1,6})")
 LAYOUT_SHORT = re.compile(r"(?<![\w])(TP|PP|VPP|CP|EP|DP)\s{0,2}[=:]\s{0,2}(\d{1,6})\b")
 # "export PYTORCH_CUDA_ALLOC_CONF=a:b", "PYTORCH_CUDA_ALLOC_CONF: a:b", and a printed dict
 # "{'PYTORCH_CUDA_ALLOC_CONF': 'a:b'}" (Bridge's cfg.env_vars).

@@ -1,6 +1,8 @@
 """Reading logs for the doctor: files, globs, stdin, plain or gzip, in fixed-size blocks.
 
-Only the lines holding a trigger literal come back, so memory stays flat whatever the log size.
+Only the lines holding a trigger literal come back, so memory stays flat whatever the log size. Only regular
+files (and ``-``) are read: a fifo, device, socket or folder named on the command line or matched by a glob is
+reported and skipped, never opened for a blocking read (issue 22 #6).
 Each line handed on is bounded: a line longer than MAX_LINE is not parsed whole, only in windows
 around its trigger literals (issue 15, item 15: no parse step may see unbounded text). A flood of
 short trigger lines takes the dense path: one C-level split per block and each distinct line parsed
@@ -9,8 +11,12 @@ once (issue 15, item 17: 180 MB of short lines must not collapse the throughput)
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import gzip
+import os
+import re
+import stat
 import sys
 import zlib
 from collections.abc import Iterator
@@ -40,6 +46,7 @@ class Source:
     problems: list[str] = field(default_factory=list)
     long_lines: int = 0
     gzip: bool = False
+    skipped: bool = False       # not a regular file: reported, never read
 
 
 def expand(paths: list[str]) -> list[str]:
@@ -48,6 +55,54 @@ def expand(paths: list[str]) -> list[str]:
         hits = sorted(glob.glob(p)) if p != "-" and any(c in p for c in "*?[") else [p]
         out += hits or [p]
     return out
+
+
+def non_regular(path: str) -> str | None:
+    """What ``path`` is when it is not a regular file (a link to one is one): "a fifo", "a folder", ...; None
+    for a regular file, for ``-``, and for a path that cannot be inspected (opening it reports why)."""
+    if path == "-":
+        return None
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return _kind(mode)
+
+
+def _kind(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    return ("a folder" if stat.S_ISDIR(mode) else "a fifo (named pipe)" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+
+
+def skipped_problem(path: str, kind: str) -> str:
+    return (f"{path}: is {kind}, not a log file; skipped (the doctor reads regular files, and standard input "
+            f"as -: `cat {path} | mbmem doctor -`)")
+
+
+def _open_regular(path: str, src: Source) -> BinaryIO | None:
+    """Open ``path`` for reading without ever blocking on it: O_NONBLOCK makes opening a fifo return at once,
+    and the opened file itself is checked (a path swapped for a fifo after the check is refused too)."""
+    kind = non_regular(path)
+    if kind:
+        src.problems.append(skipped_problem(path, kind))
+        src.skipped = True
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError) as exc:
+        src.problems.append(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})")
+        return None
+    kind = _kind(os.fstat(fd).st_mode)
+    if kind:
+        os.close(fd)
+        src.problems.append(skipped_problem(path, kind))
+        src.skipped = True
+        return None
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return open(fd, "rb")  # noqa: SIM115 — the stream is returned; scan() closes it
 
 
 def _stdin() -> BinaryIO | None:
@@ -66,10 +121,8 @@ def open_log(path: str, src: Source) -> BinaryIO | None:
                                 "or give a file name")
             return None
     else:
-        try:
-            raw = open(path, "rb")  # noqa: SIM115 — the stream is returned; scan() closes it
-        except OSError as exc:
-            src.problems.append(f"{path}: cannot read ({exc.strerror or exc})")
+        raw = _open_regular(path, src)
+        if raw is None:
             return None
     try:
         head = raw.peek(2)[:2] if hasattr(raw, "peek") else b""
@@ -163,12 +216,30 @@ def _sparse(work: bytes, present: tuple[bytes, ...], src: Source) -> Iterator[tu
             yield offset, piece, after
 
 
+MEMORY_LINE = b"memory ("
+_RANK_KEY = re.compile(rb"\[Rank \d{1,9}\]|^\s{0,4}(?:\[(?:rank|default)\d{1,6}\]:|\d{1,6}: )")
+
+
 def _dense(work: bytes, present: tuple[bytes, ...], seen: dict[bytes, int], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
     # A flood: lines of one shape (the line without its digits: "task 17 Killed" and "task 18 Killed" are one
     # shape) are parsed SHAPE_PARSES times per block at most, whatever their count; the work per block is
     # bounded by its number of shapes, and a flood of one template costs a split and a dict lookup per line.
+    # Memory reports of many ranks share one shape, so they are kept apart by rank instead: the first and the
+    # last report of each rank in the block are parsed (the latest is the one the run report uses).
     seen.clear()
+    reports: dict[bytes, list] = {}
     for offset, line in enumerate(work.split(b"\n")):
+        if MEMORY_LINE in line and len(line) <= SEEN_LINE:
+            m = _RANK_KEY.search(line, 0, 200)
+            key = m.group(0) if m else b""
+            first_last = reports.get(key)
+            if first_last is None:
+                if len(reports) < SEEN_LIMIT:
+                    reports[key] = [(offset, line), None]
+                    continue
+            else:
+                first_last[1] = (offset, line)
+                continue
         if len(line) <= SEEN_LINE:
             shape = line.translate(None, _DIGITS)
             count = seen.get(shape, 0)
@@ -180,3 +251,6 @@ def _dense(work: bytes, present: tuple[bytes, ...], seen: dict[bytes, int], src:
         if any(lit in line for lit in present):
             for piece in _pieces(line, present, src):
                 yield offset, piece, b""
+    for first, last in reports.values():
+        for offset, line in (first, last) if last else (first,):
+            yield offset, line, b""

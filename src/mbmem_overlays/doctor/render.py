@@ -1,4 +1,8 @@
-"""The doctor's report as text and as JSON (``schema_version`` names the JSON layout)."""
+"""The doctor's report as text and as JSON (``schema_version`` names the JSON layout; docs/doctor.md).
+
+Everything shown that came from a log is escaped (core.text.shown, issue 22 #9) by the command that prints
+it; JSON escapes control characters itself.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,12 @@ from typing import Any
 from ..core.report import section
 from .diagnose import Diagnosis, gib
 from .parse import Findings
+from .run_report import fmt_size
 
 
 def render(d: Diagnosis, f: Findings) -> str:
-    lines = [f"diagnosis: {d.summary}", f"verdict: {d.verdict} (exit {d.exit_code}); confidence: {d.confidence}"]
+    label = "report" if d.verdict == "reported" else "diagnosis"
+    lines = [f"{label}: {d.summary}", f"verdict: {d.verdict} (exit {d.exit_code}); confidence: {d.confidence}"]
     if d.rank is not None:
         lines.append(f"rank: {d.rank}")
     if d.next_command:
@@ -19,6 +25,8 @@ def render(d: Diagnosis, f: Findings) -> str:
         if d.command_check:
             lines.append(f"  checked: {d.command_check}")
     lines += section("why", d.reasons)
+    if d.run_lines:
+        lines += d.run_lines
     if d.unknown:
         lines += section("unknown (not in the log)", d.unknown)
     lines += section("notes from the logged config", d.notes, marker="!")
@@ -26,7 +34,18 @@ def render(d: Diagnosis, f: Findings) -> str:
     for i, r in enumerate(d.remedies, 1):
         saves = "" if r["saves_bytes"] is None else f"; saves {gib(r['saves_bytes'])}"
         remedies.append(f"{i}. {r['name']}: {r['action']}" + (f" (cost: {r['cost']}{saves})" if r["cost"] or saves else ""))
-    lines += section("remedies, in order", remedies, marker="")
+        if r.get("predicted_peak_bytes") is not None:
+            size = (lambda b, u=(d.run or {}).get("display_unit", "GiB"): fmt_size(b, u))
+            planned = "" if r.get("planned_hot_bytes") is None else f"planned {size(r['planned_hot_bytes'])}; "
+            fits = {True: "fits", False: "does NOT fit", None: "fit unknown (no capacity)"}[r["fits"]]
+            remedies.append(f"   plan: hot rank {planned}predicted peak {size(r['predicted_peak_bytes'])} (the measured "
+                            f"peak plus the plan's change): {fits} with the margin")
+        if r.get("train_command"):
+            remedies.append(f"   {r['train_command']}")
+            remedies.append(f"   checked: {r['check']}")
+        elif r.get("check"):
+            remedies.append(f"   not possible here: {r['check']}")
+    lines += section("remedies, in order" if d.verdict != "reported" else "changes, in order", remedies, marker="")
     if d.savings:
         lines.append(f"  {d.savings}")
     lines += section("not first", d.why_not) + section("also in the log", d.also)
@@ -34,12 +53,14 @@ def render(d: Diagnosis, f: Findings) -> str:
     ranks = {o.rank for o in f.ooms if o.rank is not None}
     lines.append(f"read {f.bytes_read / 1e6:.1f} MB from {len(f.files)} file(s); {len(f.ooms)} allocator OOM message(s)"
                  + (f" on rank(s) {', '.join(map(str, sorted(ranks)[:16]))}" if ranks else "")
-                 + (f"; {len(f.events)} other failure/signal line(s)" if f.events else ""))
+                 + (f"; {len(f.events)} other failure/signal line(s)" if f.events else "")
+                 + (f"; memory lines from {len(d.run['ranks'])} rank(s)" if d.run else ""))
     return "\n".join(lines)
 
 
 def as_json(d: Diagnosis, f: Findings) -> dict[str, Any]:
     out = asdict(d)
+    out.pop("run_lines", None)
     out["exit_code"] = d.exit_code
     out.update({"files": f.files, "problems": f.problems, "bytes_read": f.bytes_read,
                 "world_size": f.world.value if f.world else None,

@@ -1,0 +1,283 @@
+"""``mbmem doctor --plan`` on a run's memory lines: the plan against measured, per reporting rank, and each
+change of the advice (both directions) realized, validated and sized on the hot rank.
+
+Imports Megatron Bridge (the recipe is built); the default doctor never imports this module.
+
+The configuration is rebuilt from what the log shows, as train.py would build it: the recipe (``--recipe``
+or the launch command's), the launch command's overrides and ``--set``, the sizes and settings the log
+prints (Megatron-LM's arguments dump, Bridge's configuration summary, ``TP=4``-style lines) where they
+differ from the recipe and no overlay of the command sets them, then the command's overlays through the
+engine and Bridge's own validation (memory/steps.py ``realize``). Whatever cannot be rebuilt is said.
+
+The memory model gives the peak of every pipeline stage (``stage_breakdowns``, the per-rank form of
+memory/model.py ``estimate``). A change's predicted peak on a stage is the *measured* peak plus the plan's
+change on that stage: the model's own bias cancels, and the measured fragmentation stays counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from . import command as C
+
+GiB = 1 << 30
+SKIP_OVERRIDE_PREFIXES = ("recipe", "run.", "hydra", "mem.", "+")
+
+# What the log prints (parse.py CONFIG_KEYS / layout) -> the Bridge field it is (bridge-config-surface.md §1).
+LAYOUT_PATHS = {"tp": ("model.tensor_model_parallel_size",), "pp": ("model.pipeline_model_parallel_size",),
+                "vpp": ("model.virtual_pipeline_model_parallel_size",), "cp": ("model.context_parallel_size",),
+                "ep": ("model.expert_model_parallel_size",)}
+CONFIG_PATHS = {
+    "micro_batch_size": ("train.micro_batch_size",), "global_batch_size": ("train.global_batch_size",),
+    "seq_length": ("model.seq_length", "dataset.seq_length"), "sequence_parallel": ("model.sequence_parallel",),
+    "recompute_granularity": ("model.recompute_granularity",), "recompute_method": ("model.recompute_method",),
+    "recompute_num_layers": ("model.recompute_num_layers",),
+    "use_distributed_optimizer": ("ddp.use_distributed_optimizer", "optimizer.use_distributed_optimizer"),
+    "optimizer_cpu_offload": ("optimizer.optimizer_cpu_offload",),
+    "optimizer_offload_fraction": ("optimizer.optimizer_offload_fraction",),
+    "cpu_offloading": ("model.cpu_offloading",), "cpu_offloading_num_layers": ("model.cpu_offloading_num_layers",),
+}
+PLAN_ASSUMPTIONS = (
+    "per stage: memory/model.py's terms for each pipeline rank (estimate() computes only the first and last); a "
+    "middle stage's parameters use the last stage's layer count without the output layer",
+    "the plan models allocated memory (max allocated); a change's predicted peak adds the plan's change on that "
+    "stage to the measured max reserved, so the measured fragmentation stays counted",
+)
+
+
+def stage_breakdowns(shape, lay, st) -> list:
+    """The memory model's peak on every pipeline rank (memory/model.py ``estimate`` keeps only the largest of
+    the first and last; its per-rank terms are public)."""
+    from ..memory import model as M
+    out = []
+    for rank in range(lay.pp):
+        first, last = rank == 0, rank == lay.pp - 1
+        p, g, o = M.model_state(shape, lay, st, first=first, last=last)
+        acts = M.stage_activations(shape, lay, st, rank)
+        other = M.communication_buffers(shape, lay, st, rank, p)
+        step = M.optimizer_step_buffers(shape, lay, st, first, last)
+        phases = {"steady 1F1B": (acts.steady, other), "CUDA graph capture": (acts.capture, other),
+                  "optimizer step": (0.0, other + step)}
+        phase, (a, x) = max(phases.items(), key=lambda kv: sum(kv[1]))
+        resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
+        out.append(M.Breakdown(p, g, o, a, x, acts.detail, rank, phase, resident))
+    return out
+
+
+def _log_value(text: str) -> Any:
+    """A value printed in the log, only in the plain forms a config field can take (a log is untrusted text that
+    reaches printed commands): small integers, booleans, None, simple names, fractions."""
+    t = str(text).strip().strip("'\"")
+    low = t.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    if t.isdigit() and len(t) <= 7:
+        return int(t)
+    if t.replace(".", "", 1).isdigit() and len(t) <= 8:
+        return float(t)
+    if t.isidentifier() and t.isascii() and len(t) <= 24:
+        return t
+    raise ValueError(t)
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """The rebuilt configuration and its plan; ``price`` realizes and sizes changes on top of it."""
+    cfg: Any
+    start: Any
+    world: int
+    catalog: Any
+    base: list                     # Breakdown per stage
+    capacity: int | None
+    margin: float
+    recipe: str
+    hot_stage: int | None
+    measured: dict                 # stage -> (measured peak used, measured max allocated)
+
+    def price(self, remedies: list[C.Remedy], rep) -> list[dict]:
+        return [self._price(r) for r in remedies]
+
+    def _price(self, r: C.Remedy) -> dict:
+        from ..core.errors import OverlayError
+        from ..memory import model as M
+        from ..memory.steps import Rejected, realize, train_command
+        if r.env or r.command or not (r.overlay or r.overrides or r.remove_overlays):
+            return {"check": "an environment or non-training change: the memory model does not price it"}
+        try:
+            start, cand, dropped = self._change(r)
+        except OverlayError as exc:
+            return {"check": f"rejected: {exc}"}
+        try:
+            work, _ = realize(self.cfg, start, cand, self.world, catalog=self.catalog, validate=True)
+        except Rejected as exc:
+            return {"check": f"rejected by our rules or Bridge's validation: {exc.reason}"}
+        stages = stage_breakdowns(*M.from_config(work, self.world))
+        command = train_command(start, cand, self.world)
+        check = (f"validated (our rules and Bridge's validation) on recipe {self.recipe} at world size {self.world}; "
+                 "a dry run: pasting it validates again (drop run.dry_run=true to train)")
+        if dropped:
+            check += f"; replaces your {', '.join(dropped)}"
+        out = {"train_command": command, "check": check, "command": command}
+        if r.overlay == "expandable_segments":  # not modelled: it returns the reserved-but-unallocated gap
+            hot = self.measured.get(self.hot_stage)
+            out.update({"planned_hot_bytes": None, "predicted_peak_bytes": None if hot is None else int(hot[1]),
+                        "fits": True})
+            return out
+        predicted = {}
+        for stage, (peak, _) in self.measured.items():
+            if stage is not None and stage < len(stages) and stage < len(self.base):
+                predicted[stage] = peak + stages[stage].footprint - self.base[stage].footprint
+        hot = self.hot_stage if self.hot_stage in predicted else (max(predicted, key=predicted.get) if predicted else None)
+        out["planned_hot_bytes"] = None if hot is None or hot >= len(stages) else int(stages[hot].footprint)
+        out["predicted_peak_bytes"] = None if hot is None else int(predicted[hot])
+        limit = None if self.capacity is None else self.capacity * (1 - self.margin)
+        out["fits"] = None if limit is None or not predicted else all(v <= limit for v in predicted.values())
+        return out
+
+    def _change(self, r: C.Remedy):
+        """(Start, Candidate, the user's words it replaces) for a remedy: removed overlays leave the start, the
+        remedy's overrides replace the user's own word for the same field (a turn-off changes what they chose)."""
+        from ..memory.steps import Candidate
+        start = self.start
+        drop = {self.catalog.aliases.get(o, o) for o in r.remove_overlays}
+        overlays = tuple(o for o in start.overlays if o not in drop)
+        params = {k: v for k, v in start.params.items() if k in overlays}
+        fields = set(r.overrides)
+        if r.overlay:
+            fields |= set(self.catalog.resolve(r.overlay).set)
+        replaced = sorted(p for p in fields if p in start.locked)
+        words = tuple(w for w in start.words if w.partition("=")[0].lstrip("+") not in replaced)
+        locked = {k: v for k, v in start.locked.items() if k not in replaced}
+        start = dataclasses.replace(start, words=words, overlays=overlays, params=params, locked=locked)
+        cand = Candidate().plus(r.overlay, params=dict(r.params) or None, sets=dict(r.overrides))
+        return start, cand, replaced
+
+
+def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None, overlay_dirs: list[str] | None,
+                     margin: float) -> Callable:
+    def planner(rep, ctx, f) -> RunPlan | None:
+        name = recipe or f.recipe
+        missing = []
+        if not name:
+            missing.append("the recipe (give --recipe)")
+        world = ctx.world or world_size or _world_from_layout(f)
+        if not world:
+            missing.append("the world size (give --world-size)")
+        if missing:
+            rep.plan_status = "not planned: the log does not show " + " and ".join(missing)
+            return None
+        try:
+            return _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin)
+        except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+            rep.plan_status = f"not planned: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            return None
+    return planner
+
+
+def _world_from_layout(f) -> int | None:
+    lay = f.layout
+    if all(lay.get(k) for k in ("tp", "pp", "dp")):
+        return lay["tp"] * lay["pp"] * lay.get("cp", 1) * lay["dp"]
+    return None
+
+
+def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: list[str], margin: float):
+    from ..bridge.overrides import check_overrides, write_all
+    from ..bridge.recipes import load_recipe
+    from ..bridge.stack import prepare
+    from ..core.catalog import Catalog
+    from ..core.errors import OverlayError
+    from ..core.paths import MISSING, read
+    from ..memory import model as M
+    from ..memory.steps import Candidate, Rejected, Start, hydra_value, realize
+    prepare()
+    catalog = Catalog(overlay_dirs)
+    cfg = load_recipe(name)
+    words = [f"{k}={v}" for k, v in C.overrides_in(ctx.launch).items() if not k.startswith(SKIP_OVERRIDE_PREFIXES)]
+    words += [s for s in sets if not s.startswith("mem.")]
+    overlays = tuple(dict.fromkeys(catalog.resolve(o).name for o in ctx.overlays))
+    params: dict[str, dict] = {}
+    for key, value in {**C.params_in(ctx.launch), **{s[4:].partition("=")[0]: s.partition("=")[2]
+                                                       for s in sets if s.startswith("mem.")}}.items():
+        overlay, _, param = key.partition(".")
+        params.setdefault(catalog.resolve(overlay).name, {})[param] = C._typed(value)
+    changes, problems = check_overrides(cfg, words)
+    if problems:
+        raise OverlayError(problems)
+    write_all(cfg, changes)
+    written = {path for path, _, _ in changes}
+    owned = {p for o in overlays for p in catalog.resolve(o).set}
+    from_log = []
+    seen = [(k, (f.layout[k],), f.layout_where.get(k, "")) for k in LAYOUT_PATHS if k in f.layout]
+    seen += [(k, (f.config[k].value,), f.config[k].where) for k in CONFIG_PATHS if k in f.config]
+    for key, (raw,), where in seen:
+        try:
+            value = raw if isinstance(raw, int) else _log_value(raw)
+        except ValueError:
+            continue
+        for path in LAYOUT_PATHS.get(key) or CONFIG_PATHS[key]:
+            current = read(cfg, path, MISSING)
+            if current is MISSING or path in written or path in owned or current == value:
+                continue
+            if isinstance(current, bool) != isinstance(value, bool):
+                continue
+            word = f"{path}={hydra_value(value)}"
+            more, bad = check_overrides(cfg, [word])
+            if bad:
+                continue
+            write_all(cfg, more)
+            words.append(word)
+            written.add(path)
+            from_log.append(f"{word} [{where}]")
+    locked = {}
+    for w in words:
+        path = w.partition("=")[0].lstrip("+")
+        locked[path] = read(cfg, path, None)
+    start = Start(name, tuple(words), overlays, params, locked, tuple(overlay_dirs))
+    try:
+        work, _ = realize(cfg, start, Candidate(), world, catalog=catalog, validate=True)
+    except Rejected as exc:
+        rep.plan_status = (f"not planned: the configuration rebuilt from the log (recipe {name}, "
+                           f"{' '.join(words) or 'no overrides'}) is refused: {exc.reason}")
+        return None
+    shape, lay, st = M.from_config(work, world)
+    base = stage_breakdowns(shape, lay, st)
+    mapping = bool(read(work, "dist.use_tp_pp_dp_mapping", False))
+    per_stage, tp_cp = world // lay.pp, lay.tp * lay.cp
+    for i, row in enumerate(rep.rows):  # the rebuilt layout names the stages the log alone could not
+        if row.stage is None and row.rank is not None and row.rank < world:
+            stage = (row.rank // tp_cp) % lay.pp if mapping else row.rank // per_stage
+            rep.rows[i] = dataclasses.replace(row, stage=stage)
+    planned, errors = [], []
+    measured: dict = {}
+    for row in rep.rows:
+        if row.stage is None or row.stage >= len(base):
+            continue
+        b = base[row.stage]
+        got = row.get("max_allocated") or row.get("allocated")
+        err = None if not got else (b.total - got) / got * 100
+        if err is not None:
+            errors.append(abs(err))
+        planned.append({"rank": row.rank if row.rank is not None else str(row.key), "stage": row.stage,
+                        "planned_peak_bytes": int(b.total), "planned_footprint_bytes": int(b.footprint),
+                        "phase": b.phase, "measured_max_allocated_bytes": got,
+                        "error_percent": None if err is None else round(err, 1)})
+        peak = row.peak
+        if peak is not None and (row.stage not in measured or peak > measured[row.stage][0]):
+            measured[row.stage] = (peak, got or peak)
+    hot = rep.hot
+    rep.planned = planned
+    lay_text = (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp > 1 else "") + f" CP{lay.cp} DP{lay.dp}"
+                + (f" EP{lay.ep}" if lay.ep > 1 else ""))
+    rep.plan = {"recipe": name, "world_size": world, "layout": lay_text, "words": list(words),
+                "overlays": list(overlays), "from_log": from_log, "assumptions": list(PLAN_ASSUMPTIONS),
+                "stages": [{"stage": i, "planned_peak_bytes": int(b.total), "phase": b.phase} for i, b in enumerate(base)]}
+    mean = f"; mean |error| {sum(errors) / len(errors):.1f}% over {len(errors)} rank(s)" if errors else ""
+    rep.plan_status = (f"the memory model on recipe {name} at world size {world} ({lay_text}"
+                       + (f"; from the log: {', '.join(from_log)}" if from_log else "") + f"){mean}")
+    return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
+                   None if hot is None else hot.stage, measured)
