@@ -1,9 +1,23 @@
-"""``mbmem doctor SNAPSHOT...``: the snapshot half of the doctor command (see cli/doctor.py)."""
+"""``mbmem doctor SNAPSHOT...``: the snapshot half of the doctor command (see cli/doctor.py).
+
+Reads each snapshot safely (doctor/snapshot/load.py: no class is ever constructed, size-capped, gzip), reports
+every device, the state at the OOM replayed from the trace (or the peak), the live memory by allocation site
+and category, the verdict and a checked next command; ``--against B`` compares two runs; ``--html FILE``
+writes an offline page; ``--plan --recipe R`` sets the memory model's plan beside the snapshot (the only
+option that imports Megatron Bridge).
+
+Exit codes (the doctor's): 0 diagnosed or reported; 2 unreadable or refused input, or a bad option; 4 unsure (an
+OOM whose failed request is not in the snapshot). With several files the most serious code wins (2 > 4 > 0).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+MAX_TOP = 1000
+SERIOUS = {2: 3, 4: 2, 0: 1}
 
 
 @dataclass(frozen=True)
@@ -13,6 +27,209 @@ class Outcome:
     payload: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Options:
+    top: int
+    capacity: float | None
+    margin: float
+    world: int | None
+    overrides: tuple[str, ...]
+    params: dict[str, Any]
+
+
+def _usage(args, message: str) -> Outcome:
+    from ..core.report import error_dict
+    from ..core.text import shown
+    text = f"mbmem doctor: {shown(message, one_line=False)}"
+    return Outcome(2, text, error_dict(message, 2, kind="usage") if args.json else {})
+
+
+def _options(args, paths: list[str]) -> Options | str:
+    """Every option checked before any file is read; a message (exit 2) for the first bad one."""
+    from ..core.outfile import output_problems
+    from ..core.sizes import parse_size
+    top_text = str(args.top).strip()
+    if not (top_text.isascii() and top_text.isdigit() and 1 <= int(top_text) <= MAX_TOP):
+        return f"--top must be a whole number from 1 to {MAX_TOP}, got {args.top!r}"
+    capacity = None
+    if args.gpu_memory is not None:
+        try:
+            capacity = parse_size(args.gpu_memory)
+        except ValueError as exc:
+            return f"--gpu-memory: {exc}"
+    try:
+        margin = float(args.margin)
+        if not 0 <= margin < 1:
+            raise ValueError
+    except (TypeError, ValueError):
+        return f"--margin must be a fraction in [0, 1), got {args.margin!r}"
+    world = None
+    if args.world_size is not None:
+        text = str(args.world_size).strip()
+        if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 1 << 20):
+            return f"--world-size must be a positive integer (the number of GPUs), got {args.world_size!r}"
+        world = int(text)
+    if args.plan and not args.recipe:
+        return "--plan needs --recipe R (a snapshot does not name its recipe), e.g. --plan --recipe llama3_8b_pretrain"
+    if args.recipe is not None:
+        from ..bridge.recipes import recipe_name_problem
+        problem = recipe_name_problem(args.recipe)
+        if problem:
+            return f"--recipe: {problem.message}"
+    overrides, params = [], {}
+    for item in args.set or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            return f"--set {item!r} has no '=': write KEY=VALUE, e.g. --set model.tensor_model_parallel_size=4"
+        if key.startswith("mem.") and key.count(".") >= 2:
+            from ..core.values import parse_value
+            params[key[4:]] = parse_value(raw)
+            continue
+        from ..bridge.overrides import syntax_problem
+        problem = syntax_problem(item)
+        if problem:
+            return f"--set: {problem.message}"
+        overrides.append(item)
+    if args.html:
+        problems = output_problems(args.html, "--html", force=args.force, suffixes=(".html", ".htm"))
+        if problems:
+            return f"--html {args.html}: {problems[0].message}; {problems[0].fix}"
+    if args.plot:
+        from ..doctor.read import expand
+        if len(expand(args.logs)) == len(paths):
+            return "--plot draws the run report of job logs; for a snapshot use --html FILE"
+    if args.against and args.html:
+        return "--html draws one snapshot; run it without --against"
+    if args.against and len(paths) != 1:
+        return (f"--against compares one snapshot with another: give exactly one snapshot beside it "
+                f"(got {len(paths)})")
+    return Options(int(top_text), capacity, margin, world, tuple(overrides), params)
+
+
+@dataclass
+class _Read:
+    path: str
+    error: str | None = None
+    report: Any = None
+    snap: Any = None
+
+
+def _read(path: str, capacity: float | None, keep: bool) -> _Read:
+    from ..doctor.snapshot.analyze import analyze
+    from ..doctor.snapshot.load import SnapshotError, load
+    from ..doctor.snapshot.model import MalformedSnapshot, normalize
+    from ..core.text import shown
+    try:
+        loaded = load(path)
+        snap = normalize(loaded.data)
+    except SnapshotError as exc:
+        return _Read(path, str(exc))
+    except MalformedSnapshot as exc:
+        return _Read(path, f"{shown(path)} is not a memory snapshot: {exc}")
+    report = analyze(snap, path, loaded.file_bytes, capacity)
+    return _Read(path, None, report, snap if keep else None)
+
+
+def _headroom(report, opts: Options) -> list[str]:
+    m = report.moment
+    if opts.capacity is None or m is None or report.kind != "none":
+        return []
+    from ..doctor.snapshot.analyze import gib
+    free = opts.capacity - m.totals.reserved
+    line = (f"headroom at the peak on device {m.device}: {gib(free)} of the {gib(opts.capacity)} GPU not reserved by "
+            f"PyTorch ({free / opts.capacity:.0%}; the margin asked is {opts.margin:.0%})")
+    if free < opts.margin * opts.capacity:
+        line += ": below the margin, an OOM risk (the CUDA context and NCCL buffers need room too)"
+    return [line]
+
+
 def report(args, paths: list[str]) -> Outcome:
     """Read the snapshots in ``paths`` (and ``args.against``) and report them."""
-    raise NotImplementedError("snapshot reader not built yet")
+    from ..core.errors import OverlayError
+    from ..core.text import shown
+    from ..doctor.snapshot import advice as A
+    from ..doctor.snapshot import render as R
+    if not paths:
+        return _usage(args, f"--against {args.against!r} needs a snapshot to compare: give one before it"
+                      if args.against else "no snapshot given")
+    opts = _options(args, paths)
+    if isinstance(opts, str):
+        return _usage(args, opts)
+    if args.against:
+        return _compare(args, paths[0], opts)
+    reads, best = [], None
+    for path in paths:
+        r = _read(path, opts.capacity, keep=bool(args.html))
+        reads.append(r)
+        if r.report is not None and (best is None or _rank(r) > _rank(best)):
+            if best is not None:
+                best.snap = None
+            best = r
+        elif r.snap is not None and r is not best:
+            r.snap = None
+    plan = None
+    if args.plan and best is not None:
+        from ..doctor.snapshot.plan import compare_plan
+        plan = compare_plan(args.recipe, list(opts.overrides), opts.params, opts.world, best.report.moment)
+    texts, objects, codes = [], [], []
+    for r in reads:
+        if r.error:
+            texts.append(f"snapshot: {shown(r.path)}\nunreadable (exit 2): {r.error}")
+            from ..core.report import error_dict
+            objects.append(error_dict(r.error, 2, file=r.path, kind="unreadable"))
+            codes.append(2)
+            continue
+        validator = plan.validator if plan is not None and r is best else None
+        adv = A.advise(r.report, args.recipe, validator)
+        plan_lines = list(plan.lines) if plan is not None and r is best else None
+        text = R.render(r.report, adv, opts.top, plan_lines)
+        extra = _headroom(r.report, opts)
+        texts.append(text + ("\n" + "\n".join(extra) if extra else ""))
+        obj = R.as_json(r.report, adv, opts.top, plan.data if plan is not None and r is best else None)
+        if extra:
+            obj["headroom"] = extra[0]
+        objects.append(obj)
+        codes.append(R.exit_code(r.report))
+    code = max(codes, key=SERIOUS.__getitem__)
+    if args.html and best is not None:
+        from ..core.outfile import write_output
+        from ..doctor.snapshot.html import page
+        try:
+            write_output(args.html, page(best.snap, best.report, texts[reads.index(best)], opts.top), "--html",
+                         force=args.force, suffixes=(".html", ".htm"))
+        except OverlayError as exc:
+            return _usage(args, f"--html: {exc.problems[0].message}; {exc.problems[0].fix}")
+        texts.append(f"html: {shown(args.html)} (device {best.report.lead} of {shown(best.path)}; offline, "
+                     "self-contained)")
+    lead = objects[reads.index(best)] if best is not None else objects[0]
+    payload = dict(lead)
+    if len(objects) > 1:
+        payload["snapshots"] = objects
+    payload["exit_code"] = code
+    if args.html and best is not None:
+        payload["html"] = args.html
+    return Outcome(code, "\n\n".join(texts), payload)
+
+
+def _rank(r: _Read) -> tuple:
+    """Which file leads the report (and gets the --html page): an OOM first, then the largest allocation."""
+    rep = r.report
+    m = rep.moment
+    return (rep.oom is not None, rep.kind == "oom_unknown", m.totals.allocated if m else 0)
+
+
+def _compare(args, path: str, opts: Options) -> Outcome:
+    from ..core.report import error_dict
+    from ..core.text import shown
+    from ..doctor.snapshot.analyze import compare
+    from ..doctor.snapshot.render import comparison_json, render_comparison
+    if not os.path.exists(args.against) and not os.path.islink(args.against):
+        return _usage(args, f"--against {args.against}: no such file")
+    a, b = _read(path, opts.capacity, False), _read(args.against, opts.capacity, False)
+    bad = [r for r in (a, b) if r.error]
+    if bad:
+        text = "\n".join(f"unreadable (exit 2): {r.error}" for r in bad)
+        return Outcome(2, text, error_dict("; ".join(r.error for r in bad), 2, kind="unreadable",
+                                           files=[r.path for r in bad]) if args.json else {})
+    c = compare(a.report, b.report)
+    return Outcome(0, render_comparison(c, opts.top), comparison_json(c, opts.top) if args.json else {})

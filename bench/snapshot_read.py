@@ -1,0 +1,141 @@
+"""`mbmem doctor SNAPSHOT` speed and peak memory on a large snapshot (issue 24: a 100 MB snapshot with 100k
+trace entries is read and summarised in under 10 s with peak memory under 10x the file size).
+
+Usage: .venv/bin/python bench/snapshot_read.py [MB] [ENTRIES]   (default: 100 100000)
+
+The snapshot is generated to the documented schema with the shape of a real Bridge dump: 100,000 trace entries
+(Bridge's ring) of alloc / free_requested / free_completed over 1 GiB segments, each entry with its own frame
+list of shared frame dicts (torch dedups frames, pickle memoizes them), an OOM near the end and the unwinding
+frees after it, so the replay runs back past them. Each case runs in a fresh process through the CLI's own
+report function (safe load, every device, the OOM replay, attribution, the next command, JSON), which reports
+its wall time and peak RSS; the ratio is peak RSS / file size.
+"""
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+MiB, GiB = 1 << 20, 1 << 30
+target_mb = float(sys.argv[1]) if len(sys.argv) > 1 else 100.0
+entries = int(sys.argv[2]) if len(sys.argv) > 2 else 100_000
+
+SITES = [("megatron/core/transformer/attention.py", 1012, "forward"), ("megatron/core/transformer/mlp.py", 150, "forward"),
+         ("megatron/core/models/gpt/gpt_model.py", 480, "_postprocess"),
+         ("megatron/core/tensor_parallel/mappings.py", 280, "_gather_along_first_dim")]
+PREFIX = "/usr/local/lib/python3.12/site-packages/"
+
+
+def frames_pool(depth: int) -> list[list[dict]]:
+    """Per site a stack of ``depth`` shared frames: framework internals, the site, then the training loop."""
+    pools = []
+    for k, (f, line, name) in enumerate(SITES):
+        inner = [{"filename": PREFIX + f"torch/nn/modules/module{i % 7}.py", "line": 1700 + i, "name": "_call_impl"}
+                 for i in range(depth // 3)]
+        site = [{"filename": PREFIX + f, "line": line, "name": name}]
+        outer = [{"filename": PREFIX + f"megatron/core/pipeline_parallel/schedules{i % 5}.py", "line": 400 + i + k,
+                  "name": "forward_step"} for i in range(depth - len(inner) - 1)]
+        pools.append(inner + site + outer)
+    return pools
+
+
+def snapshot(n_entries: int, depth: int) -> dict:
+    """Segments of 64 x 16 MiB slots; a rolling window of live slots; an OOM, then the unwinding frees."""
+    slots_per_seg, slot = 64, 16 * MiB
+    n_seg = 16
+    base = 0x7F0000000000
+    addrs = [base + s * (GiB + 64 * MiB) + k * slot for s in range(n_seg) for k in range(slots_per_seg)]
+    pools = frames_pool(depth)
+    trace, live, t = [], {}, 1_764_000_000_000_000
+    for s in range(n_seg):
+        trace.append({"action": "segment_alloc", "addr": base + s * (GiB + 64 * MiB), "size": GiB, "stream": 0,
+                      "time_us": t, "frames": list(pools[0])})
+    i = 0
+    oom_at = n_entries - 2000
+    while len(trace) < n_entries:
+        t += 11
+        if len(trace) == oom_at:
+            trace.append({"action": "oom", "device_free": 300 * MiB, "size": GiB, "stream": 0, "time_us": t,
+                          "frames": list(pools[1])})
+            for addr in list(live)[::-1]:
+                if len(trace) + 2 > n_entries:
+                    break
+                fr = live.pop(addr)
+                trace.append({"action": "free_requested", "addr": addr, "size": slot, "stream": 0, "time_us": t, "frames": fr})
+                trace.append({"action": "free_completed", "addr": addr, "size": slot, "stream": 0, "time_us": t, "frames": fr})
+            continue
+        addr = addrs[i % len(addrs)]
+        i += 1
+        if addr in live:
+            fr = live.pop(addr)
+            trace.append({"action": "free_requested", "addr": addr, "size": slot, "stream": 0, "time_us": t, "frames": fr})
+            trace.append({"action": "free_completed", "addr": addr, "size": slot, "stream": 0, "time_us": t, "frames": fr})
+        else:
+            fr = list(pools[i % len(pools)])
+            live[addr] = fr
+            trace.append({"action": "alloc", "addr": addr, "size": slot, "stream": 0, "time_us": t, "frames": fr})
+    trace = trace[:n_entries]
+    segments = []
+    for s in range(n_seg):
+        seg_base = base + s * (GiB + 64 * MiB)
+        blocks, run = [], None
+        for k in range(slots_per_seg):
+            a = seg_base + k * slot
+            if a in live:
+                if run:
+                    blocks.append(run)
+                    run = None
+                blocks.append({"address": a, "size": slot, "requested_size": slot, "state": "active_allocated",
+                               "frames": live[a]})
+            elif run:
+                run["size"] += slot
+            else:
+                run = {"address": a, "size": slot, "requested_size": 0, "state": "inactive", "frames": []}
+        if run:
+            blocks.append(run)
+        used = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+        segments.append({"device": 0, "address": seg_base, "total_size": GiB, "allocated_size": used,
+                         "active_size": used, "requested_size": used, "stream": 0, "segment_type": "large",
+                         "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks})
+    return {"segments": segments, "device_traces": [trace], "allocator_settings": {"expandable_segments": False},
+            "external_annotations": []}
+
+
+CHILD = """
+import resource, sys, time, json
+from types import SimpleNamespace
+from mbmem_overlays.cli.doctor_snapshot import report
+args = SimpleNamespace(logs=[sys.argv[1]], recipe=None, set=[], world_size=None, plan=False, gpu_memory=None,
+                       margin="0.05", plot=None, html=sys.argv[2] if len(sys.argv) > 2 else None, against=None,
+                       top="10", force=True, json=True, overlay_dir=[])
+t = time.perf_counter(); out = report(args, [sys.argv[1]]); dt = time.perf_counter() - t
+p = out.payload
+print(dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, out.exit_code, p.get("kind"),
+      (p.get("oom") or {}).get("allocated_bytes"), len(json.dumps(p)))
+"""
+
+with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "snapshot_oom_rank-0.pickle")
+    depth = 8
+    while True:  # deepen the stacks until the file reaches the target size
+        data = pickle.dumps(snapshot(entries, depth), protocol=4)
+        if len(data) >= target_mb * 1e6 or depth > 2000:
+            break
+        depth = int(depth * max(1.2, (target_mb * 1e6 / len(data)) ** 0.9))
+    with open(path, "wb") as f:
+        f.write(data)
+    size = len(data)
+    del data
+    print(f"snapshot: {size / 1e6:.1f} MB, {entries:,} trace entries, {depth} frames per stack")
+    print(f"{'case':>18} {'seconds':>8} {'peak RSS':>10} {'RSS / file':>10}  result")
+    for case, extra in (("summary (--json)", []), ("summary + --html", [os.path.join(tmp, "page.html")])):
+        out = subprocess.run([sys.executable, "-c", CHILD, path, *extra], capture_output=True, text=True, timeout=600)
+        if out.returncode:
+            print(f"{case:>18}  failed: {out.stderr[-800:]}")
+            continue
+        dt, rss, code, kind, alloc, _ = out.stdout.split()
+        ratio = int(rss) / size
+        print(f"{case:>18} {float(dt):8.2f} {int(rss) / 1e6:8.0f} MB {ratio:10.2f}  exit {code}, {kind}, "
+              f"allocated at the OOM {int(alloc) / GiB:.2f} GiB")
+    print("targets: under 10 s and under 10x the file size (issue 24)")

@@ -1,0 +1,304 @@
+"""A loaded snapshot as checked, typed data: every format PyTorch has written, told apart and named.
+
+Formats (torch/cuda/memory.py ``_snapshot`` docstring, torch/csrc/cuda/Module.cpp ``memorySnapshot``,
+torch/cuda/_memory_viz.py ``_block_extra_legacy``):
+
+- a dict with ``segments`` and ``device_traces`` (one list per device; entries with ``action``, ``addr`` or
+  ``device_free``, ``size``, ``stream``, and in newer torch ``time_us``, ``frames``, ``pool_id``,
+  ``compile_context``, ``user_metadata``), and in newer torch ``allocator_settings`` and ``external_annotations``;
+- older blocks carry ``history: [{addr, real_size, frames}]`` instead of ``requested_size``/``frames``;
+- ``torch.cuda.memory_snapshot()``: the bare list of segments;
+- expandable segments: ``is_expandable`` segments (one per contiguous mapped range) and ``segment_map`` /
+  ``segment_unmap`` trace entries.
+
+Validation is one pass over the data, never recursive; anything that is not the documented shape is either
+refused (the file is not a snapshot) or counted as a problem and left out, never guessed at.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...core.text import shown
+
+ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+           "segment_unmap", "oom", "snapshot", "annotate")
+ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, SNAPSHOT, \
+    ANNOTATE = range(len(ACTIONS))
+IGNORED = 255                           # malformed or unknown entries: counted, never replayed
+CODE = {name: i for i, name in enumerate(ACTIONS)}
+CODE["free"] = FREE_COMPLETED           # never written by torch; _memory_viz's merged free_requested+free_completed
+STATES = {"active_allocated": "allocated", "active_pending_free": "pending", "active_awaiting_free": "pending",
+          "inactive": "inactive"}
+MAX_INT = 1 << 63                       # sizes, addresses and streams are int64 in torch
+SMALL_SEGMENT = 2 << 20                 # kSmallBuffer: segments of the small pool (requests <= 1 MiB)
+MAX_PROBLEMS = 20
+
+
+class MalformedSnapshot(Exception):
+    """The object is not a memory snapshot (wrong shape where the reader cannot go on)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    address: int
+    size: int
+    requested: int
+    state: str            # allocated | pending | inactive
+    frames: Any           # the file's frame list (never copied), or ()
+
+
+@dataclass(frozen=True)
+class Segment:
+    device: int
+    address: int
+    total_size: int
+    stream: int
+    kind: str             # small | large
+    pool: tuple | None    # segment_pool_id; (0, 0) is the default pool
+    expandable: bool
+    blocks: tuple[Block, ...]
+    frames: Any = ()
+
+
+@dataclass
+class Trace:
+    """One device's trace entries as columns (an entry index is a position in each)."""
+    action: bytearray = field(default_factory=bytearray)
+    addr: array = field(default_factory=lambda: array("q"))     # device_free for oom entries (as torch stores it)
+    size: array = field(default_factory=lambda: array("q"))
+    stream: array = field(default_factory=lambda: array("q"))
+    time_us: array = field(default_factory=lambda: array("q"))  # 0 where the entry has none
+    frames: list = field(default_factory=list)
+    pool: list = field(default_factory=list)                    # pool_id where given, else None
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+
+@dataclass(frozen=True)
+class Format:
+    layout: str                  # snapshot_dict | segment_list
+    features: tuple[str, ...]
+
+    @property
+    def description(self) -> str:
+        head = {"snapshot_dict": "torch.cuda.memory._snapshot() dict (segments + device_traces)",
+                "segment_list": "torch.cuda.memory_snapshot() list of segments (no trace)"}[self.layout]
+        return head + (f"; {', '.join(self.features)}" if self.features else "")
+
+
+@dataclass
+class Snapshot:
+    format: Format
+    segments: dict[int, list[Segment]]
+    traces: dict[int, Trace]
+    allocator_settings: dict[str, Any]
+    annotations: int = 0
+    problems: list[str] = field(default_factory=list)
+    ignored_entries: int = 0
+
+    @property
+    def devices(self) -> list[int]:
+        return sorted(set(self.segments) | {d for d, t in self.traces.items() if len(t)})
+
+    def note(self, text: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(text)
+        elif len(self.problems) == MAX_PROBLEMS:
+            self.problems.append("... more problems not shown")
+
+
+def _int(value: Any) -> int | None:
+    return value if type(value) is int and 0 <= value < MAX_INT else None
+
+
+def _signed(value: Any) -> int | None:
+    return value if type(value) is int and -MAX_INT <= value < MAX_INT else None
+
+
+def _frames(value: Any) -> Any:
+    return value if type(value) is list else ()
+
+
+def _pool(value: Any) -> tuple | None:
+    if type(value) is tuple and len(value) == 2 and all(type(v) is int for v in value):
+        return value
+    return None
+
+
+def _block(raw: Any, address: int, where: str, features: set[str]) -> Block:
+    if type(raw) is not dict:
+        raise MalformedSnapshot(f"{where} is a {type(raw).__name__}, not a block (a dict)")
+    size = _int(raw.get("size"))
+    state = STATES.get(raw.get("state")) if type(raw.get("state")) is str else None
+    if size is None or state is None:
+        raise MalformedSnapshot(f"{where} has no valid size/state (state {shown(str(raw.get('state'))[:40])})")
+    given = _int(raw.get("address"))
+    if "history" in raw and "frames" not in raw:  # older torch: the block's allocations as history entries
+        features.add("block history (older torch)")
+        history = raw.get("history")
+        first = history[0] if type(history) is list and history and type(history[0]) is dict else {}
+        requested = _int(first.get("real_size"))
+        frames = _frames(first.get("frames"))
+    else:
+        requested = _int(raw.get("requested_size"))
+        frames = _frames(raw.get("frames"))
+    if requested is None:
+        requested = size if state != "inactive" else 0
+    return Block(address if given is None else given, size, requested, state, frames)
+
+
+def _segment(raw: Any, i: int, features: set[str], snap_problems: list[str]) -> Segment:
+    where = f"segments[{i}]"
+    if type(raw) is not dict:
+        raise MalformedSnapshot(f"{where} is a {type(raw).__name__}, not a segment (a dict)")
+    address, total = _int(raw.get("address")), _int(raw.get("total_size"))
+    blocks_raw = raw.get("blocks")
+    if address is None or total is None or type(blocks_raw) is not list:
+        raise MalformedSnapshot(f"{where} lacks a valid address, total_size or blocks list")
+    device = raw.get("device", 0)
+    if type(device) is not int or not 0 <= device < 1 << 16:
+        raise MalformedSnapshot(f"{where}.device is not a device index")
+    blocks, cursor = [], address
+    for j, b in enumerate(blocks_raw):
+        block = _block(b, cursor, f"{where}.blocks[{j}]", features)
+        blocks.append(block)
+        cursor = block.address + block.size
+    covered = sum(b.size for b in blocks)
+    if covered != total:
+        snap_problems.append(f"{where}: its blocks add up to {covered} bytes, its total_size is {total}")
+    expandable = raw.get("is_expandable") is True
+    if expandable:
+        features.add("expandable segments")
+    kind = raw.get("segment_type")
+    kind = kind if kind in ("small", "large") else ("small" if total == SMALL_SEGMENT and not expandable else "large")
+    stream = _signed(raw.get("stream", 0))
+    for key, state in (("allocated_size", "allocated"), ("active_size", None)):
+        reported = _int(raw.get(key))
+        if reported is None:
+            continue
+        computed = sum(b.size for b in blocks if (b.state == state if state else b.state != "inactive"))
+        if reported != computed:
+            snap_problems.append(f"{where}.{key} is {reported}, its blocks say {computed}")
+    return Segment(device, address, total, 0 if stream is None else stream, kind, _pool(raw.get("segment_pool_id")),
+                   expandable, tuple(blocks), _frames(raw.get("frames")))
+
+
+def _trace(entries: Any, device: int, snap: Snapshot, features: set[str]) -> Trace:
+    t = Trace()
+    if type(entries) is not list:
+        raise MalformedSnapshot(f"device_traces[{device}] is a {type(entries).__name__}, not a list of entries")
+    unknown: dict[str, int] = {}
+    timed = framed = 0
+    for e in entries:
+        code = IGNORED
+        addr = size = stream = 0
+        when = 0
+        frames, pool = (), None
+        if type(e) is dict:
+            action = e.get("action")
+            code = CODE.get(action, IGNORED) if type(action) is str else IGNORED
+            if code == IGNORED:
+                name = shown(action)[:40] if type(action) is str else type(action).__name__
+                unknown[name] = unknown.get(name, 0) + 1
+            else:
+                size = _int(e.get("size", 0))
+                addr = _int(e.get("device_free" if code == OOM else "addr", 0))
+                stream = _signed(e.get("stream", 0))
+                if size is None or addr is None or stream is None:
+                    code, size, addr, stream = IGNORED, 0, 0, 0
+                    unknown["(malformed)"] = unknown.get("(malformed)", 0) + 1
+                when = _int(e.get("time_us", 0)) or 0
+                timed += "time_us" in e
+                frames = _frames(e.get("frames"))
+                framed += bool(frames)
+                pool = _pool(e.get("pool_id"))
+                if "compile_context" in e or "user_metadata" in e:
+                    features.add("compile_context/user_metadata")
+        else:
+            unknown[type(e).__name__] = unknown.get(type(e).__name__, 0) + 1
+        t.action.append(code)
+        t.addr.append(addr)
+        t.size.append(size)
+        t.stream.append(stream)
+        t.time_us.append(when)
+        t.frames.append(frames)
+        t.pool.append(pool)
+    if timed:
+        features.add("time_us")
+    if framed:
+        features.add("frames")
+    if SEGMENT_MAP in t.action or SEGMENT_UNMAP in t.action:
+        features.add("expandable segments")
+    ignored = sum(unknown.values())
+    if ignored:
+        snap.ignored_entries += ignored
+        shown_kinds = ", ".join(f"{k} x{v}" for k, v in sorted(unknown.items())[:6])
+        snap.note(f"device {device}: {ignored} trace entr{'y' if ignored == 1 else 'ies'} not replayed ({shown_kinds})")
+    return t
+
+
+def _settings(raw: Any) -> dict[str, Any]:
+    """allocator_settings with scalar values (and the roundup table), shown-safe keys; nothing else kept."""
+    if type(raw) is not dict:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in list(raw.items())[:64]:
+        if type(key) is not str:
+            continue
+        if type(value) in (str, int, float, bool) or value is None:
+            out[key] = value if type(value) is not str else value[:1000]
+        elif type(value) is dict:
+            out[key] = {k: v for k, v in list(value.items())[:64] if type(k) is str and type(v) in (int, float)}
+    return out
+
+
+def normalize(data: Any) -> Snapshot:
+    """The checked snapshot; MalformedSnapshot when ``data`` is not one."""
+    features: set[str] = set()
+    problems: list[str] = []
+    if type(data) is list:
+        layout, raw_segments, raw_traces, settings, annotations = "segment_list", data, [], None, None
+    elif type(data) is dict:
+        if "segments" not in data:
+            raise MalformedSnapshot("the pickle is a dict without 'segments': not a memory snapshot")
+        layout = "snapshot_dict"
+        raw_segments, raw_traces = data.get("segments"), data.get("device_traces", [])
+        settings, annotations = data.get("allocator_settings"), data.get("external_annotations")
+        if type(raw_segments) is not list:
+            raise MalformedSnapshot("'segments' is not a list")
+        if type(raw_traces) is not list:
+            raise MalformedSnapshot("'device_traces' is not a list (one list of entries per device)")
+        if settings is not None:
+            features.add("allocator_settings")
+        if annotations is not None:
+            features.add("external_annotations")
+        if "host_segments" in data or "host_traces" in data:
+            features.add("host (pinned memory) segments: not analysed")
+    else:
+        raise MalformedSnapshot(f"the pickle holds a {type(data).__name__}, not a memory snapshot (a dict or a list "
+                                "of segments)")
+    snap = Snapshot(Format(layout, ()), {}, {}, _settings(settings),
+                    len(annotations) if type(annotations) is list else 0)
+    for i, raw in enumerate(raw_segments):
+        seg = _segment(raw, i, features, problems)
+        snap.segments.setdefault(seg.device, []).append(seg)
+    for device, entries in enumerate(raw_traces):
+        if type(entries) is list and not entries:
+            continue
+        snap.traces[device] = _trace(entries, device, snap, features)
+    if any(b.frames for segs in snap.segments.values() for s in segs for b in s.blocks):
+        features.add("frames")
+    if layout == "snapshot_dict" and not snap.traces:
+        features.add("no trace (history was not recorded)")
+    if len(snap.devices) > 1:
+        features.add(f"{len(snap.devices)} devices")
+    if not snap.devices:
+        features.add("empty")
+    for text in problems:
+        snap.note(text)
+    snap.format = Format(layout, tuple(sorted(features)))
+    return snap
