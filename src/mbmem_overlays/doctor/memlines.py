@@ -39,9 +39,14 @@ RANK_LIMIT = 1 << 20           # a [Rank N] beyond this is not a rank of any rea
 MAX_RANKS = 1 << 16            # ranks whose series are kept (memory stays bounded whatever the log)
 TOLERANCE = 1e-3               # relative: printed values are rounded (5 significant digits, or .2f MiB)
 
-# "[Rank 3] (after 10 iterations) memory (MB)" with the rank and the iteration optional (older Megatron-LM).
-HEADER = re.compile(r"(?:\[Rank (\d{1,9})\]\s{0,4})?(?:\(after (\d{1,12}) iterations?\)\s{0,4})?memory \((MB|GB)\)")
+# "[Rank 3] (after 10 iterations) memory (MB)" with the rank and the iteration optional (older Megatron-LM):
+# the literal is found first (str.find), then what precedes it is matched backwards on a bounded window.
+ANCHOR = "memory ("
+UNITS_SEEN = ("MB)", "GB)")
+BEFORE = re.compile(r"(?:\[Rank (\d{1,9})\]\s{0,4})?(?:\(after (\d{1,12}) iterations?\)\s{0,4})?\Z")
+BEFORE_WINDOW = 64
 VALUE = re.compile(r"\s{0,8}(-?(?:\d{1,24}(?:\.\d{0,24})?|\.\d{1,24})(?:[eE][+-]?\d{1,4})?|-?(?i:nan|inf))(?![\w.])")
+_PLAIN = frozenset("0123456789.")
 THEORY = re.compile(r"Theoretical memory footprints: ")
 THEORY_PART = re.compile(r"([A-Za-z][A-Za-z ]{0,40})=(\d{1,15}(?:\.\d{1,6})?) (MB|GB)")
 
@@ -107,6 +112,9 @@ class Theoretical:
 
 
 def _number(text: str) -> tuple[str, float] | None:
+    raw = text.strip()
+    if raw and len(raw) <= 24 and _PLAIN.issuperset(raw) and raw.count(".") <= 1 and raw != ".":
+        return raw, float(raw)      # the common case, "36.41" or "54556.0", without the regex
     m = VALUE.match(text)
     if not m:
         return None
@@ -139,18 +147,26 @@ def _user_field(name: str, raw: str) -> tuple[str | None, bool]:
 def parse_reports(text: str, where: str, rank_hint: int | None) -> list[MemoryReport]:
     """Every memory report on one (bounded) line; ``rank_hint`` is the launcher prefix's rank, used when the
     report carries no ``[Rank N]``."""
-    heads = [m for m, _ in zip(HEADER.finditer(text), range(MAX_REPORTS_PER_LINE))]
+    heads = []   # (start of the report's prefix, end of "memory (MB)", unit, rank, iteration)
+    i = text.find(ANCHOR)
+    while i >= 0 and len(heads) < MAX_REPORTS_PER_LINE:
+        unit_end = i + len(ANCHOR) + 3
+        if text[i + len(ANCHOR):unit_end] in UNITS_SEEN:
+            lo = max(0, i - BEFORE_WINDOW)
+            m = BEFORE.search(text, lo, i)
+            start = m.start() if m and m.group(0) else i
+            heads.append((start, unit_end, text[unit_end - 3:unit_end - 1],
+                          m.group(1) if m else None, m.group(2) if m else None))
+        i = text.find(ANCHOR, i + 1)
     out = []
-    for i, m in enumerate(heads):
-        end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
-        out.append(_report(m, text[m.end():end], where, rank_hint, text))
+    for k, (start, end, unit, rank, iteration) in enumerate(heads):
+        stop = heads[k + 1][0] if k + 1 < len(heads) else len(text)
+        out.append(_report(unit, int(rank) if rank else rank_hint, int(iteration) if iteration else None,
+                           text[end:stop], where, text))
     return out
 
 
-def _report(m: re.Match, body: str, where: str, rank_hint: int | None, line: str) -> MemoryReport:
-    unit = m.group(3)
-    rank = int(m.group(1)) if m.group(1) else rank_hint
-    iteration = int(m.group(2)) if m.group(2) else None
+def _report(unit: str, rank: int | None, iteration: int | None, body: str, where: str, line: str) -> MemoryReport:
     values: dict[str, int] = {}
     printed: dict[str, str] = {}
     inferred, other, problems = [], [], []

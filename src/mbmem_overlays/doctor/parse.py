@@ -30,21 +30,20 @@ MAX_LINE_KEPT = 400        # characters of a cited line kept in the report
 # of each log (read.HEAD_BYTES), where versions, config dumps and the launch command are printed. "Error"
 # alone is not one: a flood of it collapsed the throughput (issue 15, item 17); exceptions carry "Error: ".
 FAILURE_TRIGGERS = (
-    b"emory",        # out of memory, OutOfMemoryError, Out Of Memory, memory saver, MemoryAllocation
-    b"EMORY",        # CUDA_ERROR_OUT_OF_MEMORY
-    b"ALLOC",        # *_ALLOC_FAILED, PYTORCH_CUDA_ALLOC_CONF
     b"WORKSPACE",    # CUDNN_STATUS_NOT_ENOUGH_WORKSPACE
     b"xit",          # exitcode, exit code, Exit code, exit status, ExitCode
     b"SIG",          # SIGKILL, SIGTERM, Signals.SIGKILL
     b"illed",        # Killed, OOMKilled
-    b"oom",          # oom-kill, oom_kill, invoked oom-killer
     b"NCCL WARN", b"ibv_reg", b"local_rank",
     b"Error: ",      # exceptions: the configuration errors' fragments are matched on these lines
-    b"bad_alloc",    # std::bad_alloc: a host allocation failed
-    b"OOM",          # "OOM" in any wording (issue 23 §3): a line that says it is never "no OOM"
-    b"lloc",         # allocation failures in words (failed to allocate, alloc failed, CUDA calloc)
-    b"cudaError", b"CUresult", b"OutOfRes",
+    b"CUresult",     # memory-saver allocators' driver errors ("CUresult error result=2")
     b"training is done",   # the end of a normal run (Megatron-LM / Bridge print "after training is done")
+)
+# Matched in any case (read.trigger_lines lower-cases each block once for them).
+FOLDED_TRIGGERS = (
+    b"emory",        # out of memory, OutOfMemoryError, CUDA_ERROR_OUT_OF_MEMORY, MemoryAllocation, memory lines
+    b"alloc",        # *_ALLOC_FAILED, PYTORCH_CUDA_ALLOC_CONF, bad_alloc, calloc/malloc, failed to allocate
+    b"oom",          # OOM in any wording (issue 23 §3), oom-kill, oom_kill, invoked oom-killer
 )
 CONTEXT_TRIGGERS = (
     b"ersion", b"orch==", b".py ", b"orld", b"ORLD", b"SLURM_", b"arallel", b"batch_size", b"ecompute", b"ffload",
@@ -52,7 +51,7 @@ CONTEXT_TRIGGERS = (
     b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem",
     b"SBATCH", b"--nodes", b"erminated", b"num_workers", b"MiB /", b"total_memory=", b"_mapping", b"Non-default",
 )
-TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS
+TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS + FOLDED_TRIGGERS
 
 
 @dataclass
@@ -177,7 +176,8 @@ def scan(paths: list[str]) -> Findings:
                 findings.unreadable += 1
                 src.problems.append(f"{path}: looks like a binary file, not a log (NUL bytes); skipped")
                 continue
-            for lineno, raw, after in read.trigger_lines(stream, FAILURE_TRIGGERS, src, CONTEXT_TRIGGERS):
+            for lineno, raw, after in read.trigger_lines(stream, FAILURE_TRIGGERS, src, CONTEXT_TRIGGERS,
+                                                         FOLDED_TRIGGERS):
                 findings.ranks_seen.update(int(r) for r in P.RANK_PREFIXES.findall(raw[:64]))
                 parse_line(raw.decode("utf-8", errors="replace"), f"{path}:{lineno}", findings, fragments, state,
                            after)

@@ -135,17 +135,19 @@ def open_log(path: str, src: Source) -> BinaryIO | None:
     return raw
 
 
-def _pieces(line: bytes, triggers: tuple[bytes, ...], src: Source) -> list[bytes]:
+def _pieces(line: bytes, triggers: tuple[bytes, ...], src: Source, folded: tuple[bytes, ...] = ()) -> list[bytes]:
     """A short line whole; a long one as windows around its trigger literals (bounded count)."""
     if len(line) <= MAX_LINE:
         return [line]
     src.long_lines += 1
     starts: list[int] = []
-    for lit in triggers:
-        i = line.find(lit)
-        while i >= 0 and len(starts) < 4 * MAX_WINDOWS:
-            starts.append(i)
-            i = line.find(lit, i + WINDOW_AFTER)
+    low = line.lower() if folded else b""
+    for text, lits in ((line, triggers), (low, folded)):
+        for lit in lits:
+            i = text.find(lit)
+            while i >= 0 and len(starts) < 4 * MAX_WINDOWS:
+                starts.append(i)
+                i = text.find(lit, i + WINDOW_AFTER)
     windows: list[tuple[int, int]] = []
     for i in sorted(starts):
         lo, hi = max(0, i - WINDOW_BEFORE), i + WINDOW_AFTER
@@ -161,14 +163,18 @@ def _pieces(line: bytes, triggers: tuple[bytes, ...], src: Source) -> list[bytes
 
 
 def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source,
-                  head_triggers: tuple[bytes, ...] = ()) -> Iterator[tuple[int, bytes, bytes]]:
+                  head_triggers: tuple[bytes, ...] = (), folded: tuple[bytes, ...] = ()
+                  ) -> Iterator[tuple[int, bytes, bytes]]:
     """(line number, bounded line text, the text after it in the block (for wrapped messages)).
 
     ``head_triggers`` are looked for only in the first HEAD_BYTES (context printed at start-up): every
     literal is one more pass over each block, so the body of a large log is scanned for the failure
-    literals alone (issue 15, item 17)."""
+    literals alone (issue 15, item 17). ``folded`` literals (lower case) match in any case: one lower-casing
+    pass over the block stands for the case variants ("oom" for OOM, "alloc" for ALLOC_FAILED and calloc),
+    cheaper than a pass per spelling (issue 23: 1 GB in under 15 s)."""
     carry, lineno = b"", 1
     seen: dict[bytes, int] = {}
+    known: set[bytes] = set()
     while True:
         try:
             block = stream.read(BLOCK)
@@ -187,9 +193,12 @@ def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source,
         work, carry = (data[:cut], data[cut:]) if (cut and block) else (data, b"")
         scan_for = triggers + head_triggers if src.bytes_read - len(block) < HEAD_BYTES else triggers
         present = tuple(lit for lit in scan_for if lit in work)
-        if present:
-            hits = sum(work.count(lit) for lit in present)
-            lines = _dense(work, present, seen, src) if hits > SPARSE_HITS else _sparse(work, present, src)
+        low = work.lower() if folded else b""
+        present_folded = tuple(lit for lit in folded if lit in low)
+        if present or present_folded:
+            spans = _spans(work, low, present, present_folded)
+            lines = (_dense(work, present, present_folded, seen, known, src) if spans is None
+                     else _sparse(work, spans, present, present_folded, known, src))
             for offset, line, after in lines:
                 yield lineno + offset, line, after
         lineno += work.count(b"\n")
@@ -197,49 +206,98 @@ def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source,
             break
 
 
-def _sparse(work: bytes, present: tuple[bytes, ...], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+def _spans(work: bytes, low: bytes, present: tuple[bytes, ...], folded: tuple[bytes, ...]) -> set | None:
+    """The (start, end) of every line holding a literal, or None past SPARSE_HITS lines (a flood: dense path).
+    Each literal's search resumes after the line it found, so a line costs one step per literal at most.
+    Memory reports do not count towards the flood: they are kept per rank (_Reports), whatever their number."""
     spans: set[tuple[int, int]] = set()
-    for lit in present:
-        i = work.find(lit)
-        while i >= 0:
-            start = work.rfind(b"\n", 0, i) + 1
-            end = work.find(b"\n", i)
-            end = len(work) if end < 0 else end
-            spans.add((start, end))
-            i = work.find(lit, end)
+    others = 0
+    for text, lits in ((work, present), (low, folded)):
+        for lit in lits:
+            i = text.find(lit)
+            while i >= 0:
+                start = work.rfind(b"\n", 0, i) + 1
+                end = work.find(b"\n", i)
+                end = len(work) if end < 0 else end
+                if (start, end) not in spans:
+                    spans.add((start, end))
+                    if work.find(MEMORY_LINE, start, end) < 0 or end - start > SEEN_LINE:
+                        others += 1
+                        if others > SPARSE_HITS:
+                            return None
+                i = text.find(lit, end)
+    return spans
+
+
+def _sparse(work: bytes, spans: set, present: tuple[bytes, ...], folded: tuple[bytes, ...], known: set[bytes],
+            src: Source) -> Iterator[tuple[int, bytes, bytes]]:
     pos, offset = 0, 0
+    reports = _Reports(known)
     for start, end in sorted(spans):
         offset += work.count(b"\n", pos, start)
         pos = start
+        line = work[start:end]
+        if reports.keep(offset, line):
+            continue
         after = work[end + 1:end + 1 + WINDOW_AFTER]
-        for piece in _pieces(work[start:end], present, src):
+        for piece in _pieces(line, present, src, folded):
             yield offset, piece, after
+    yield from reports.lines()
 
 
 MEMORY_LINE = b"memory ("
-_RANK_KEY = re.compile(rb"\[Rank \d{1,9}\]|^\s{0,4}(?:\[(?:rank|default)\d{1,6}\]:|\d{1,6}: )")
+_RANK_TAG = re.compile(rb"\[Rank \d{1,9}\]")
+_PREFIX_KEY = re.compile(rb"^\s{0,4}(?:\[(?:rank|default)\d{1,6}\]:|\d{1,6}: )")
 
 
-def _dense(work: bytes, present: tuple[bytes, ...], seen: dict[bytes, int], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+class _Reports:
+    """A block's memory reports by rank: only each rank's first and last are parsed (the run report uses the
+    latest; the first tells the earliest iteration). Many ranks print the same shape of line, so the flood
+    filter below cannot tell them apart; the rank tag does."""
+
+    def __init__(self, known: set[bytes]) -> None:
+        self.by_rank: dict[bytes, list] = {}
+        self.known = known      # ranks whose first report was parsed in an earlier block
+
+    def keep(self, offset: int, line: bytes) -> bool:
+        """True when ``line`` is a memory report now held here (not to be yielded in place)."""
+        if MEMORY_LINE not in line or len(line) > SEEN_LINE:
+            return False
+        m = _RANK_TAG.search(line, 0, 200) or _PREFIX_KEY.match(line)
+        key = m.group(0) if m else b""
+        first_last = self.by_rank.get(key)
+        if first_last is None:
+            if len(self.by_rank) >= SEEN_LIMIT:
+                return False
+            self.by_rank[key] = [(offset, line), None]
+        else:
+            first_last[1] = (offset, line)
+        return True
+
+    def lines(self) -> Iterator[tuple[int, bytes, bytes]]:
+        for key, (first, last) in self.by_rank.items():
+            if key not in self.known:
+                if len(self.known) < SEEN_LIMIT:
+                    self.known.add(key)
+                yield first[0], first[1], b""
+            elif last is None:
+                last = first
+            if last is not None:
+                yield last[0], last[1], b""
+
+
+def _dense(work: bytes, present: tuple[bytes, ...], folded: tuple[bytes, ...], seen: dict[bytes, int],
+           known: set[bytes], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
     # A flood: lines of one shape (the line without its digits: "task 17 Killed" and "task 18 Killed" are one
     # shape) are parsed SHAPE_PARSES times per block at most, whatever their count; the work per block is
     # bounded by its number of shapes, and a flood of one template costs a split and a dict lookup per line.
     # Memory reports of many ranks share one shape, so they are kept apart by rank instead: the first and the
     # last report of each rank in the block are parsed (the latest is the one the run report uses).
     seen.clear()
-    reports: dict[bytes, list] = {}
+    reports = _Reports(known)
     for offset, line in enumerate(work.split(b"\n")):
-        if MEMORY_LINE in line and len(line) <= SEEN_LINE:
-            m = _RANK_KEY.search(line, 0, 200)
-            key = m.group(0) if m else b""
-            first_last = reports.get(key)
-            if first_last is None:
-                if len(reports) < SEEN_LIMIT:
-                    reports[key] = [(offset, line), None]
-                    continue
-            else:
-                first_last[1] = (offset, line)
-                continue
+        if reports.keep(offset, line):
+            continue
         if len(line) <= SEEN_LINE:
             shape = line.translate(None, _DIGITS)
             count = seen.get(shape, 0)
@@ -248,9 +306,7 @@ def _dense(work: bytes, present: tuple[bytes, ...], seen: dict[bytes, int], src:
             if len(seen) >= SEEN_LIMIT:
                 seen.clear()
             seen[shape] = count + 1
-        if any(lit in line for lit in present):
-            for piece in _pieces(line, present, src):
+        if any(lit in line for lit in present) or (folded and any(lit in line.lower() for lit in folded)):
+            for piece in _pieces(line, present, src, folded):
                 yield offset, piece, b""
-    for first, last in reports.values():
-        for offset, line in (first, last) if last else (first,):
-            yield offset, line, b""
+    yield from reports.lines()
