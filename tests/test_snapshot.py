@@ -528,3 +528,15 @@ def test_a_real_shaped_file_with_hostile_strings_is_shown_escaped():
     r = report_of(copy.deepcopy(obj))
     text = render(r, advise(r, None), 5)
     assert "\x1b" not in text and "\\x1b[2J" in text
+
+
+def test_the_docs_show_what_the_commands_print():
+    """docs/snapshots.md's report and comparison are this code's output, word for word."""
+    import re
+    import shlex
+    text = (ROOT / "docs" / "snapshots.md").read_text()
+    blocks = re.findall(r"```text\n\$ (mbmem doctor [^\n]*)\n((?:(?!```)[^\n]*\n)*)```", text)
+    assert len(blocks) >= 2 and any("--against" in cmd for cmd, _ in blocks)
+    for cmd, shown_output in blocks:
+        out = mbmem(*shlex.split(cmd)[1:], timeout=120)
+        assert out.stdout.rstrip() == shown_output.rstrip(), f"docs/snapshots.md is out of date for: {cmd}"

@@ -19,7 +19,8 @@ from .. import command as C
 from ..diagnose import COST, NVIDIA_SMI
 from .analyze import Report
 
-Validator = Callable[[list[str], dict, str], str]
+# (overlays, parameters, command text) -> (status text, whether the overlay changes nothing in the recipe's config)
+Validator = Callable[[list[str], dict, str], tuple[str, bool]]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def capacity_remedies(report: Report) -> tuple[list[C.Remedy], list[str]]:
         top, top_bytes = max(parts.items(), key=lambda kv: kv[1])
         share = f"{top_bytes / total:.0%} of the live memory"
         if top == "optimizer":
-            order = ["dist_optimizer", "optimizer_offload", "selective_recompute", "full_recompute"]
+            order = ["dist_optimizer", "selective_recompute", "full_recompute", "optimizer_offload"]
             reasons.append(f"optimizer state is the largest part ({share}): shard it first")
         elif top == "activations":
             reasons.append(f"activations are the largest part ({share}): recompute first")
@@ -93,28 +94,37 @@ def remedies_for(report: Report) -> tuple[list[C.Remedy], list[str]]:
 
 
 def advise(report: Report, recipe: str | None, validator: Validator | None = None) -> Advice:
+    """The remedies and the first one as a checked command; with a validator (``--plan``), a remedy the recipe's
+    config already has (the engine changes nothing) gives way to the next one."""
     remedies, reasons = remedies_for(report)
     if not remedies:
         return Advice((), None, "nothing to change: no OOM", tuple(reasons))
-    first = remedies[0]
-    if first.command:
-        return Advice(tuple(remedies), first.command, first.command_note, tuple(reasons))
     catalog, catalog_error = C.load_catalog()
     launch = C.parse_launch(None, "", recipe)
-    tokens, overlays = C.apply_remedy(launch, first, catalog)
-    text = C.render_tokens(tokens)
     fill = "" if recipe else "fill in <recipe>; "
     keep = "keep your job's own overrides and overlays beside it"
-    if not first.overlay:
-        return Advice(tuple(remedies), text, f"{fill}environment change only: no overlay to validate; {keep}",
-                      tuple(reasons))
-    params = C.params_in(C.parse_launch(text))
-    problems = C.check_catalog(overlays, params, {}, catalog) if catalog else [catalog_error or "no catalogue"]
-    if problems:
-        return Advice(tuple(remedies), text, "NOT VALID: " + "; ".join(problems), tuple(reasons))
-    if validator is not None:
-        return Advice(tuple(remedies), text, validator(overlays, params, text) + f"; {keep}", tuple(reasons))
-    return Advice(tuple(remedies), text,
-                  f"{fill}checked against the overlay catalogue (names, parameters, no two overlays writing one field); "
-                  "not validated on the recipe's config: add --plan --recipe R with Megatron Bridge installed; "
-                  + keep, tuple(reasons))
+    skipped: list[str] = []
+    for i, remedy in enumerate(remedies):
+        if remedy.command:
+            return Advice(tuple(remedies), remedy.command, remedy.command_note, tuple(reasons))
+        tokens, overlays = C.apply_remedy(launch, remedy, catalog)
+        text = C.render_tokens(tokens)
+        if not remedy.overlay:
+            return Advice(tuple(remedies), text, f"{fill}environment change only: no overlay to validate; {keep}",
+                          tuple(reasons))
+        params = C.params_in(C.parse_launch(text))
+        problems = C.check_catalog(overlays, params, {}, catalog) if catalog else [catalog_error or "no catalogue"]
+        if problems:
+            return Advice(tuple(remedies), text, "NOT VALID: " + "; ".join(problems), tuple(reasons))
+        if validator is None:
+            return Advice(tuple(remedies), text,
+                          f"{fill}checked against the overlay catalogue (names, parameters, no two overlays writing one "
+                          "field); not validated on the recipe's config: add --plan --recipe R with Megatron Bridge "
+                          "installed; " + keep, tuple(reasons))
+        status, no_op = validator(overlays, params, text)
+        if no_op and i + 1 < len(remedies):
+            skipped.append(f"{remedy.name} is already in effect in the recipe's config (the engine changes nothing): "
+                           "the next remedy is proposed")
+            continue
+        return Advice(tuple(remedies[i:]), text, f"{status}; {keep}", (*reasons, *skipped))
+    return Advice((), None, "every remedy is already in effect in the recipe's config", (*reasons, *skipped))

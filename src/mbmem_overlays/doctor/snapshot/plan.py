@@ -46,16 +46,18 @@ def compare_plan(recipe: str, overrides: list[str], params: dict[str, Any], worl
         return PlanComparison((f"plan: not computed, recipe {recipe!r} could not be built "
                                f"({type(exc).__name__}: {str(exc)[:300]})",), None)
 
-    def validator(overlays: list[str], command_params: dict, text: str) -> str:
+    def validator(overlays: list[str], command_params: dict, text: str) -> tuple[str, bool]:
+        """(status, whether the last overlay changes nothing in this config)."""
         try:
-            plan_overlays(copy.deepcopy(cfg), overlays, env={},
-                          params={**params, **{k: _value(v) for k, v in command_params.items()}},
-                          world_size=world, locked=locked)
+            report, _, _ = plan_overlays(copy.deepcopy(cfg), overlays, env={},
+                                         params={**params, **{k: _value(v) for k, v in command_params.items()}},
+                                         world_size=world, locked=locked)
         except OverlayError as exc:
-            return "NOT VALID (engine, on the recipe): " + "; ".join(p.message for p in exc.problems)
+            return "NOT VALID (engine, on the recipe): " + "; ".join(p.message for p in exc.problems), False
         except Exception as exc:  # noqa: BLE001 — reported as "not validated", never raised
-            return f"not validated: the engine stopped with {type(exc).__name__}: {exc}"
-        return f"validated by the engine on recipe {recipe} at world size {world} (Bridge's config)"
+            return f"not validated: the engine stopped with {type(exc).__name__}: {exc}", False
+        no_op = bool(overlays) and not any(c.overlay == overlays[-1] for c in report.changes)
+        return f"validated by the engine on recipe {recipe} at world size {world} (Bridge's config)", no_op
 
     seen = moment.components if moment else {}
     rows = []

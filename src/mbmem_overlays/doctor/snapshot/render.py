@@ -143,7 +143,7 @@ def render_comparison(c: Comparison, top: int) -> str:
     lines = [f"comparing A: {shown(a.path)} ({moment(a)}, {SUMMARY[a.kind]})",
              f"against  B: {shown(b.path)} ({moment(b)}, {SUMMARY[b.kind]})"]
     lines += section("allocator settings that differ (A vs B)",
-                     [f"{shown(k)}: {shown(va)!s} vs {shown(vb)!s}" for k, va, vb in c.settings]) or \
+                     [f"{shown(k)}: {_setting(va)} vs {_setting(vb)}" for k, va, vb in c.settings]) or \
         ["allocator settings: the same (or not in the files)"]
     lines.append("totals (A - B):")
     lines += [f"  {ch.name:<20} {gib(ch.a):>11} vs {gib(ch.b):>11}  {_signed(ch.delta)}" for ch in c.totals]
@@ -155,6 +155,13 @@ def render_comparison(c: Comparison, top: int) -> str:
     lines += [f"  {_signed(ch.delta)}  {shown(ch.name)}  ({gib(ch.b)} -> {gib(ch.a)})"
               for ch in [s for s in c.sites if s.delta][:top]] or ["  nothing"]
     return "\n".join(lines)
+
+
+def _setting(value: Any) -> str:
+    """An allocator setting as written: text quoted (so an empty one shows as ''), absent as (not in the file)."""
+    if value is None:
+        return "(not in the file)"
+    return shown(repr(value)) if isinstance(value, str) else shown(value)
 
 
 def _blocks(n: int) -> str:
@@ -175,6 +182,17 @@ def _device_json(d: DeviceReport, lead: int | None) -> dict[str, Any]:
                            "replay_inconsistencies": d.inconsistent,
                            "snapshot_markers": {"matched": d.snapshot_checks[0], "checked": d.snapshot_checks[1]}}
     return out
+
+
+MAX_SEGMENTS_JSON = 1000
+
+
+def _segments_json(segments) -> list[dict[str, Any]]:
+    """Per segment at the moment, largest free block first (at most MAX_SEGMENTS_JSON)."""
+    ordered = sorted(segments, key=lambda s: (-s.largest_free, s.address))[:MAX_SEGMENTS_JSON]
+    return [{"address": s.address, "size_bytes": s.size, "kind": s.kind, "stream": s.stream,
+             "expandable": s.expandable, "private_pool": s.pool not in (None, (0, 0)),
+             "largest_free_block_bytes": s.largest_free, "tail_free_bytes": s.tail_free} for s in ordered]
 
 
 def as_json(report: Report, advice: Advice, top: int, plan: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -205,7 +223,9 @@ def as_json(report: Report, advice: Advice, top: int, plan: dict[str, Any] | Non
         "moment": None if m is None else {"device": m.device, "kind": m.kind, "trace_position": m.position,
                                           "time_us": m.time_us, **m.totals.as_json(),
                                           "allocated_error_bytes": m.error_bytes,
-                                          "estimated_blocks": m.estimated_blocks},
+                                          "estimated_blocks": m.estimated_blocks,
+                                          "segment_list": _segments_json(m.segments),
+                                          "segment_list_truncated": len(m.segments) > MAX_SEGMENTS_JSON},
         "top_sites": [] if m is None else [{"site": s.name, "bytes": s.bytes, "count": s.count, "category": s.category}
                                            for s in m.sites[:top]],
         "categories": [] if m is None else [{"category": c.name, "bytes": c.bytes, "count": c.count}
