@@ -11,6 +11,7 @@ from typing import Any
 
 from .core import engine
 from .core.catalog import Catalog
+from .core.errors import OverlayError
 
 
 def bridge_validator(cfg: Any, world_size: int | None, env: MutableMapping[str, str] | None):
@@ -34,7 +35,7 @@ def apply_overlay(cfg: Any, overlays: str | Iterable[str] = (), *, env: MutableM
     - ``params``: ``{"cpu_offload": {"num_layers": 2}}``, ``{"cpu_offload.num_layers": 2}``,
       or, with a single overlay, ``{"num_layers": 2}``. An alias names the same overlay; giving one
       parameter through two spellings with different values is an error.
-    - ``world_size``: the number of GPUs, an ``int`` >= 1 (None: the recipe's smallest layout).
+    - ``world_size``: the number of GPUs, an ``int`` from 1 to 2^20 (None: the recipe's smallest layout).
     - ``locked``: fields the user set explicitly; an overlay that changes one is refused.
     - ``validate``: also run Bridge's own validation (imports Bridge) on a copy of the config with the
       changes applied, before anything is written; see ``report.validation``.
@@ -42,12 +43,20 @@ def apply_overlay(cfg: Any, overlays: str | Iterable[str] = (), *, env: MutableM
       catalogue is reused). A broken user overlay that is not selected only adds a warning.
 
     Raises ``OverlayError`` listing every problem — wrong argument types and values included
-    (``world_size="8"``, ``env="x"``, ``params=[...]``, ``overlays=None``, non-text env values), all
-    checked before anything else runs. With ``validate=True``, a config that Bridge rejects raises
+    (a plain ``dict`` as ``cfg``, ``world_size="8"`` or above 2^20, ``env="x"``, ``params=[...]``,
+    ``overlays=None``, non-text env values, ``validate="yes"``; a parameter value with ``${...}``, a number out of
+    range or a control character), all checked before anything else runs. With ``validate=True``, a config
+    that Bridge rejects raises
     ``ValidationRejected`` (an OverlayError whose ``.report`` holds the report and
     ``.report.validation`` Bridge's verdict). Whenever it raises, cfg and env are unchanged.
     Applying the same overlays twice equals applying them once.
     """
+    if not isinstance(validate, bool):  # validate="yes" / "false" / 1 would be read as truthy (issue 22 #8)
+        flag = engine.argument_problem("validate", validate, f"validate must be True or False, got "
+                                       f"{type(validate).__name__}", "pass validate=True (run Bridge's validation) "
+                                       "or validate=False")
+        others = engine.argument_problems(cfg, overlays, env, params, world_size, locked, overlay_dirs, catalog)[1]
+        raise OverlayError([flag, *others])  # every wrong argument at once, nothing touched
     return engine.apply_overlay(cfg, overlays, env=env, params=params, world_size=world_size, locked=locked,
                                 validator=bridge_validator if validate else None, overlay_dirs=overlay_dirs,
                                 catalog=catalog)

@@ -18,9 +18,9 @@ import enum
 import os
 from typing import Any
 
-from ..core.errors import OverlayError, Problem
+from ..core.errors import OverlayError, Problem, short_repr
 from ..core.paths import MISSING, path_problem, read, split, type_problem, write
-from ..core.values import plain
+from ..core.values import plain, value_fix, value_problem
 
 EXAMPLE = "model.tensor_model_parallel_size=4"
 
@@ -49,9 +49,14 @@ def parse_override(text: str) -> tuple[str, Any]:
         ov = OverridesParser.create().parse_override(text)
     except HydraException as exc:  # OverrideParseException and the lexer's own HydraException
         raise OverlayError([_problem(text, text.partition("=")[0], text.partition("=")[2],
-                                     f"cannot parse override {text!r}: {' '.join(str(exc).split())}",
+                                     f"cannot parse override {short_repr(text)}: {' '.join(str(exc).split())}",
                                      "write KEY=VALUE with Hydra syntax: dotted names, lists as [a,b], "
                                      f"e.g. {EXAMPLE} or model.recompute_modules=[core_attn]")]) from None
+    except ValueError as exc:  # Hydra's int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise OverlayError([_problem(text, text.partition("=")[0], text.partition("=")[2],
+                                     f"the value of {short_repr(text.partition('=')[0])} cannot be read: "
+                                     f"{' '.join(str(exc).split()[:12])}",
+                                     value_fix("cannot be read", text.partition("=")[0]))]) from None
     if ov.is_delete():
         raise OverlayError([_problem(text, ov.key_or_group, None, "deleting config fields is not supported",
                                      "set the field to null instead, e.g. model.recompute_granularity=null")])
@@ -59,7 +64,23 @@ def parse_override(text: str) -> tuple[str, Any]:
     problem = key_problem(key)
     if problem:
         raise OverlayError([problem])
-    return key, plain(ov.value())
+    if ov.is_sweep_override():
+        raise OverlayError([_problem(text, key, text.partition("=")[2], f"{short_repr(text)} is a sweep (several "
+                                     "values, one per job: a,b or range(...))",
+                                     "give one value (a list is written [a,b]); only `python train.py -m` sweeps")])
+    value = plain(ov.value())
+    problem = value_override_problem(key, value)
+    if problem:
+        raise OverlayError([problem])
+    return key, value
+
+
+def value_override_problem(key: str, value: Any) -> Problem | None:
+    """The one rule for user values (core/values.py): no interpolation, numbers in range, no control characters."""
+    why = value_problem(value)
+    if why is None:
+        return None
+    return _problem(key, key, value, f"the value of {key} {why}", value_fix(why, key))
 
 
 def key_problem(key: Any) -> Problem | None:
@@ -128,7 +149,7 @@ def check_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> tuple[li
     problems: list[Problem] = []
     if isinstance(overrides, dict):
         for key, value in overrides.items():
-            problem = key_problem(key)
+            problem = key_problem(key) or (value_override_problem(key, value) if isinstance(key, str) else None)
             if problem:
                 problems.append(problem)
             else:

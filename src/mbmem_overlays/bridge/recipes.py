@@ -16,9 +16,10 @@ import os
 import re
 from typing import Any
 
-from ..core.catalog import data_dir, recipe_file
+from ..core.catalog import data_dir, recipe_file, recipe_spec
 from ..core.errors import OverlayError, Problem
 from ..core.paths import read
+from ..core.values import MAX_WORLD_SIZE, parse_count
 from . import hf_offline
 from .overrides import apply_overrides
 from .stack import prepare
@@ -150,18 +151,16 @@ def build_from_spec(spec: dict[str, Any]):
 
 def load_recipe(name: str):
     """A recipes/recipe/<name>.yaml config or a Bridge recipe function name."""
-    import yaml
     path = recipe_file(name)
-    return build_recipe(name) if path is None else build_from_spec(yaml.safe_load(path.read_text()) or {})
+    return build_recipe(name) if path is None else build_from_spec(recipe_spec(path))
 
 
 def recipe_function_name(name: str) -> str:
     """The Bridge function behind a train.py recipe name (its YAML's ``function``), else the name itself."""
-    import yaml
     path = recipe_file(name) if isinstance(name, str) else None
     if path is None:
         return name
-    return str((yaml.safe_load(path.read_text()) or {}).get("function") or name)
+    return str(recipe_spec(path).get("function") or name)
 
 
 def _hub_id_from_error(text: str) -> str | None:
@@ -173,13 +172,14 @@ def _hub_id_from_error(text: str) -> str | None:
 
 
 def world_size_problem(value: Any, where: str) -> Problem | None:
-    """A world size must be a positive integer (issue 15 #12: 0 and negatives were planned as fitting)."""
-    text = str(value).strip()
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not (text.isascii() and text.isdigit()) \
-            or int(text) < 1:
-        return Problem(("run",), where, value, f"world size must be a positive integer (number of GPUs), got {value!r}",
-                       f"give the number of GPUs, e.g. {where}=8", check="world_size")
-    return None
+    """A world size must be a whole number from 1 to MAX_WORLD_SIZE (issue 15 #12: 0 and negatives were planned
+    as fitting; issue 22 #3: 10^21 failed after the Bridge import, and 4,301 digits raised a traceback)."""
+    _, why = parse_count(value, maximum=MAX_WORLD_SIZE)
+    if why is None:
+        return None
+    return Problem(("run",), where, value, f"world size must be a positive integer (number of GPUs) of at most "
+                   f"{MAX_WORLD_SIZE} (2^20): {why.rpartition(', ')[2]}",
+                   f"give the number of GPUs, e.g. {where}=8", check="world_size")
 
 
 def world_size_for(cfg: Any, given: int | None) -> tuple[int, bool]:

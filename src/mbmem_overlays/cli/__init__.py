@@ -2,7 +2,8 @@
 never import Megatron Bridge or torch (each command imports what it needs when it runs).
 
 Every failure is a message and an exit code (README "Exit codes"), never a traceback; under
-``--json`` the failure is also a JSON object on stdout, so stdout is never empty."""
+``--json`` the failure is also a JSON object on stdout, so stdout is never empty. Messages carry user text and
+are escaped (core/text.py); a closed or full stdout is one line on stderr and exit code 74 (core/console.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ..core import console
 from ..core.errors import OverlayError
 from ..core.sizes import SizeError
+from ..core.text import shown
 from . import apply, args, doctor, explain, list_overlays, plan, recommend, slurm
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
 
@@ -42,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(exc: BaseException, code: int, prefix: str, as_json: bool) -> int:
-    print(f"{prefix}: {exc}", file=sys.stderr)
+    print(shown(f"{prefix}: {exc}", one_line=False), file=sys.stderr)  # argparse echoes arguments raw
     if as_json:
         from ..core.report import render_error_json
         print(render_error_json(exc, code))
@@ -50,7 +53,19 @@ def _fail(exc: BaseException, code: int, prefix: str, as_json: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    console.guard_stdout()
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return console.finish(_main(argv), "mbmem")
+    except OSError as exc:
+        if not console.is_output_error(exc):
+            raise
+        return console.output_failed("mbmem", exc)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     as_json = "--json" in argv
     try:
@@ -66,7 +81,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(exc, EXIT_USAGE, prefix, as_json)
     except OverlayError as exc:
         return _fail(exc, EXIT_REJECTED, prefix, as_json)
-    except BrokenPipeError:
-        return 0
-    except KeyboardInterrupt:
-        return 130

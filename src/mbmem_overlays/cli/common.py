@@ -8,6 +8,7 @@ import shlex
 from typing import Any
 
 from ..core.errors import OverlayError, Problem
+from ..core.values import MAX_WORLD_SIZE, parse_count
 
 # Exit codes of mbmem apply/slurm/plan/recommend and train.py (README, "Exit codes"); defined in core.report
 # so that train.py's body (launch/) returns the same ones.
@@ -18,12 +19,22 @@ class UsageError(OverlayError):
     """The command line itself is wrong (found before anything was built): exit code 2."""
 
 
-def positive_int(text: str) -> int:
-    """argparse type of --world-size and other counts: 0 and negatives are refused while parsing."""
-    value = text.strip() if isinstance(text, str) else text
-    if not (isinstance(value, str) and value.isascii() and value.isdigit() and int(value) >= 1):
-        raise argparse.ArgumentTypeError(f"must be a positive integer (e.g. 8), got {text!r}")
-    return int(value)
+def positive_int(text: str, maximum: int = MAX_WORLD_SIZE) -> int:
+    """argparse type of --world-size (and, through ``count_arg``, of every count): a whole number from 1 to
+    ``maximum``, read without ever calling int() on thousands of digits (issue 22 #3)."""
+    number, why = parse_count(text, maximum=maximum)
+    if number is None:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (e.g. 8) of at most {maximum}: "
+                                         f"{why.rpartition(', ')[2]}")
+    return number
+
+
+def count_arg(maximum: int):
+    """An argparse type: ``positive_int`` with its own upper bound (named, so argparse's message names it)."""
+    def count(text: str) -> int:
+        return positive_int(text, maximum)
+    count.__name__ = "positive integer"
+    return count
 
 
 def size_arg(text: str) -> float:
@@ -130,16 +141,20 @@ def shown_changes(changes: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, A
     return [(path, None if old is MISSING else old, new) for path, old, new in changes]
 
 
-def train_command(recipe: str, overlays: list[str], sets: list[str], world_size: int | None) -> str:
-    """The train.py command line equivalent to an ``mbmem`` invocation (the "next step" to paste)."""
-    from ..core.catalog import train_recipe_arg
+def train_command(recipe: str, overlays: list[str], sets: list[str], world_size: int | None,
+                  overlay_dirs: list[str] | None = None) -> str:
+    """The train.py command line equivalent to an ``mbmem`` invocation (the "next step" to paste): every word
+    shell-quoted, and the user's overlay directories (``--overlay-dir`` and ``MBMEM_OVERLAY_DIRS``, absolute) in
+    front as ``MBMEM_OVERLAY_DIRS=...``, so train.py finds a user overlay the command names (issue 22 #2a)."""
+    from ..core.catalog import overlay_dirs_env, train_recipe_arg
     words = ["python", "train.py", train_recipe_arg(recipe)]
     if overlays:
         words.append(f"+mem=[{','.join(overlays)}]")
     words += sets
     if world_size:
         words.append(f"run.world_size={world_size}")
-    return " ".join(shlex.quote(w) for w in words)
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in overlay_dirs_env(overlay_dirs).items()]
+    return " ".join([*prefix, *(shlex.quote(w) for w in words)])
 
 
 def add_recipe_options(p, *, world_size: str | None) -> None:

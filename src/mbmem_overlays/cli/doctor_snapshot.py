@@ -191,6 +191,8 @@ def report(args, paths: list[str]) -> Outcome:
         objects.append(obj)
         codes.append(R.exit_code(r.report))
     code = max(codes, key=SERIOUS.__getitem__)
+    if len(reads) > 1:
+        texts.insert(0, _summary(reads, best))
     if args.html and best is not None:
         from ..core.outfile import write_output
         from ..doctor.snapshot.html import page
@@ -209,6 +211,25 @@ def report(args, paths: list[str]) -> Outcome:
     if args.html and best is not None:
         payload["html"] = args.html
     return Outcome(code, "\n\n".join(texts), payload)
+
+
+def _summary(reads: list[_Read], best: _Read | None) -> str:
+    """One line per file, the lead one marked: the several-ranks view before the details."""
+    from ..core.text import shown
+    from ..doctor.snapshot.analyze import gib
+    rows = [f"{len(reads)} snapshots (* leads; details follow):",
+            f"  {'rank':>5}  {'kind':<16} {'device':>6} {'allocated':>11} {'reserved':>11}  file"]
+    for r in reads:
+        mark = "*" if r is best else " "
+        if r.error:
+            rows.append(f"{mark} {'-':>5}  {'unreadable':<16} {'-':>6} {'-':>11} {'-':>11}  {shown(r.path)}")
+            continue
+        rep, m = r.report, r.report.moment
+        rank = "-" if rep.rank is None else str(rep.rank)
+        rows.append(f"{mark} {rank:>5}  {rep.kind:<16} {m.device if m else '-':>6} "
+                    f"{gib(m.totals.allocated) if m else '-':>11} {gib(m.totals.reserved) if m else '-':>11}  "
+                    f"{shown(r.path)}")
+    return "\n".join(rows)
 
 
 def _rank(r: _Read) -> tuple:

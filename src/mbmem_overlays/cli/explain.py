@@ -8,6 +8,8 @@ from ..core import rules
 from ..core.catalog import OverlaySpec
 from ..core.errors import OverlayError
 from ..core.report import SCHEMA_VERSION
+from ..core.text import quoted_word, shown
+from ..core.values import hydra_text
 from .common import UsageError, catalog_for
 
 
@@ -49,38 +51,45 @@ def run(args) -> int:
     if getattr(args, "json", False):
         print(json.dumps(as_dict(spec), indent=2, default=str))
         return 0
-    print(f"{spec.name}: {spec.summary}")
+    # A user overlay's texts (summary, help, values, sources, file name) are shown escaped, each on its line.
+    for line in describe(spec):
+        print(shown(line, one_line=False))
+    return 0
+
+
+def describe(spec: OverlaySpec) -> list[str]:
+    """The text of ``mbmem explain``, line by line; user text is made one line each (``shown``)."""
+    one = shown
+    lines = [f"{spec.name}: {one(spec.summary)}"]
     if spec.aliases:
-        print(f"aliases: {', '.join(spec.aliases)}")
-    print(f"file: {spec.path}")
-    print(f"use: python train.py recipe=<recipe> +mem={spec.name}"
-          + "".join(f" mem.{spec.name}.{p}={json.dumps(spec.params[p].default, default=str)}" for p in spec.params))
+        lines.append(f"aliases: {', '.join(spec.aliases)}")
+    lines.append(f"file: {one(spec.path)}")
+    lines.append(f"use: python train.py recipe=<recipe> +mem={spec.name}"
+                 + "".join(" " + quoted_word(f"mem.{spec.name}.{p}={hydra_text(spec.params[p].default)}")
+                           for p in spec.params))
     if spec.params:
-        print("parameters:")
+        lines.append("parameters:")
         for p in spec.params.values():
             extra = f", choices {list(p.choices)}" if p.choices else ""
             extra += f", min {p.min}" if p.min is not None else ""
             extra += f", max {p.max}" if p.max is not None else ""
-            print(f"  {p.name} ({p.type}, default {p.default!r}{extra}): {p.help}")
+            lines.append(f"  {p.name} ({p.type}, default {p.default!r}{extra}): {one(p.help)}")
     if spec.set:
-        print("sets:")
-        for path, value in spec.set.items():
-            print(f"  {path} = {value}")
+        lines.append("sets:")
+        lines += [f"  {path} = {one(value)}" for path, value in spec.set.items()]
     if spec.env:
-        print("environment:")
+        lines.append("environment:")
         for var, value in spec.env.items():
             desc = ", ".join(f"{k}:{v}" for k, v in value.items()) + " (merged key-wise)" if isinstance(value, dict) else value
-            print(f"  {var}: {desc}")
+            lines.append(f"  {var}: {one(desc)}")
     if spec.name in rules.RESOLVERS:
-        print(f"logic: {rules.RESOLVERS[spec.name].doc}")
+        lines.append(f"logic: {rules.RESOLVERS[spec.name].doc}")
     related = related_checks(spec)
     if related:
-        print("rules (checked on every apply):")
-        for c in related:
-            print(f"  {c.id} [enforced by {c.enforced_by}] — {c.source}")
-    print("sources:")
-    for s in spec.sources:
-        print(f"  {s}")
+        lines.append("rules (checked on every apply):")
+        lines += [f"  {c.id} [enforced by {c.enforced_by}] — {c.source}" for c in related]
+    lines.append("sources:")
+    lines += [f"  {one(s)}" for s in spec.sources]
     if spec.effect:
-        print(f"documented effect: {spec.effect}")
-    return 0
+        lines.append(f"documented effect: {one(spec.effect, one_line=False)}")
+    return lines

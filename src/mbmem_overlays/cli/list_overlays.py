@@ -6,6 +6,7 @@ import json
 import sys
 
 from ..core.report import SCHEMA_VERSION
+from ..core.text import shown
 from .common import catalog_for
 
 
@@ -29,6 +30,6 @@ def run(args) -> int:
     for name in cat.names():
         spec = cat.specs[name]
         alias = f" (alias: {', '.join(spec.aliases)})" if spec.aliases else ""
-        origin = "" if spec.builtin else f"  [user: {spec.path}]"
-        print(f"{name:<{width}}  {spec.summary}{alias}{origin}")
+        origin = "" if spec.builtin else f"  [user: {shown(spec.path)}]"
+        print(f"{name:<{width}}  {shown(spec.summary)}{alias}{origin}")  # a user's summary: one line, escaped
     return 0

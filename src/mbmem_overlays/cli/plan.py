@@ -15,6 +15,8 @@ import sys
 from typing import Any
 
 from ..core.errors import OverlayError, Problem
+from ..core.text import shown
+from ..core.values import MAX_WORLD_SIZE
 from .common import (EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, catalog_for, csv_list, positive_int,
                      preflight, split_sets)
 
@@ -24,7 +26,8 @@ def register(sub) -> None:
     add_memory_options(p, capacity_help="capacity per GPU for a fit verdict, e.g. 80GiB, 80GB, 80G or bytes")
     p.add_argument("--search", action="store_true",
                    help="enumerate layouts and overlay sets that fit; each result is validated and has its command")
-    p.add_argument("--top", default="5", metavar="N", help="how many validated layouts --search prints (default 5)")
+    p.add_argument("--top", default="5", metavar="N",
+                   help=f"how many validated layouts --search prints (default 5, at most {MAX_TOP})")
     p.set_defaults(fn=run)
 
 
@@ -37,35 +40,48 @@ def add_memory_options(p, *, capacity_help: str) -> None:
                    help="overlays you already use (comma-separated or repeated); every step and command keeps them")
     p.add_argument("--gpu-memory", metavar="SIZE", help=capacity_help)
     p.add_argument("--margin", default="0.05", metavar="F", help="headroom kept free, a fraction of capacity in [0, 1)")
-    p.add_argument("--plot", metavar="FILE", help="draw the bars to FILE (.png, .pdf or .svg)")
+    p.add_argument("--plot", metavar="FILE", help="draw the bars to FILE (.png, .pdf or .svg; a new file)")
+    p.add_argument("--force", action="store_true", help="with --plot: replace an existing regular file")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (schema_version 1), errors included")
 
+
+MAX_TOP = 100  # --top: results are each validated with Bridge (seconds apiece); more is a typo
 
 # ----------------------------------------------------------------------------- checks before Bridge
 def _problem(option: str, value: Any, message: str, fix: str) -> Problem:
     return Problem(("argument",), option, value, message, fix, check="usage")
 
 
-def plot_problem(path: str | None) -> Problem | None:
-    """A plot file that cannot be written is found now, not after the Bridge import and the plan."""
+def plot_problems(args) -> list[Problem]:
+    """A plot file that cannot be written is found now, not after the Bridge import and the plan: the one check
+    of every output path (core/outfile.py: a new regular file, or an existing one with --force)."""
+    from ..core.outfile import output_problems
     from ..memory.steps import PLOT_SUFFIXES
-    if not path:
-        return None
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.splitext(path)[1].lower() not in PLOT_SUFFIXES:
-        return _problem("--plot", path, f"cannot tell the image format of {path!r}",
-                        f"end the file name with one of {', '.join(PLOT_SUFFIXES)}, e.g. --plot plan.png")
-    if not os.path.isdir(folder):
-        return _problem("--plot", path, f"the folder {folder} does not exist",
-                        f"create it first (mkdir -p {folder}) or plot into an existing folder")
-    if not os.access(folder, os.W_OK):
-        return _problem("--plot", path, f"the folder {folder} is not writable", "plot into a folder you can write")
-    return None
+    return output_problems(args.plot, "--plot", force=args.force, suffixes=PLOT_SUFFIXES)
 
 
-def _count(option: str, text: str) -> tuple[int | None, Problem | None]:
+def write_plot(args, draw) -> None:
+    """Render the plot in memory (``draw(buffer)``, in the format the file name says), then write the bytes
+    through core/outfile.py: never through a link, a device or a fifo (issue 22 #5: savefig(path) followed a
+    link and overwrote its target). A path refused at the moment of writing is a usage error."""
+    import io
+
+    import matplotlib
+
+    from ..core.outfile import write_output
+    from ..memory.steps import PLOT_SUFFIXES
+    buffer = io.BytesIO()
+    with matplotlib.rc_context({"savefig.format": os.path.splitext(args.plot)[1].lower().lstrip(".")}):
+        draw(buffer)  # matplotlib writes to a file object in rcParams["savefig.format"]
     try:
-        return positive_int(text), None
+        write_output(args.plot, buffer.getvalue(), "--plot", force=args.force, suffixes=PLOT_SUFFIXES)
+    except OverlayError as exc:
+        raise UsageError(exc.problems) from None
+
+
+def _count(option: str, text: str, maximum: int = MAX_WORLD_SIZE) -> tuple[int | None, Problem | None]:
+    try:
+        return positive_int(text, maximum), None
     except argparse.ArgumentTypeError as exc:
         return None, _problem(option, text, f"{option} {exc}", f"pass a positive integer, e.g. {option} 8")
 
@@ -80,7 +96,7 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
     out["world"], p = _count("--world-size", args.world_size)
     problems += [p] if p else []
     if getattr(args, "top", None) is not None:
-        out["top"], p = _count("--top", args.top)
+        out["top"], p = _count("--top", args.top, MAX_TOP)
         problems += [p] if p else []
     out["capacity"] = None
     if args.gpu_memory is not None:
@@ -98,7 +114,7 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
     except ValueError:
         problems.append(_problem("--margin", args.margin, f"--margin must be a fraction in [0, 1), got {args.margin!r}",
                                  "e.g. --margin 0.05 keeps 5% of the GPU free"))
-    problems += [p for p in [plot_problem(args.plot)] if p]
+    problems += plot_problems(args)
     overrides, flat_params = split_sets(args.set)
     try:
         catalog = catalog_for(args.overlay_dir)
@@ -131,19 +147,22 @@ def fail(args, exc: BaseException, code: int) -> int:
         print(json.dumps({**error_dict(str(exc), code, problems=problems), "subcommand": args.command},
                          indent=2, default=repr))
     else:
-        print(f"mbmem {args.command}: {exc}", file=sys.stderr)
+        print(shown(f"mbmem {args.command}: {exc}", one_line=False), file=sys.stderr)
     return code
 
 
 def build_start(args, checked: dict[str, Any]):
     """(recipe config with the user's overrides written, Start) — imports Bridge."""
+    from ..core.catalog import all_user_dirs
     from ..memory.steps import Start
     from .common import build_with_overrides
     cfg, changes, problems = build_with_overrides(args.recipe, checked["overrides"])
     if problems:
         raise OverlayError(problems)
+    # Every user overlay directory (--overlay-dir and MBMEM_OVERLAY_DIRS, absolute): the printed commands carry
+    # them all, so a pasted command finds the overlays it names (issue 22 #2a).
     start = Start(args.recipe, tuple(args.set), checked["overlays"], checked["params"],
-                  {path: new for path, _, new in changes}, tuple(args.overlay_dir or ()))
+                  {path: new for path, _, new in changes}, tuple(all_user_dirs(args.overlay_dir)))
     return cfg, start
 
 
@@ -160,6 +179,8 @@ def run(args) -> int:
     try:
         cfg, start = build_start(args, checked)
         return run_search(args, cfg, start, checked) if args.search else run_plan(args, cfg, start, checked)
+    except UsageError as exc:  # the plot path, refused at the moment of writing
+        return fail(args, exc, EXIT_USAGE)
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
 
@@ -170,7 +191,7 @@ def run_plan(args, cfg, start, checked) -> int:
                       capacity=checked["capacity"], margin=checked["margin"], locked=start.locked,
                       catalog=checked["catalog"])
     if args.plot:
-        plot_plan(plan, args.plot)
+        write_plot(args, lambda buffer: plot_plan(plan, buffer))
     if args.json:
         emit(args, {**plan.as_dict(), "plot": args.plot})
     else:
@@ -193,9 +214,10 @@ def run_search(args, cfg, start, checked) -> int:
                                                 "drop or change the overlay named above")]), EXIT_REJECTED)
     results = found["results"]
     if args.plot and results:
-        plot_bars([(_layout_name(r), r["breakdown"]) for r in results], args.plot,
-                  title=f"{args.recipe}, world size {world}: the {len(results)} cheapest validated layouts",
-                  capacity=capacity, margin=margin)
+        write_plot(args, lambda buffer: plot_bars(
+            [(_layout_name(r), r["breakdown"]) for r in results], buffer,
+            title=f"{args.recipe}, world size {world}: the {len(results)} cheapest validated layouts",
+            capacity=capacity, margin=margin))
     if args.json:
         emit(args, {**{k: v for k, v in found.items() if k != "results"}, "capacity_bytes": int(capacity),
                     "margin": margin, "world_size": world, "plot": args.plot if results else None,

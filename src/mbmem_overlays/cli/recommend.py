@@ -6,7 +6,8 @@ import sys
 
 from ..core.errors import OverlayError
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
-from .plan import add_memory_options, breakdown_dict, build_start, checked_args, emit, fail
+from ..core.text import shown
+from .plan import add_memory_options, breakdown_dict, build_start, checked_args, emit, fail, write_plot
 
 
 def register(sub) -> None:
@@ -23,6 +24,8 @@ def run(args) -> int:
     try:
         cfg, start = build_start(args, checked)
         return recommend_and_print(args, cfg, start, checked)
+    except UsageError as exc:  # the plot path, refused at the moment of writing
+        return fail(args, exc, EXIT_USAGE)
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
 
@@ -36,15 +39,16 @@ def recommend_and_print(args, cfg, start, checked) -> int:
         rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"])
     taken = [r for r in rec["steps"] if "breakdown" in r]
     if args.plot and taken:
-        plot_bars([(r["step"], r["breakdown"]) for r in taken], args.plot,
-                  title=f"{args.recipe}, world size {world}: the memory ladder, step by step",
-                  capacity=capacity, margin=margin)
+        write_plot(args, lambda buffer: plot_bars(
+            [(r["step"], r["breakdown"]) for r in taken], buffer,
+            title=f"{args.recipe}, world size {world}: the memory ladder, step by step",
+            capacity=capacity, margin=margin))
     if args.json:
         steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
         emit(args, {**rec, "ok": rec["fits"], "steps": steps, "world_size": world,
                     "plot": args.plot if taken else None})
     elif rec.get("error"):
-        print(f"mbmem recommend: {rec['error']}", file=sys.stderr)
+        print(shown(f"mbmem recommend: {rec['error']}", one_line=False), file=sys.stderr)
     else:
         print(render_recommendation(rec))
         if args.plot and taken:

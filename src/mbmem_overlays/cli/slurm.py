@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from ..core.text import shown
 from .common import (EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, add_recipe_options, build_with_overrides,
                      catalog_for, csv_list, preflight, split_sets)
 
@@ -16,10 +17,11 @@ def register(sub) -> None:
     p = sub.add_parser("slurm", help="render an sbatch script carrying the overlays (validated for nodes x GPUs)")
     add_recipe_options(p, world_size=None)
     p.add_argument("--overlay", "-O", action="append", default=[])
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True,
+    # Counts are read as text and checked with the other options (all problems at once, bounds included).
+    p.add_argument("--nodes", required=True, metavar="N")
+    p.add_argument("--gpus-per-node", required=True, metavar="N",
                    help="GPUs per node = torchrun processes per node; world size = nodes x this")
-    p.add_argument("--cpus-per-task", type=int,
+    p.add_argument("--cpus-per-task", metavar="N",
                    help="#SBATCH --cpus-per-task for the one task per node (default: Slurm's; the task always gets "
                         "every CPU the job holds on its node)")
     p.add_argument("--partition")
@@ -36,7 +38,9 @@ def register(sub) -> None:
                                      "(default: this checkout)")
     p.add_argument("--cpu-smoke", action="store_true", help="plan instead of train, no GPU directives (CPU clusters)")
     p.add_argument("--no-validate", action="store_true", help="render without importing Bridge")
-    p.add_argument("-o", metavar="FILE", help="write the script here instead of stdout (a new regular file)")
+    p.add_argument("-o", metavar="FILE", help="write the script here instead of stdout (a new regular file; "
+                                              "an existing one only with --force)")
+    p.add_argument("--force", action="store_true", help="with -o: replace an existing regular file")
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout: the verdict and the script (or its path with -o), errors included")
     p.set_defaults(fn=run)
@@ -50,7 +54,7 @@ def _launch_requirement_fix(requirement: str) -> str:
 
 def _refuse(args, message: str, code: int, problems=()) -> int:
     """Say why nothing was written: on stderr, and as the JSON object under --json."""
-    print(f"mbmem slurm: not written: {message}", file=sys.stderr)
+    print(shown(f"mbmem slurm: not written: {message}", one_line=False), file=sys.stderr)
     if args.json:
         import json
         from ..core.report import error_dict
@@ -59,16 +63,20 @@ def _refuse(args, message: str, code: int, problems=()) -> int:
 
 
 def run(args) -> int:
+    from ..core.catalog import all_user_dirs
     from ..core.errors import OverlayError, ValidationRejected
+    from ..core.outfile import output_problems
     from ..launch import slurm
     sets = list(args.set)
     overrides, params = split_sets(sets)
     output_log = slurm.absolute_log_path(args.output_log)
     sbatch = dict(job_name=args.job_name, time=args.time, partition=args.partition, account=args.account)
+    # The job's train.py must find the user overlays the script names: --overlay-dir and MBMEM_OVERLAY_DIRS, as
+    # absolute paths, go into the script (issue 22 #2a).
     options = dict(recipe=args.recipe, sets=sets, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    cpus_per_task=args.cpus_per_task, python=args.python, workdir=args.workdir,
                    container_image=args.container_image, container_mounts=args.container_mounts, output=output_log,
-                   **sbatch)
+                   overlay_dirs=all_user_dirs(args.overlay_dir), **sbatch)
     try:  # every cheap check, all problems in one error, before anything imports Bridge (issue 15 #14)
         catalog = catalog_for(args.overlay_dir)
         names = csv_list(args.overlay)
@@ -78,10 +86,11 @@ def run(args) -> int:
         overlays = [catalog.resolve(n).name for n in names if n in catalog.specs or n in catalog.aliases]
         unvalidated = slurm.unvalidated_launch_problems(args.recipe, sets) \
             if args.no_validate and recipe_ok else []
-        slurm.collect(shared, mine, slurm.overlay_env_problems(overlays, catalog), slurm.output_file_problems(args.o),
-                      unvalidated)
+        slurm.collect(shared, mine, slurm.overlay_env_problems(overlays, catalog),
+                      output_problems(args.o, "-o", force=args.force, who="slurm"), unvalidated)
     except OverlayError as exc:
         return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
+    counts = slurm.count_problems(dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node))[0]
     code = EXIT_OK
     standard = slurm.standard_env()
     if args.no_validate:
@@ -92,7 +101,7 @@ def run(args) -> int:
         cfg, changes, problems = build_with_overrides(args.recipe, overrides)
         if problems:
             raise OverlayError(problems)
-        world = args.nodes * args.gpus_per_node
+        world = counts["nodes"] * counts["gpus_per_node"]
         try:
             # The job's environment is the script's own exports, not the rendering shell's: validate with exactly
             # those (e.g. Megatron FSDP refuses the standard CUDA_DEVICE_MAX_CONNECTIONS=1).
@@ -119,7 +128,7 @@ def run(args) -> int:
                             **options)
         slurm.make_log_folder(output_log)
         if args.o:
-            slurm.write_script(args.o, text)
+            slurm.write_script(args.o, text, force=args.force)
     except OverlayError as exc:
         return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
     if args.json:

@@ -24,14 +24,15 @@ import difflib
 import math
 import os
 import re
+import shlex
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from . import allocconf
+from . import allocconf, safeyaml
 from .errors import OverlayError, Problem, short_repr
+from .values import INTERPOLATION, INTERPOLATION_FIX, scalar_problem
 
 RESERVED_KEY = "overlay"
 USER_DIRS_ENV = "MBMEM_OVERLAY_DIRS"
@@ -46,8 +47,10 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 OVERLAY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")      # file stem and aliases: `+mem=<name>`
 PARAM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")         # `mem.<overlay>.<param>=`
 FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")   # dataclass fields, dict keys
-MAX_FILE_BYTES = 1 << 20   # an overlay is a few hundred bytes; refuse to parse megabytes of YAML
-MAX_DEPTH = 16             # nesting of a `set` value (and a guard against recursive YAML anchors)
+# An overlay is about a kilobyte (the largest built-in: 1.4 kB). PyYAML's pure-Python loader (the one that can
+# count aliases, core/safeyaml.py) reads about 0.5 MB/s, so 64 KiB bounds the time to read a file too.
+MAX_FILE_BYTES = 64 << 10
+MAX_DEPTH = 16             # nesting of a `set` value
 
 
 def data_dir(name: str) -> Path:
@@ -61,6 +64,13 @@ def recipe_file(name: str) -> Path | None:
     """recipes/recipe/<name>.yaml, if the name is one of train.py's recipe configs."""
     path = data_dir("recipes") / "recipe" / f"{name}.yaml"
     return path if "/" not in name and path.is_file() else None
+
+
+def recipe_spec(path: Path) -> dict[str, Any]:
+    """A recipes/recipe/<name>.yaml file ({function, kwargs, overrides}), through the same bounded loader as
+    every YAML file (core/safeyaml.py); {} for an empty file."""
+    data = safeyaml.load(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
 
 
 def train_recipe_arg(name: str) -> str:
@@ -174,15 +184,19 @@ class _Checker:
         return tuple(out)
 
 
-def _plain_problem(value: Any, depth: int = 0, seen: frozenset[int] = frozenset()) -> str | None:
-    """Why ``value`` is not plain config data (None, bool, int, float, str, lists and str-keyed maps)."""
+def _plain_problem(value: Any, depth: int = 0) -> str | None:
+    """Why ``value`` is not plain config data (None, bool, int, float, str, lists and str-keyed maps), or a
+    scalar no user value may be (``core.values.scalar_problem``: out-of-range numbers, control characters).
+
+    The loader (core/safeyaml.py) bounds the expanded size of what it returns and refuses self-reference, so
+    this walk is bounded too."""
     if value is None or isinstance(value, (bool, int, float, str)):
-        return None
-    if depth >= MAX_DEPTH or id(value) in seen:
-        return f"nested deeper than {MAX_DEPTH} levels (or refers to itself through a YAML anchor)"
+        return scalar_problem(value)
+    if depth >= MAX_DEPTH:
+        return f"nested deeper than {MAX_DEPTH} levels"
     if isinstance(value, list):
         for item in value:
-            why = _plain_problem(item, depth + 1, seen | {id(value)})
+            why = _plain_problem(item, depth + 1)
             if why:
                 return why
         return None
@@ -190,34 +204,118 @@ def _plain_problem(value: Any, depth: int = 0, seen: frozenset[int] = frozenset(
         for key, item in value.items():
             if not isinstance(key, str):
                 return f"has a non-text key {short_repr(key)}"
-            why = _plain_problem(item, depth + 1, seen | {id(value)})
+            why = _plain_problem(item, depth + 1)
             if why:
                 return why
         return None
     return f"holds a {type(value).__name__} ({short_repr(value)}), which no config field takes; quote it"
 
 
+def package_header(text: str) -> str | None:
+    """The ``# @package`` of a config file as Hydra reads it (hydra/plugins/config_source.py,
+    ``ConfigSource._get_header_dict``): leading ``# @key value`` lines, blank lines skipped, up to the first other
+    line; None when there is none. ValueError for a header line Hydra itself refuses."""
+    package = None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if not re.match(r"^\s*#\s*@", line):
+            break
+        words = line.lstrip("#").strip().split()
+        if len(words) != 2:
+            raise ValueError(f"Hydra expects '# @KEY VALUE' in the header, got {line!r}")
+        if words[0] == "@package":
+            package = words[1]
+    return package
+
+
+def _header_problem(c: _Checker, text: str) -> None:
+    """Hydra places a file of group ``mem`` at its ``# @package``; without ``mem.<name>`` its keys land directly
+    under ``mem`` (train.py then saw an overlay called 'overlay'), so every entry point refuses such a file."""
+    want = f"mem.{c.path.stem}"
+    try:
+        package = package_header(text)
+    except ValueError as exc:
+        c.bad("header", None, f"{c.path}: {exc}", f"make the first line '# @package {want}'")
+        return
+    if package != want:
+        said = "has no '# @package' header line" if package is None else f"says '# @package {package}'"
+        c.bad("header", package, f"{c.path} {said}; train.py (Hydra) places an overlay file at its package, which "
+              f"must be {want}", f"make the first line of the file '# @package {want}' (before any other comment)")
+
+
+def _interpolations(value: Any, where: str, out: list[tuple[str, str]], depth: int = 0) -> None:
+    """Every text (key or value) holding ``${``, with where it is; bounded like ``_plain_problem``."""
+    if isinstance(value, str):
+        if INTERPOLATION in value:
+            out.append((where, value))
+    elif isinstance(value, dict) and depth < safeyaml.MAX_DEPTH:
+        for key, item in value.items():
+            _interpolations(key, where, out, depth + 1)
+            _interpolations(item, f"{where}.{key}" if where else str(key), out, depth + 1)
+    elif isinstance(value, list) and depth < safeyaml.MAX_DEPTH:
+        for i, item in enumerate(value):
+            _interpolations(item, f"{where}[{i}]", out, depth + 1)
+
+
+def _read_text(c: _Checker) -> str | None:
+    """The file's text, read with a bound, never blocking: a fifo or device named *.yaml is refused, and a file
+    swapped for one between the check and the read too (O_NONBLOCK, then fstat on what was opened)."""
+    path = c.path
+    fix = f"remove or rename {path}; overlay files are mem/<name>.yaml"
+    if not path.is_file():
+        c.bad("file", None, f"{path} is not a regular file (a directory, a fifo, a device or a broken link named "
+              "*.yaml)", fix)
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            c.bad("file", None, f"{path} is not a regular file", fix)
+            return None
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        c.bad("file", None, f"{path} is larger than {MAX_FILE_BYTES} bytes; an overlay is a short YAML file",
+              "check that this is the overlay file you meant")
+        return None
+    return data.decode("utf-8")
+
+
+_UNREADABLE = object()
+
+
 def _read_yaml(c: _Checker) -> Any:
+    """The file's data through the bounded loader (core/safeyaml.py), its header checked; ``_UNREADABLE`` (and
+    problems) for a file whose content cannot be checked further. Every entry point reads user overlays here, so train.py refuses what
+    mbmem refuses, with the same words (issue 22 #1, #7)."""
     path = c.path
     try:
-        if not path.is_file():
-            c.bad("file", None, f"{path} is not a regular file (a directory or a broken link named *.yaml)",
-                  f"remove or rename {path}; overlay files are mem/<name>.yaml")
-            return None
-        if path.stat().st_size > MAX_FILE_BYTES:
-            c.bad("file", None, f"{path} is larger than {MAX_FILE_BYTES} bytes; an overlay is a short YAML file",
-                  "check that this is the overlay file you meant")
-            return None
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = _read_text(c)
+        if text is None:
+            return _UNREADABLE
+        _header_problem(c, text)
+        data = safeyaml.load(text)
     except OSError as exc:
         c.bad("file", None, f"cannot read {path}: {exc.strerror or exc}", f"check the file's permissions, or remove {path}")
+        return _UNREADABLE
     except UnicodeDecodeError:
         c.bad("file", None, f"{path} is not UTF-8 text", "save the file as UTF-8")
-    except Exception as exc:  # yaml.YAMLError, and the loader's ValueError/RecursionError on hostile input
+        return _UNREADABLE
+    except safeyaml.YamlRefused as exc:
+        c.bad("file", None, f"{path} is refused: it {exc}", "an overlay is a short YAML file: write the values out "
+              "instead of through anchors and aliases (&name / *name)")
+        return _UNREADABLE
+    except Exception as exc:  # yaml.YAMLError, and the constructor's ValueError (int-digit limit) on hostile input
         detail = " ".join(str(exc).split())[:300]
         c.bad("file", None, f"{path} is not valid YAML: {detail}",
               "fix the YAML syntax (indentation, quotes, ':' after keys)")
-    return None
+        return _UNREADABLE
+    found: list[tuple[str, str]] = []
+    _interpolations(data, "", found)
+    for where, text in found[:5]:
+        c.bad(where or "file", text, f"{where or 'the file'} {scalar_problem(text)}; an overlay file is literal data",
+              INTERPOLATION_FIX)
+    return _UNREADABLE if found else data
 
 
 def _check_params(c: _Checker, data: dict, meta: Any) -> dict[str, ParamSpec]:
@@ -358,6 +456,8 @@ def _check_env(c: _Checker, decl_env: Any) -> dict[str, Any]:
                   f"quote it: {var}: \"{'1' if value is True else '0' if value is False else '...'}\"")
         elif "\0" in text:
             c.bad(f"overlay.env.{var}", value, f"the value of {var} contains a NUL character", "remove it")
+        elif scalar_problem(text):
+            c.bad(f"overlay.env.{var}", value, f"the value of {var} {scalar_problem(text)}", "remove it")
         else:
             out[var] = text
     return out
@@ -407,7 +507,7 @@ def _check_file(path: Path, builtin: bool) -> tuple[OverlaySpec | None, list[Pro
         c.bad("file name", path.name, f"{path.name!r} does not make a valid overlay name",
               "name the file <letters, digits, _ or ->.yaml, e.g. my_overlay.yaml")
     data = _read_yaml(c)
-    if c.problems:
+    if data is _UNREADABLE:
         return None, c.problems, (path.stem,)
     if not isinstance(data, dict) or not isinstance(data.get(RESERVED_KEY), dict):
         c.bad(RESERVED_KEY, None, f"overlay file {path} has no '{RESERVED_KEY}:' mapping",
@@ -431,16 +531,76 @@ def _check_file(path: Path, builtin: bool) -> tuple[OverlaySpec | None, list[Pro
 
 
 def user_dirs(extra: list[str | os.PathLike] | None = None) -> list[Path]:
+    """The user overlay directories: ``extra`` (``--overlay-dir``, ``overlay_dirs=``), then ``MBMEM_OVERLAY_DIRS``;
+    one directory named twice (``--overlay-dir D`` with ``MBMEM_OVERLAY_DIRS=D``) counts once."""
     if isinstance(extra, (str, os.PathLike)):  # one directory given as such, not its characters
         extra = [extra]
     dirs = [Path(p) for p in (extra or [])]
     dirs += [Path(p) for p in os.environ.get(USER_DIRS_ENV, "").split(os.pathsep) if p]
-    return dirs
+    out: list[Path] = []
+    seen: set[str] = set()
+    for d in dirs:
+        key = os.path.abspath(d)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
 
 
-def _mem_dir(base: Path) -> Path:
-    # A user may point at a folder holding mem/ (like a Hydra search-path entry) or at mem/ itself.
-    return base / "mem" if (base / "mem").is_dir() else base
+def overlay_folder(base: Path) -> Path | None:
+    """Where a user directory's overlay files are, the one rule for ``mbmem`` and Hydra (train.py, any Hydra
+    app): ``base/mem/<name>.yaml`` (``base`` is a Hydra search-path entry), or ``base`` itself when it is named
+    ``mem`` (its parent is then the search-path entry). None: neither, so no entry point reads its files."""
+    try:
+        if (base / "mem").is_dir():
+            return base / "mem"
+        if base.name == "mem" and base.is_dir():
+            return base
+    except OSError:
+        return None
+    return None
+
+
+def search_path_entry(base: Path) -> Path | None:
+    """The folder Hydra's search path needs for user directory ``base`` (the parent of its ``mem/``)."""
+    folder = overlay_folder(base)
+    return None if folder is None else folder.parent
+
+
+def all_user_dirs(extra: list[str | os.PathLike] | None = None) -> list[str]:
+    """The user overlay directories as absolute paths, for a printed command or script to carry as
+    ``MBMEM_OVERLAY_DIRS`` (train.py and the Hydra plugin read it; issue 22 #2a)."""
+    return [os.path.abspath(d) for d in user_dirs(extra)]
+
+
+def overlay_dirs_env(extra: list[str | os.PathLike] | None = None) -> dict[str, str]:
+    """``{"MBMEM_OVERLAY_DIRS": "<absolute dirs>"}`` when there are user overlay directories, else ``{}``."""
+    dirs = all_user_dirs(extra)
+    return {USER_DIRS_ENV: os.pathsep.join(dirs)} if dirs else {}
+
+
+def _dir_problem(base: Path) -> Problem | None:
+    """Why nothing can be read from user directory ``base`` (check ``overlay_dir``: a usage error)."""
+    fix = f"create it, or fix --overlay-dir / {USER_DIRS_ENV} (now {os.environ.get(USER_DIRS_ENV, '')!r})"
+    try:
+        if not base.is_dir():
+            return Problem(("catalog",), str(base), None, f"overlay directory {base} does not exist"
+                           if not base.exists() else f"{base} is not a directory", fix, check="overlay_dir")
+        if os.pathsep in str(base) or any(ch in str(base) for ch in "\n\r\0"):
+            return Problem(("catalog",), str(base), None, f"overlay directory {base!r} contains {os.pathsep!r} or a "
+                           f"line break, so {USER_DIRS_ENV} cannot name it", "use a path without them",
+                           check="overlay_dir")
+    except OSError as exc:
+        return Problem(("catalog",), str(base), None, f"cannot read overlay directory {base}: {exc.strerror}", fix,
+                       check="overlay_dir")
+    if overlay_folder(base) is None:
+        loose = sorted(p.name for p in base.glob("*.yaml"))[:5]
+        return Problem(("catalog",), str(base), None,
+                       f"overlay directory {base} has no mem/ folder" + (f" (it holds {', '.join(loose)} directly)"
+                                                                          if loose else "")
+                       + "; overlay files are <directory>/mem/<name>.yaml, where train.py (Hydra) looks for them",
+                       f"mkdir {shlex.quote(str(base / 'mem'))} and move the overlay files into it", check="overlay_dir")
+    return None
 
 
 class Catalog:
@@ -461,14 +621,11 @@ class Catalog:
         for path in sorted((builtin_overlay_dir() / "mem").glob("*.yaml")):
             self._add(load_file(path, builtin=True))
         for base in user_dirs(overlay_dirs):
-            if not base.is_dir():
-                self.problems.append(Problem(
-                    ("catalog",), str(base), None,
-                    f"overlay directory {base} does not exist" if not base.exists() else f"{base} is not a directory",
-                    f"create it, or fix --overlay-dir / {USER_DIRS_ENV} (now {os.environ.get(USER_DIRS_ENV, '')!r})",
-                    check="overlay_dir"))
+            problem = _dir_problem(base)
+            if problem is not None:
+                self.problems.append(problem)
                 continue
-            for path in sorted(_mem_dir(base).glob("*.yaml")):
+            for path in sorted(overlay_folder(base).glob("*.yaml")):
                 self._add_user(path)
 
     def _owner(self, name: str) -> OverlaySpec | None:

@@ -20,6 +20,8 @@ from . import allocconf, rules
 from .catalog import ENV_NAME, Catalog, OverlaySpec, coerce_param
 from .errors import OverlayError, Problem, ValidationRejected, short_repr
 from .paths import MISSING, parent_of, path_problem, put, read, type_problem
+from .text import quoted_word
+from .values import MAX_WORLD_SIZE, hydra_text, value_fix, value_problem
 
 CONFIG = "config"  # the party for values that were in the config before any overlay
 
@@ -125,6 +127,7 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
     spelled: dict[tuple[str, str], str] = {}   # (overlay, param) -> how the caller wrote it, for conflicts
     problems: list[Problem] = []
     for key, value in (params or {}).items():
+        given_value = value
         if "." in key:
             oname, pname = key.split(".", 1)
             value = {pname: value}
@@ -138,13 +141,18 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
             continue
         oname = catalog.aliases.get(oname, oname)
         if oname not in given:
-            problems.append(Problem((oname,), key, value, f"parameters for {oname!r}, which is not selected",
-                                    f"add {oname} to the overlays, or drop these parameters"))
+            problems.append(unselected_problem(oname, f"mem.{key}" if "." in key else key, given_value))
             continue
         for pname, pvalue in value.items():
             if not isinstance(pname, str):
                 problems.append(Problem((oname,), key, pname, f"parameter names must be text, got {short_repr(pname)}",
                                         f"see `mbmem explain {oname}`", check="param"))
+                continue
+            why = value_problem(pvalue)
+            if why:  # an interpolation, a number out of range, a control character (core/values.py)
+                problems.append(Problem((oname,), f"mem.{oname}.{pname}", getattr(pvalue, "raw", pvalue),
+                                        f"parameter {pname} {why}", value_fix(why, f"mem.{oname}.{pname}"),
+                                        check="param"))
                 continue
             written = key if "." in key or not isinstance(value, Mapping) or key == pname else f"{key}.{pname}"
             if pname in given[oname] and not _same_value(given[oname][pname], pvalue):
@@ -168,7 +176,8 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
                     (spec.name,), f"mem.{spec.name}.{pname}", value,
                     f"{spec.name} has no parameter {pname!r}" + (f"; did you mean {close[0]!r}?" if close else "")
                     + f" (parameters: {known})",
-                    f"use mem.{spec.name}.{close[0]}={value}" if close else f"see `mbmem explain {spec.name}`",
+                    f"use {quoted_word(f'mem.{spec.name}.{close[0]}={hydra_text(value)}')}" if close
+                    else f"see `mbmem explain {spec.name}`",
                     check="param"))
                 continue
             coerced, err = coerce_param(spec.params[pname], value)
@@ -180,6 +189,15 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
             values[pname] = coerced
         resolved[spec.name] = values
     return resolved, problems
+
+
+def unselected_problem(overlay: str, key: str, value: Any) -> Problem:
+    """A parameter for an overlay that is not selected: an error, never a silent selection (every entry point
+    says this in these words: the API, ``mbmem``, and train.py for ``mem.<overlay>.<param>=`` without
+    ``+mem=<overlay>``, where Hydra's own hint ``+mem.<overlay>.<param>=`` would have selected it)."""
+    return Problem((overlay,), key, value, f"parameters for {overlay!r}, which is not selected",
+                   f"add {overlay} to the overlays (+mem={overlay} / --overlay {overlay}), or drop these parameters",
+                   check="param")
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -285,7 +303,7 @@ def _crash_problem(party: str, what: str, exc: Exception) -> Problem:
 ARGUMENT = "argument"  # the party for a wrong argument of the Python API
 
 
-def _argument_problem(name: str, value: Any, message: str, fix: str) -> Problem:
+def argument_problem(name: str, value: Any, message: str, fix: str) -> Problem:
     return Problem((ARGUMENT,), name, value, message, fix, check="arguments")
 
 
@@ -295,12 +313,12 @@ def _overlay_names(overlays: Any) -> tuple[list[str], list[Problem]]:
     if isinstance(overlays, str):
         return [overlays], []
     if overlays is None or isinstance(overlays, (Mapping, bytes, bytearray)) or not isinstance(overlays, Iterable):
-        return [], [_argument_problem("overlays", overlays, f"overlays must be a name or a list of names, got "
+        return [], [argument_problem("overlays", overlays, f"overlays must be a name or a list of names, got "
                                       f"{type(overlays).__name__}", fix)]
     names = list(overlays)
     bad = [n for n in names if not isinstance(n, str)]
     if bad:
-        return [], [_argument_problem("overlays", bad[0], f"every overlay name must be text, got "
+        return [], [argument_problem("overlays", bad[0], f"every overlay name must be text, got "
                                       f"{', '.join(sorted({type(n).__name__ for n in bad}))}", fix)]
     return names, []
 
@@ -309,9 +327,9 @@ def _str_keys(name: str, value: Any, example: str) -> list[Problem]:
     if value is None:
         return []
     if not isinstance(value, Mapping):
-        return [_argument_problem(name, value, f"{name} must be a mapping, got {type(value).__name__}", example)]
+        return [argument_problem(name, value, f"{name} must be a mapping, got {type(value).__name__}", example)]
     bad = [k for k in value if not isinstance(k, str)]
-    return [_argument_problem(name, bad[0], f"{name} keys must be text, got {type(bad[0]).__name__}", example)] if bad else []
+    return [argument_problem(name, bad[0], f"{name} keys must be text, got {type(bad[0]).__name__}", example)] if bad else []
 
 
 def world_size_problem(world_size: Any) -> Problem | None:
@@ -319,11 +337,15 @@ def world_size_problem(world_size: Any) -> Problem | None:
     if world_size is None:
         return None
     if isinstance(world_size, bool) or not isinstance(world_size, int):
-        return _argument_problem("world_size", world_size, f"world_size must be a whole number of GPUs, got "
+        return argument_problem("world_size", world_size, f"world_size must be a whole number of GPUs, got "
                                  f"{type(world_size).__name__}", "pass an integer >= 1, e.g. world_size=8")
     if world_size < 1:
-        return _argument_problem("world_size", world_size, f"world_size must be at least 1 GPU, got {world_size}",
+        return argument_problem("world_size", world_size, f"world_size must be at least 1 GPU, got {world_size}",
                                  "pass the number of GPUs the job runs on, e.g. world_size=8")
+    if world_size > MAX_WORLD_SIZE:
+        return argument_problem("world_size", world_size, f"world_size must be at most {MAX_WORLD_SIZE} GPUs (2^20), "
+                                 f"got {short_repr(world_size)}", "pass the number of GPUs the job runs on, e.g. "
+                                 "world_size=8")
     return None
 
 
@@ -331,25 +353,27 @@ def argument_problems(cfg: Any, overlays: Any, env: Any, params: Any, world_size
                       overlay_dirs: Any, catalog: Any) -> tuple[list[str], list[Problem]]:
     """The overlay names, and every wrong argument (type or value) of ``apply_overlay``/``plan_overlays``."""
     names, problems = _overlay_names(overlays)
-    if cfg is None or not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)) and not isinstance(cfg, MutableMapping):
-        problems.append(_argument_problem("cfg", cfg, f"cfg must be a config object (a Bridge ConfigContainer), "
+    # A Bridge ConfigContainer is a dataclass; a plain dict is not one (issue 22 #8: it was mutated, while every
+    # other non-config object was refused), and neither is a dataclass class.
+    if not (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)):
+        problems.append(argument_problem("cfg", cfg, f"cfg must be a config object (a Bridge ConfigContainer), "
                                           f"got {type(cfg).__name__}", "build one with a recipe, e.g. "
                                           "megatron.bridge.recipes...llama3_8b_pretrain_config()"))
     if env is not None:
         if not isinstance(env, Mapping):  # apply_overlay also needs it mutable (checked there)
-            problems.append(_argument_problem("env", env, f"env must be a mutable mapping (e.g. os.environ or a dict), "
+            problems.append(argument_problem("env", env, f"env must be a mutable mapping (e.g. os.environ or a dict), "
                                               f"got {type(env).__name__}", "pass env=os.environ, env={} or env=None"))
         else:
             bad = next(((k, v) for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)), None)
             if bad is not None:
-                problems.append(_argument_problem("env", bad, f"env must map text to text, like the process environment; "
+                problems.append(argument_problem("env", bad, f"env must map text to text, like the process environment; "
                                                   f"{short_repr(bad[0])} maps to {type(bad[1]).__name__}",
                                                   f"give {short_repr(bad[0])} a string value, e.g. '1'"))
     problems += _str_keys("params", params, "pass params={'cpu_offload.num_layers': 2} or {'cpu_offload': {'num_layers': 2}}")
     if isinstance(params, Mapping):
         for key, value in params.items():
             if isinstance(value, Mapping) and any(not isinstance(k, str) for k in value):
-                problems.append(_argument_problem("params", key, f"params[{key!r}] keys must be parameter names (text)",
+                problems.append(argument_problem("params", key, f"params[{key!r}] keys must be parameter names (text)",
                                                   f"e.g. {{{key!r}: {{'num_layers': 2}}}}"))
     problems += _str_keys("locked", locked, "pass locked={'model.recompute_granularity': 'full'}")
     p = world_size_problem(world_size)
@@ -358,10 +382,10 @@ def argument_problems(cfg: Any, overlays: Any, env: Any, params: Any, world_size
     if overlay_dirs is not None and (isinstance(overlay_dirs, (str, bytes, os.PathLike))
                                      or not isinstance(overlay_dirs, (list, tuple))
                                      or not all(isinstance(d, (str, os.PathLike)) for d in overlay_dirs)):
-        problems.append(_argument_problem("overlay_dirs", overlay_dirs, "overlay_dirs must be a list of directories",
+        problems.append(argument_problem("overlay_dirs", overlay_dirs, "overlay_dirs must be a list of directories",
                                           "pass overlay_dirs=['/path/to/overlays']"))
     if catalog is not None and not isinstance(catalog, Catalog):
-        problems.append(_argument_problem("catalog", catalog, f"catalog must be a Catalog, got {type(catalog).__name__}",
+        problems.append(argument_problem("catalog", catalog, f"catalog must be a Catalog, got {type(catalog).__name__}",
                                           "pass catalog=Catalog(...) or leave it out"))
     return names, problems
 
@@ -571,9 +595,9 @@ def apply_overlay(cfg: Any, overlays: str | Iterable[str] = (), *, env: MutableM
     """
     early = []
     if validator is not None and not callable(validator):
-        early.append(_argument_problem("validator", validator, "validator must be callable", "leave it out"))
+        early.append(argument_problem("validator", validator, "validator must be callable", "leave it out"))
     if env is not None and isinstance(env, Mapping) and not isinstance(env, MutableMapping):
-        early.append(_argument_problem("env", env, f"env must be a mutable mapping (e.g. os.environ or a dict), "
+        early.append(argument_problem("env", env, f"env must be a mutable mapping (e.g. os.environ or a dict), "
                                        f"got read-only {type(env).__name__}", "pass env=os.environ, env={} or env=None"))
     if early:
         raise OverlayError(early)

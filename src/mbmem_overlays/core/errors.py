@@ -6,6 +6,8 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
+from .text import shown
+
 # Values in problems come from user input (YAML files, --set, the API): a 5,000-digit integer makes
 # repr() raise (Python's int-to-str digit limit), a recursive YAML anchor or a huge list makes it
 # unreadable. Problems show a bounded repr that cannot fail.
@@ -31,10 +33,14 @@ class Problem:
     check: str = ""             # the check's id
 
     def render(self) -> str:
-        who = " + ".join(self.overlays)
-        text = f"[{who}] {self.field}={short_repr(self.value)}: {self.message}\n    fix: {self.fix}"
+        """The problem as the user reads it. Names, fields and messages carry user text (a file name, an
+        override, a YAML value): control and bidirectional characters are escaped here, once for every
+        command (issue 22 #9)."""
+        who = shown(" + ".join(str(o) for o in self.overlays))
+        text = (f"[{who}] {shown(self.field)}={short_repr(self.value)}: {shown(self.message, one_line=False)}"
+                f"\n    fix: {shown(self.fix, one_line=False)}")
         if self.source:
-            text += f"\n    source: {self.source}"
+            text += f"\n    source: {shown(self.source, one_line=False)}"
         return text
 
 

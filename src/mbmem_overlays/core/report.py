@@ -13,12 +13,14 @@ from dataclasses import asdict
 from typing import Any
 
 from .engine import Report
-from .errors import OverlayError
+from .errors import OverlayError, short_repr
+from .text import shown
 
 EXIT_OK = 0          # passed: our rules and Bridge's validation accept the config
 EXIT_REJECTED = 1    # rejected by our rules or by Bridge's validation; nothing was changed
 EXIT_USAGE = 2       # bad arguments or input files
 EXIT_INCOMPLETE = 3  # our rules passed, but Bridge's validation stopped at a check this host cannot run
+EXIT_OUTPUT = 74     # standard output is closed or full (`| head -0`, `> /dev/full`): sysexits.h EX_IOERR
 
 SCHEMA_VERSION = 1   # of every --json / run.json=true object; bump when a key changes meaning
 
@@ -99,8 +101,9 @@ def render_text(report: Report, *, recipe: str | None = None, summary: dict[str,
     lines += [f"  {c.render()}" for c in report.changes]
     lines += section("environment to export (before CUDA is initialized)",
                      (f"export {k}={shlex.quote(v)}" for k, v in sorted(report.env_to_export.items())), marker="")
-    lines += section("warnings", report.warnings, marker="!")
-    lines += section("notes", report.notes)
+    # Warnings and notes quote user files and values (a broken user overlay's YAML error, its path): escaped.
+    lines += section("warnings", (shown(w, one_line=False) for w in report.warnings), marker="!")
+    lines += section("notes", (shown(n, one_line=False) for n in report.notes))
     if verbose:
         lines.append(f"rules checked: {len(report.checks)} ({', '.join(report.checks)})")
     else:
@@ -141,7 +144,17 @@ def render_json(report: Report, **extra: Any) -> str:
 def error_dict(message: str, code: int, *, problems: Iterable[Any] = (), **extra: Any) -> dict[str, Any]:
     """The JSON object of a failed command: never an empty stdout under --json."""
     return {"schema_version": SCHEMA_VERSION, "ok": False, "exit_code": code,
-            "error": message, "problems": [asdict(p) for p in problems], **extra}
+            "error": message, "problems": [_json_safe(asdict(p)) for p in problems], **extra}
+
+
+def _json_safe(problem: dict[str, Any]) -> dict[str, Any]:
+    """A problem's value as JSON can hold it: a value json cannot write (an integer over Python's int-digit
+    limit, a recursive structure) becomes its bounded repr (errors.short_repr)."""
+    try:
+        json.dumps(problem["value"], default=repr)
+    except (ValueError, TypeError, RecursionError):
+        problem = {**problem, "value": short_repr(problem["value"])}
+    return problem
 
 
 def render_error_json(exc: BaseException, code: int, **extra: Any) -> str:

@@ -30,9 +30,11 @@ def parse_size(text: str) -> float:
         raise SizeError(f"cannot read memory size {text!r} (not text); {EXAMPLES}")
     import humanfriendly  # here, not at module level: `mbmem list` and `doctor` never pay its ~40 ms import
     shown = text if len(text) <= 60 else text[:57] + "..."  # a 400-digit input must not flood the terminal
+    if len(text) > 64:  # humanfriendly int()s the digits: 4,301 of them raised Python's digit-limit ValueError
+        raise SizeError(f"cannot read memory size {shown!r} (longer than 64 characters); {EXAMPLES}")
     try:
         value = humanfriendly.parse_size(text.strip())
-    except humanfriendly.InvalidSize:
+    except (humanfriendly.InvalidSize, ValueError):
         raise SizeError(f"cannot read memory size {shown!r}; {EXAMPLES}") from None
     if not (isinstance(value, (int, float)) and 0 < value < MAX_BYTES and math.isfinite(float(value))):
         raise SizeError(f"memory size {shown!r} must be a positive amount of memory below 1 PiB; {EXAMPLES}")

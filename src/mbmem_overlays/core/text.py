@@ -38,3 +38,23 @@ def shown(text: object, *, one_line: bool = True) -> str:
         s = "".join(f"\\U{ord(c):08x}" if ord(c) > 0xFFFF and unicodedata.category(c) in ("Cf", "Co", "Cn")
                     else c for c in s)
     return s
+
+
+def unsafe_character(text: str) -> str | None:
+    """The first character of ``text`` that :func:`shown` would escape (newline and tab excepted), escaped; None
+    when there is none. For values that must be refused rather than shown escaped (a value that reaches a
+    printed command or a script would otherwise differ from what the user sees)."""
+    m = _UNSAFE.search(text)
+    if m is not None:
+        return _escape(m)
+    for c in text:
+        if ord(c) > 0xFFFF and unicodedata.category(c) in ("Cf", "Co", "Cn"):
+            return f"\\U{ord(c):08x}"
+    return None
+
+
+def quoted_word(word: str) -> str:
+    """``word`` as one shell word (``shlex.quote``) for a command we print for pasting, hints included: a user
+    value in it (``$(...)``, ``;``, quotes) stays text in the shell (issue 22 #2b)."""
+    import shlex
+    return shlex.quote(word)

@@ -1,19 +1,57 @@
-"""Typed values from command-line strings, with Hydra's grammar but without Bridge."""
+"""Typed values from command-line strings, with Hydra's grammar but without Bridge; and the one rule every
+user value obeys on every entry point (issue 22 #2c, #3, #9).
+
+A value a user gives (an override, an overlay parameter, anything in an overlay file) is refused when it
+
+- contains an interpolation ``${...}``: mbmem never resolves one. Hydra would resolve it under train.py and
+  nothing would under ``mbmem``, so the two would disagree, and ``${oc.env:SECRET}`` would copy the
+  environment into the config and its run records (``mbmem_report.json``, ``bridge_config.yaml``);
+- is an integer outside a signed 64-bit integer (what torch and Megatron-Core hold; Python's own
+  int-digit limit raised a traceback at 4,301 digits) or a float that is not finite (``nan``, ``inf``);
+- contains a control or bidirectional-override character (``core.text``), which would reach terminals and
+  scripts;
+- could not be read at all (``Unreadable``), or is a sweep where one value is meant.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
+
+from .text import unsafe_character
+
+MAX_INT = 2**63 - 1          # int64, what every integer field of Bridge/Megatron-Core holds
+INTERPOLATION = "${"
+INTERPOLATION_FIX = ("write the value itself; mbmem and train.py never resolve ${...} in your values (Hydra's own "
+                     "hydra.* settings excepted)")
+MAX_NESTING = 32
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A command-line value that has no Python value: ``why`` says what is wrong with ``raw``."""
+    raw: str
+    why: str
 
 
 def parse_value(raw: str) -> Any:
-    """``"4"`` -> 4, ``"[a,b]"`` -> ["a", "b"], ``"true"`` -> True, ``"null"`` -> None (Hydra rules)."""
+    """``"4"`` -> 4, ``"[a,b]"`` -> ["a", "b"], ``"true"`` -> True, ``"null"`` -> None (Hydra rules).
+
+    Text Hydra's grammar does not accept stays text; a value Python cannot hold (a 5,000-digit integer) or a
+    sweep (``a,b``) is ``Unreadable``, which ``value_problem`` reports."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     try:
-        value = OverridesParser.create().parse_override(f"x={raw}").value()
+        override = OverridesParser.create().parse_override(f"x={raw}")
     except HydraException:  # OverrideParseException, and the lexer's plain HydraException ("token recognition error")
         return raw
-    return plain(value)
+    except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        return Unreadable(raw, f"cannot be read: {' '.join(str(exc).split()[:12])}")
+    if override.is_sweep_override():
+        return Unreadable(raw, "is a sweep (several values, one per job: a,b or range(...)); give one value, "
+                               "and a list as [a,b]")
+    return plain(override.value())
 
 
 def plain(value: Any) -> Any:
@@ -23,3 +61,112 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     return value
+
+
+def scalar_problem(value: Any) -> str | None:
+    """Why one scalar is not acceptable as a user value (see the module docstring), or None."""
+    if isinstance(value, Unreadable):
+        return value.why
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        if value.bit_length() > 63:  # never str() it: over 4,300 digits that raises
+            return f"is an integer of {value.bit_length()} bits, out of range (at most {MAX_INT}, a 64-bit integer)"
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"is {value}, not a finite number"
+    if isinstance(value, str):
+        if INTERPOLATION in value:
+            return f"contains an interpolation ${{...}} ({_excerpt(value)}), which is not resolved in user values"
+        bad = unsafe_character(value)
+        if bad is not None:
+            return f"contains the control or bidirectional character {bad}, which would reach terminals and scripts"
+    return None
+
+
+def value_problem(value: Any, depth: int = 0) -> str | None:
+    """``scalar_problem`` for a value and everything inside its lists and mappings (keys included)."""
+    if depth > MAX_NESTING:
+        return f"is nested deeper than {MAX_NESTING} levels"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            why = scalar_problem(key) or value_problem(item, depth + 1)
+            if why:
+                return why
+        return None
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            why = value_problem(item, depth + 1)
+            if why:
+                return why
+        return None
+    return scalar_problem(value)
+
+
+def _excerpt(text: str) -> str:
+    start = text.find(INTERPOLATION)
+    end = text.find("}", start)
+    piece = text[start:end + 1] if 0 <= end - start <= 60 else text[start:start + 60] + "..."
+    from .text import shown
+    return shown(piece)
+
+
+# ----------------------------------------------------------------------------- counts
+# The largest world size any entry point takes: 2^20 = 1,048,576 GPUs, far beyond any cluster built so far; a
+# larger number is a typo, and an absurd one (10^21) used to pass the cheap checks and fail after the Bridge
+# import with a nonsense fix (issue 22 #3).
+MAX_WORLD_SIZE = 1 << 20
+_MAX_COUNT_DIGITS = 19  # never int() more digits than an int64 holds (and never hit Python's 4,300-digit limit)
+
+
+def parse_count(value: Any, *, maximum: int, minimum: int = 1) -> tuple[int | None, str | None]:
+    """A whole number in [minimum, maximum] from text (``"8"``) or an ``int``: (number, None) or (None, why).
+
+    Only ASCII digits count (``int()`` also takes ``"٨"``, ``"1_0"`` and ``" 8 "``); bools are not numbers."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None, f"must be a whole number from {minimum} to {maximum}, got {type(value).__name__}"
+    if isinstance(value, int):
+        number = value if value.bit_length() <= 63 else None
+    else:
+        text = value.strip()
+        digits = text[1:] if text[:1] in "+-" else text
+        number = None
+        if digits.isascii() and digits.isdigit() and len(digits.lstrip("0")) <= _MAX_COUNT_DIGITS:
+            number = int(text)
+        elif not (digits.isascii() and digits.isdigit()):
+            from .errors import short_repr
+            return None, f"must be a whole number from {minimum} to {maximum}, got {short_repr(value)}"
+    if number is None or not minimum <= number <= maximum:
+        shown_number = str(number) if number is not None else "a number of more than 19 digits"
+        return None, f"must be a whole number from {minimum} to {maximum}, got {shown_number}"
+    return number, None
+
+
+def hydra_text(value: Any) -> str:
+    """``value`` as the text of a Hydra override that reads back as ``value`` (``null``, ``true``, ``[a,b]``; a
+    string Hydra would read as something else, ``'1e-4'`` or ``'a b'``, single-quoted)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_text(v) for v in value) + "]"
+    text = str(value) if not isinstance(value, int) or value.bit_length() <= 63 else "0"
+    if isinstance(value, str) and parse_value(text) != value:
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return text
+
+
+def value_fix(why: str, what: str) -> str:
+    """What to type instead, for a ``value_problem`` answer about ``what`` (a key, ``mem.<o>.<p>``, an option)."""
+    if "interpolation" in why:
+        return INTERPOLATION_FIX
+    if "finite" in why:
+        return f"give {what} a finite number"
+    if "out of range" in why or "cannot be read" in why:
+        return f"give {what} a number of at most {MAX_INT} (a 64-bit integer)"
+    if "control or bidirectional" in why:
+        return f"remove that character from {what}"
+    if "sweep" in why:
+        return "give one value (a list is written [a,b]); only `python train.py -m` runs sweeps"
+    return f"give {what} a plain value (a number, text, true/false, null or a list)"

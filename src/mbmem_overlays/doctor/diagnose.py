@@ -993,7 +993,8 @@ def _engine(f: Findings, ctx: Context, done, e: Event) -> Diagnosis:
 
 
 # The process's own host allocation failed (no killer involved).
-HOST_ALLOC_FAILURES = ("MemoryError", "_ArrayMemoryError", "std::bad_alloc", "[Errno 12] Cannot allocate memory")
+HOST_ALLOC_FAILURES = ("MemoryError", "_ArrayMemoryError", "std::bad_alloc", "[Errno 12] Cannot allocate memory",
+                       "DefaultCPUAllocator")
 
 
 def _host(f: Findings, ctx: Context, done, events: list[Event]) -> Diagnosis:
@@ -1030,7 +1031,8 @@ def _host(f: Findings, ctx: Context, done, events: list[Event]) -> Diagnosis:
     if remedies[0].overlay or remedies[0].overrides:
         return done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=also)
     check = f"sacct -j {f.slurm_job} --format=JobID,State,ExitCode,MaxRSS,ReqMem" if f.slurm_job else None
-    d = done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=also, next_cmd=check)
+    d = done("host_oom", "diagnosed", summary, conf, reasons, remedies, rank=e.rank, also=also, next_cmd=check,
+             want_command=check is not None)
     if check is None:
         d.command_check = "no command: the log shows no host-memory setting to change; see the remedies"
     return d

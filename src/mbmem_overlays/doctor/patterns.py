@@ -137,7 +137,9 @@ HOST_OOM = re.compile(r"(Out of memory: Kill(?:ed)? process \d{1,10}|oom-kill(?:
                       r"Detected \d{1,9} oom[_-]kill events?|oom_kill event|OOM Killed|OOMKilled|"
                       r"Some of your processes may have been killed by the cgroup out-of-memory handler|"
                       # the process's own host allocations failing: Python, NumPy, C++, errno ENOMEM
-                      r"(?<![A-Za-z])MemoryError\b|_ArrayMemoryError|std::bad_alloc|\[Errno 12\] Cannot allocate memory)")
+                      r"(?<![A-Za-z])MemoryError\b|_ArrayMemoryError|std::bad_alloc|\[Errno 12\] Cannot allocate memory|"
+                      # torch's CPU allocator (c10/core/impl/alloc_cpu.cpp): "DefaultCPUAllocator: can't allocate memory"
+                      r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory))")
 SHELL_KILLED = re.compile(r"(?:^\s{0,8}|: |\d )Killed(?:\s{2,60}\S[^\n]{0,300})?\s{0,4}$")
 EXIT_137 = re.compile(r"(?:exit(?:ed with)? (?:code|status)[ :=]{0,3}137\b|exitcode\s{0,8}:\s{0,4}-9\b|"
                       r"Signal 9 \(SIGKILL\)|died with <Signals\.SIGKILL: 9>|ExitCode(?:=| )9:0|signal 9\b|Exit code 137)")

@@ -380,17 +380,23 @@ def run_json(rep: RunReport) -> dict[str, Any]:
 def table(rep: RunReport) -> list[str]:
     """Per rank (or per PP stage when more than TABLE_RANKS ranks report), in the log's own unit family."""
     planned = {p["rank"]: p for p in rep.planned}
-    unit = rep.unit
-    head = (f"  {'rank':>6} {'stage':>5} {'iter':>7} {'max alloc':>11} {'max resv':>11} {'resv-alloc':>11} "
-            f"{'inactive':>10} {'retries':>7} {'headroom':>11}")
+    units = {r.unit for r in rep.rows}
+    # The log's own unit and precision, so each figure reads as the log prints it: Bridge's GB (10^9 bytes, 5
+    # significant digits), Megatron-LM's MB (MiB, 2 decimals); GiB when a run mixes the two.
+    unit = "GB" if units == {"GB"} else "MiB" if units == {"MB"} else "GiB"
+    width = 11 if unit != "MiB" else 12
+    head = (f"  {'rank':>6} {'stage':>5} {'iter':>7} {'max alloc':>{width}} {'max resv':>{width}} "
+            f"{'resv-alloc':>{width}} {'inactive':>{width}} {'retries':>7} {'headroom':>{width}}")
     if planned:
-        head += f" {'planned':>11} {'error':>7}"
-    lines = [f"per-rank memory ({unit}; the log's {'GB are 10^9 bytes' if unit == 'GB' else 'MB are MiB'}):", head]
+        head += f" {'planned':>{width}} {'error':>7}"
+    label = {"GB": "GB, as the log prints them: 10^9 bytes", "MiB": "MiB, as the log prints them: Megatron-LM's "
+             "MB are MiB", "GiB": "GiB"}[unit]
+    lines = [f"per-rank memory ({label}):", head]
 
     def num(v: int | None) -> str:
         if v is None:
             return "-"
-        return f"{v / 1e9:.5g}" if unit == "GB" else f"{v / GiB:.2f}"
+        return f"{v / 1e9:.5g}" if unit == "GB" else f"{v / ML.MiB:.2f}" if unit == "MiB" else f"{v / GiB:.2f}"
 
     rows = rep.rows
     grouped = len(rows) > TABLE_RANKS and any(r.stage is not None for r in rows)
@@ -406,14 +412,15 @@ def table(rep: RunReport) -> list[str]:
     for r in rows:
         name = str(r.rank) if r.rank is not None else "?"
         mark = "*" if hot is not None and r.key == hot.key else " "
+        retries = r.get("alloc_retries")
         line = (f" {mark}{name:>6} {'-' if r.stage is None else r.stage:>5} {'-' if r.iteration is None else r.iteration:>7} "
-                f"{num(r.get('max_allocated')):>11} {num(r.get('max_reserved')):>11} {num(r.gap):>11} "
-                f"{num(r.get('max_inactive')):>10} {'-' if r.get('alloc_retries') is None else r.get('alloc_retries'):>7} "
-                f"{num(r.headroom):>11}")
+                f"{num(r.get('max_allocated')):>{width}} {num(r.get('max_reserved')):>{width}} {num(r.gap):>{width}} "
+                f"{num(r.get('max_inactive')):>{width}} {'-' if retries is None else retries:>7} "
+                f"{num(r.headroom):>{width}}")
         p = planned.get(r.rank if r.rank is not None else str(r.key))
         if planned:
-            line += (f" {num(p['planned_peak_bytes']):>11} {p['error_percent']:>+6.1f}%" if p and p.get("error_percent")
-                     is not None else f" {'-':>11} {'-':>7}")
+            line += (f" {num(p['planned_peak_bytes']):>{width}} {p['error_percent']:>+6.1f}%"
+                     if p and p.get("error_percent") is not None else f" {'-':>{width}} {'-':>7}")
         lines.append(line)
     if hot is not None:
         lines.append(f"  * hot rank: {who(hot)}")

@@ -1,16 +1,33 @@
 """GPU smoke runs: record per-rank memory and step time in training, then judge each overlay.
 
-The recorder is a Bridge training callback (``make_recorder``) that train.py installs when
-``MBMEM_METRICS_DIR`` is set; it writes ``rank<N>.json`` at the end of training. Everything
-else here is pure (parsing, comparing, deciding) so CI checks it on CPU with recorded samples.
+Two halves. The pure half (parsing recorded metrics, comparing, deciding) runs in CI on CPU with recorded
+samples. The training half runs the tiny recipe for real, under torchrun on a GPU node:
+
+    torchrun --standalone --nproc_per_node=1 -m mbmem_overlays.launch.gpu_harness train \
+        --overlay memory_snapshot --param memory_snapshot.path=/tmp/snap/memory_snapshot.pickle --metrics /tmp/m
+
+It builds the recipe the way train.py does (recipes/recipe/<name>.yaml, the overrides, ``apply_overlay`` with
+Bridge's validation, the overlays' environment exported before CUDA starts) and calls Bridge's ``pretrain`` with
+``gpt_step.forward_step``. Where Transformer Engine is not installed it also selects Bridge's own TE-free layer
+spec (``gpt_provider.local_layer_spec``) and switches off the fusions that need TE or apex (``TE_FREE``): train.py
+cannot select a layer spec from the command line (a function is not a KEY=VALUE value), which is why this
+runner exists. ``--oom-at N`` makes iteration N allocate past the GPU's free memory inside its forward pass, so
+Bridge's OOM observer writes its snapshot (scripts/gpu_check, docs/gpu-check.md). ``train --dry-run`` builds and
+validates the same job on a CPU host and launches nothing.
+
+The recorder is a Bridge training callback (``make_recorder``) that writes ``rank<N>.json`` at the end of
+training; train.py installs it too when ``MBMEM_METRICS_DIR`` is set.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +35,7 @@ from typing import Any
 
 METRICS_ENV = "MBMEM_METRICS_DIR"
 WARMUP_STEPS = 2  # first iterations include allocator growth, kernel autotuning and NCCL setup
+OOM_MARGIN = 1 << 30  # the provoked allocation asks for this much more than the GPU has free
 
 
 def make_recorder(out_dir: str | os.PathLike):
@@ -58,6 +76,185 @@ def make_recorder(out_dir: str | os.PathLike):
             (path / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
 
     return MemoryRecorder()
+
+
+def make_oom_provoker(iteration: int):
+    """A Bridge ``Callback`` that, during the forward pass of ``iteration`` (1-based, as Bridge's log counts),
+    asks the caching allocator for the GPU's free memory plus ``OOM_MARGIN``: a real CUDA OOM with the step's
+    activations live, which makes Bridge's OOM observer (train_utils.py ``_oom_observer``, installed with
+    ``profiling.record_memory_history``) write ``<base>_oom_rank-<R><ext>``. A plain device allocation, never
+    managed memory (device README: managed memory past the card's free memory can hang the GPU)."""
+    import torch
+    from megatron.bridge.training.callbacks import Callback
+
+    class OomProvoker(Callback):
+        def on_train_start(self, context):
+            state = context.state
+            chunks = context.model if isinstance(context.model, list) else [context.model]
+
+            def after_forward(module, args, output):
+                if state.train_state.step + 1 == iteration:  # train_state.step counts finished iterations
+                    free, _ = torch.cuda.mem_get_info()
+                    print(f"[gpu_harness] iteration {iteration}: allocating {free + OOM_MARGIN} bytes "
+                          f"({free} free + {OOM_MARGIN}) to provoke an OOM", flush=True)
+                    torch.empty(free + OOM_MARGIN, dtype=torch.uint8, device="cuda")
+
+            chunks[0].register_forward_hook(after_forward)
+
+    return OomProvoker()
+
+
+# ----------------------------------------------------------------------------- the training runner
+# Recipe fields whose recipe value needs Transformer Engine or apex at run time. Set off only where TE is not
+# installed; Bridge validates the result like any other override.
+TE_FREE = {
+    # Bridge config validation: "apply_rope_fusion is not available. Please install TE >= 1.4."
+    "model.apply_rope_fusion": False,
+    # megatron-core tensor_parallel/layers.py:1070: RuntimeError without apex's fused_weight_gradient_mlp_cuda
+    "model.gradient_accumulation_fusion": False,
+    # megatron-core fusions/fused_softmax.py: the causal bf16 path imports scaled_upper_triang_masked_softmax_cuda
+    # (apex/TE) whenever is_kernel_available says the shapes fit; the unfused torch softmax is used otherwise
+    "model.masked_softmax_fusion": False,
+    # the Llama recipes ask for TE's cross entropy (cross_entropy_fusion_impl "te"); megatron-core's own
+    # vocab-parallel cross entropy instead (what the memory plan calls "unfused")
+    "model.cross_entropy_loss_fusion": False,
+}
+
+
+def have_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of the runner: what train.py would be given, plus the recorder and the OOM."""
+    recipe: str = "tiny_llama"
+    overlays: tuple[str, ...] = ()
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sets: tuple[str, ...] = ()
+    metrics: str | None = None
+    oom_at: int | None = None
+    dry_run: bool = False
+
+
+def _typed(text: str) -> Any:
+    """A parameter value as Hydra reads it on train.py's command line (mem.<overlay>.<param>=VALUE)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    return OverridesParser.create().parse_override(f"x={text}").value()
+
+
+def parse_job(argv: list[str]) -> Job:
+    """``train`` arguments -> Job; argparse exits 2 on a malformed line (no Bridge import)."""
+    ap = argparse.ArgumentParser(prog="python -m mbmem_overlays.launch.gpu_harness train",
+                                 description="Train a recipe with overlays for the GPU check (see module doc).")
+    ap.add_argument("--recipe", default="tiny_llama", help="recipes/recipe/<name>.yaml (default tiny_llama)")
+    ap.add_argument("--overlay", action="append", default=[], metavar="NAME", help="an overlay (repeatable)")
+    ap.add_argument("--param", action="append", default=[], metavar="OVERLAY.PARAM=VALUE",
+                    help="an overlay parameter, as mem.OVERLAY.PARAM=VALUE on train.py's command line")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a Bridge override")
+    ap.add_argument("--metrics", metavar="DIR", help="write rank<N>.json (memory peaks, step times) here")
+    ap.add_argument("--oom-at", type=int, metavar="N", help="provoke a CUDA OOM in iteration N's forward pass")
+    ap.add_argument("--dry-run", action="store_true", help="build and validate only (CPU is enough)")
+    a = ap.parse_args(argv)
+    params: dict[str, dict[str, Any]] = {}
+    for item in a.param:
+        key, eq, value = item.partition("=")
+        overlay, dot, name = key.partition(".")
+        if not (eq and dot and overlay and name):
+            ap.error(f"--param {item!r}: write OVERLAY.PARAM=VALUE, e.g. memory_snapshot.dump_step=3")
+        params.setdefault(overlay, {})[name] = _typed(value)
+    for item in a.set:
+        if "=" not in item:
+            ap.error(f"--set {item!r}: write KEY=VALUE, e.g. train.train_iters=6")
+    if a.oom_at is not None and a.oom_at < 1:
+        ap.error("--oom-at: an iteration number from 1")
+    return Job(a.recipe, tuple(a.overlay), params, tuple(a.set), a.metrics, a.oom_at, a.dry_run)
+
+
+def job_config(job: Job) -> tuple[Any, dict[str, Any]]:
+    """(Bridge config before the overlays, the fields set on it) for ``job``: the recipe, the TE-free settings
+    where TE is missing, the ``--set`` overrides (locked: an overlay may not change them)."""
+    from ..bridge.overrides import apply_overrides
+    from ..bridge.recipes import load_recipe
+    from ..bridge.stack import prepare
+    prepare()
+    cfg = load_recipe(job.recipe)
+    overrides: dict[str, Any] = {}
+    if not have_te():
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+        cfg.model.transformer_layer_spec = local_layer_spec  # Bridge's own TE-free spec; a function, not an override
+        overrides.update(TE_FREE)
+    for item in job.sets:
+        key, _, value = item.partition("=")
+        overrides[key] = _typed(value)
+    return cfg, apply_overrides(cfg, overrides)
+
+
+def build_job(job: Job, world_size: int):
+    """(Bridge config, overlay report) for ``job``, validated by Bridge, nothing launched (CPU is enough)."""
+    from ..api import apply_overlay
+    cfg, locked = job_config(job)
+    report = apply_overlay(cfg, list(job.overlays), params=job.params, world_size=world_size, locked=locked,
+                           validate=True)
+    return cfg, report
+
+
+def launch(job: Job) -> int:
+    """Train ``job`` with Bridge's pretrain (needs CUDA); returns 0 when training ended."""
+    import logging
+
+    from .hydra_entry import export_environment
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg, report = build_job(job, world)
+    export_environment(report, cfg)  # before CUDA allocates: the allocator reads PYTORCH_CUDA_ALLOC_CONF once
+    profiling = getattr(cfg, "profiling", None)
+    if profiling is not None and getattr(profiling, "record_memory_history", False):
+        Path(profiling.memory_snapshot_path).parent.mkdir(parents=True, exist_ok=True)  # Bridge does not create it
+    # A job log as a job launched by Bridge's own scripts shows it: INFO lines (the OOM observer's "[OOM] rank R
+    # saved memory snapshot" is logger.info), which prepare() had quietened for planning.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for name in ("megatron", "megatron.core", "megatron.bridge"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+    callbacks = []
+    if job.metrics:
+        callbacks.append(make_recorder(job.metrics))
+    if job.oom_at:
+        callbacks.append(make_oom_provoker(job.oom_at))
+    print(f"[gpu_harness] {job.recipe} with {list(job.overlays) or 'no overlays'}; transformer engine: "
+          f"{'yes' if have_te() else 'no (local layer spec)'}; exported: {dict(report.env_to_export)}", flush=True)
+    pretrain(cfg, forward_step, callbacks=callbacks or None)
+    return 0
+
+
+def dry_run(job: Job) -> dict[str, Any]:
+    """What ``launch`` would train: the changes and Bridge's verdict (CPU is enough)."""
+    cfg, report = build_job(job, int(os.environ.get("WORLD_SIZE", "1")))
+    profiling = getattr(cfg, "profiling", None)
+    return {"recipe": job.recipe, "overlays": list(job.overlays), "te": have_te(),
+            "changes": [f"{c.target}: {c.old!r} -> {c.new!r}" for c in report.changes],
+            "env": dict(report.env_to_export),
+            "snapshot_path": getattr(profiling, "memory_snapshot_path", None)
+            if getattr(profiling, "record_memory_history", False) else None,
+            "train_iters": cfg.train.train_iters, "oom_at": job.oom_at,
+            "validation": None if report.validation is None else str(report.validation.verdict)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "train":
+        print("usage: python -m mbmem_overlays.launch.gpu_harness train [--help]", file=sys.stderr)
+        return 2
+    job = parse_job(argv[1:])
+    if job.oom_at and "memory_snapshot" not in job.overlays:
+        print("gpu_harness: --oom-at needs --overlay memory_snapshot (the OOM observer is what is being tested)",
+              file=sys.stderr)
+        return 2
+    if job.dry_run:
+        print(json.dumps(dry_run(job), indent=1, default=str))
+        return 0
+    return launch(job)
 
 
 # ----------------------------------------------------------------------------- pure part
@@ -137,22 +334,30 @@ def load_run(directory: str | os.PathLike, name: str | None = None) -> RunMetric
 
 @dataclass(frozen=True)
 class Expectation:
-    what: str            # "lower_allocated" | "allocator_setting"
+    what: str            # "lower_allocated" | "allocator_setting" | "unchanged_allocated"
     min_gpus: int = 1
     needs_te: bool = False
     min_saving: float = 0.02  # a saving smaller than this fraction of the baseline peak is noise
     note: str = ""
+    params: tuple[tuple[str, Any], ...] = ()  # overlay parameters that make it meaningful on the tiny model
 
 
-# What each overlay must show against the baseline (issue: GPU smoke tests).
+# What each overlay must show against the baseline (issue: GPU smoke tests). The overlays' own `effect` texts
+# (overlays/mem/*.yaml) say why; bench/gpu_overlays.py measures the same overlays at the megatron-core level.
 EXPECTATIONS = {
-    "selective_recompute": Expectation("lower_allocated", note="modules=[core_attn,mlp] on the tiny model"),
+    "selective_recompute": Expectation("lower_allocated", note="modules=[core_attn,mlp] on the tiny model",
+                                       params=(("modules", ["core_attn", "mlp"]),)),
     "full_recompute": Expectation("lower_allocated"),
-    "cpu_offload": Expectation("lower_allocated", needs_te=True, note="megatron-core asserts TE for CPU offloading"),
+    "cpu_offload": Expectation("lower_allocated", needs_te=True, note="megatron-core asserts TE for CPU offloading",
+                               params=(("num_layers", 2),)),
+    "optimizer_offload": Expectation("lower_allocated", note="Adam moments to the CPU (HybridDeviceOptimizer)"),
+    "memory_snapshot": Expectation("unchanged_allocated", note="a diagnostic: allocations are recorded, not changed"),
     "lora_sp_regather": Expectation("lower_allocated", min_gpus=2, min_saving=0.005, note="TP=2 with SP, LoRA recipe"),
     "dist_optimizer": Expectation("lower_allocated", min_gpus=2, note="DP=2: optimizer state is sharded"),
+    "sequence_parallel": Expectation("lower_allocated", min_gpus=2, note="TP=2: activations sharded along the sequence"),
     "expandable_segments": Expectation("allocator_setting", note="visible to the process; smaller reserved-allocated gap"),
 }
+UNCHANGED_TOLERANCE = 0.02  # "unchanged": within this fraction of the baseline peak
 
 
 @dataclass(frozen=True)
@@ -181,6 +386,13 @@ def judge(overlay: str, baseline: RunMetrics, candidate: RunMetrics) -> Verdict:
                            f"{baseline.peak_allocated / 2**20:.0f} MiB: not lower by >= {exp.min_saving:.1%}")
         else:
             reasons.append(f"peak allocated x{ratio:.3f} of baseline")
+    elif exp.what == "unchanged_allocated":
+        if ratio is None or abs(ratio - 1) > UNCHANGED_TOLERANCE:
+            ok = False
+            reasons.append(f"peak allocated {candidate.peak_allocated / 2**20:.0f} MiB vs baseline "
+                           f"{baseline.peak_allocated / 2**20:.0f} MiB: not within {UNCHANGED_TOLERANCE:.0%}")
+        else:
+            reasons.append(f"peak allocated x{ratio:.3f} of baseline (unchanged, as claimed)")
     elif exp.what == "allocator_setting":
         seen = all("expandable_segments:True" in r.alloc_conf.split(",") for r in candidate.ranks.values())
         if not seen:
@@ -195,3 +407,7 @@ def judge(overlay: str, baseline: RunMetrics, candidate: RunMetrics) -> Verdict:
     if st is not None:
         reasons.append(f"step time x{st:.2f} of baseline")
     return Verdict(overlay, ok, tuple(reasons), ratio, st)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,16 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.catalog import RESERVED_KEY, Catalog
-from ..core.errors import OverlayError, Problem, ValidationRejected
+from ..core import console
+from ..core.catalog import RESERVED_KEY, Catalog, data_dir, recipe_file
+from ..core.errors import OverlayError, Problem, ValidationRejected, short_repr
 from ..core.paths import MISSING
 from ..core.report import (
     EXIT_INCOMPLETE,
     EXIT_OK,
+    EXIT_OUTPUT,
     EXIT_REJECTED,
     EXIT_USAGE,
     SCHEMA_VERSION,
 )
+from ..core.text import shown
+from ..core.values import value_fix, value_problem
 
 HYDRA_KEYS = ("recipe", "mem", "run", "hydra", "bridge")
 RUNS_DIR_ENV = "MBMEM_RUNS_DIR"
@@ -81,6 +85,11 @@ def hydra_argv(argv: list[str], catalog: Catalog | None = None) -> list[str]:
     - overlay aliases (``+mem=lora_regather``, ``mem.lora_regather.strict=false``) -> canonical names.
     """
     catalog = catalog or Catalog()
+    selected = set()
+    for arg in argv[1:]:
+        key, _, value = arg.partition("=")
+        if not arg.startswith("-") and key.lstrip("+~") == "mem":
+            selected |= {catalog.aliases.get(n.strip(), n.strip()) for n in value.strip("[]").split(",")}
     out = [argv[0]]
     for arg in argv[1:]:
         if arg.startswith("-") or "=" not in arg:
@@ -98,7 +107,10 @@ def hydra_argv(argv: list[str], catalog: Catalog | None = None) -> list[str]:
                 parts = bare.split(".")
                 if len(parts) > 1:
                     parts[1] = catalog.aliases.get(parts[1], parts[1])
-                key = key[: len(key) - len(bare)] + ".".join(parts)
+                prefix = key[: len(key) - len(bare)]
+                if prefix == "+" and len(parts) > 2 and parts[1] in selected:
+                    prefix = ""  # the overlay's file holds the key already: '+' would be Hydra's "already there" error
+                key = prefix + ".".join(parts)
             out.append(f"{key}={value}")
         elif head in HYDRA_KEYS:
             out.append(arg)
@@ -136,47 +148,184 @@ def rank_of(environ) -> tuple[int, Problem | None]:
 
 
 def startup(argv: list[str]) -> list[str]:
-    """train.py's first step, before Hydra: checks that must precede Hydra's own folder making, and the
-    argument rewrite. Exits 2 with a message (never a traceback) when something is wrong."""
+    """train.py's first step, before Hydra: everything Hydra would otherwise answer in its own words (exit 1,
+    nothing on stdout under run.json=true) or act on silently, answered as ``mbmem apply`` answers it, all at
+    once, exit 2 (issue 22 #4): the run folder and RANK; each override's syntax and value (the one rule for user
+    values, core/values.py: no ``${...}``, numbers in range, no control characters); the recipe; the overlays, read
+    by the same bounded loader as everywhere (a broken or hostile user overlay file never reaches Hydra's loader,
+    issue 22 #1, #7); their parameters, a parameter of an unselected overlay included; then a trial composition
+    for whatever Hydra still refuses. Exits 2 with a message (never a traceback) when something is wrong."""
     global SWEEP_START_ENV
     SWEEP_START_ENV = dict(os.environ)
+    _quiet_foreign_plugins()
+    parsed = _parse_all(argv[1:])
+    as_json = any(ov is not None and ov.key_or_group == "run.json" and _values(ov) == [True] for _, ov, _ in parsed)
     problems = [p for p in (runs_dir_problem(), rank_of(os.environ)[1]) if p]
+    problems += [p for _, _, p in parsed if p]
     try:
-        catalog = Catalog()
+        catalog = Catalog(_searchpath_overlay_dirs(parsed))
+        problems += [p for p in catalog.problems if p.check == "overlay_dir"]
     except OverlayError as exc:
         problems += exc.problems
         catalog = None
     rewritten = hydra_argv(argv, catalog) if catalog is not None else list(argv)
-    problems += override_syntax_problems(rewritten[1:])
+    if catalog is not None:
+        problems += command_line_problems(_parse_all(rewritten[1:]), catalog)
+    if not problems and _composable(rewritten[1:]):
+        problems += composition_problems(rewritten[1:])
     if problems:
-        _print_error(UsageError(problems), as_json="run.json=true" in argv)
-        sys.exit(EXIT_USAGE)
+        try:
+            _print_error(UsageError(problems), as_json=as_json)
+        except OSError as exc:
+            if not console.is_output_error(exc):
+                raise
+            sys.exit(console.output_failed("train.py", exc))
+        sys.exit(console.finish(EXIT_USAGE, "train.py"))
     return rewritten
 
 
-def override_syntax_problems(args: list[str]) -> list[Problem]:
-    """Hydra's grammar on each KEY=VALUE, so `model..x=1` is our usage error (exit 2), as in `mbmem apply`."""
+def _quiet_foreign_plugins() -> None:
+    """multistorageclient (installed with Bridge) registers a Hydra config source that logs a traceback whenever
+    Hydra asks it whether it is available (with any hydra.searchpath); train.py never reads msc:// configs."""
+    import logging
+    import warnings
+    logging.getLogger("multistorageclient.contrib.hydra").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="provider=msc-universal")
+
+
+def _parse_all(args: list[str]) -> list[tuple[str, Any, Problem | None]]:
+    """(arg, Hydra's parsed override or None, its syntax problem or None) for every ``KEY=VALUE`` argument."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
-    parser, problems = OverridesParser.create(), []
+    parser, out = OverridesParser.create(), []
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
+        shown_arg = arg.removeprefix("+bridge.")
+        key, _, raw = shown_arg.partition("=")
         try:
-            parser.parse_override(arg)
+            out.append((arg, parser.parse_override(arg), None))
         except HydraException as exc:
-            shown = arg.removeprefix("+bridge.")
-            problems.append(Problem(("override",), shown.partition("=")[0], shown.partition("=")[2],
-                                    f"cannot parse {shown!r}: {' '.join(str(exc).split())}",
-                                    "write KEY=VALUE with Hydra syntax: dotted names, lists as [a,b], "
-                                    "e.g. model.tensor_model_parallel_size=2", check="override"))
+            out.append((arg, None, Problem(("override",), key, raw, f"cannot parse {short_repr(shown_arg)}: "
+                                           f"{' '.join(str(exc).split())}",
+                                           "write KEY=VALUE with Hydra syntax: dotted names, lists as [a,b], "
+                                           "e.g. model.tensor_model_parallel_size=2", check="override")))
+        except ValueError as exc:  # Hydra's int() on 4,301 digits: Python's int-digit limit
+            why = f"cannot be read: {' '.join(str(exc).split()[:12])}"
+            out.append((arg, None, Problem(("override",), key, raw, f"the value of {key} {why}",
+                                           value_fix(why, key), check="override")))
+    return out
+
+
+def _values(override) -> list[Any]:
+    """The value of an override, or each value of a choice sweep (``a,b`` under -m); range sweeps are numbers
+    Hydra generates, so there is nothing of the user's to check."""
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    from ..core.values import plain
+    if override.is_delete():
+        return []
+    value = override.value()
+    if isinstance(value, ChoiceSweep):
+        return [plain(v) for v in value.list]
+    return [] if override.is_sweep_override() else [plain(value)]
+
+
+def _searchpath_overlay_dirs(parsed) -> list[str]:
+    """``hydra.searchpath=[file://DIR,...]`` entries that hold ``mem/`` (user overlays given to Hydra)."""
+    dirs = []
+    for _, ov, _ in parsed:
+        if ov is None or ov.key_or_group != "hydra.searchpath":
+            continue
+        for entry in (v for value in _values(ov) for v in (value if isinstance(value, list) else [value])):
+            if isinstance(entry, str) and entry.startswith("file://") and Path(entry[7:], "mem").is_dir():
+                dirs.append(entry[7:])
+    return dirs
+
+
+def command_line_problems(parsed, catalog: Catalog) -> list[Problem]:
+    """What train.py's command line asks for, checked before Hydra composes it, with the words ``mbmem apply``
+    uses (the same functions): every value, the recipe, the overlays, their parameters."""
+    from ..bridge.overrides import request_problems
+    problems: list[Problem] = []
+    names: list[str] = []
+    params: list[tuple[str, Any]] = []
+    for _, ov, problem in parsed:
+        if ov is None or problem is not None:
+            continue
+        key = ov.key_or_group
+        shown_key = key.removeprefix("bridge.")
+        parts = key.split(".")
+        if parts[0] == "hydra":
+            continue  # Hydra's own settings (hydra.run.dir=..., hydra.searchpath=...) keep Hydra's rules
+        if parts[0] == "mem" and len(parts) >= 3:  # mem.<overlay>.<param>: checked with the parameters below
+            params += [(".".join(parts[1:]), v) for v in _values(ov)]
+            continue
+        if len(parts) == 2 and parts[0] == "run" and parts[1] in RUN_OPTION_KEYS:  # typed as the job types them
+            for value in _values(ov):
+                problems += [p for p in run_options({parts[1]: value})[1] if p not in problems]
+            continue
+        for value in _values(ov):
+            why = value_problem(value)
+            if why:
+                problems.append(Problem(("override",), shown_key, value, f"the value of {shown_key} {why}",
+                                        value_fix(why, shown_key), check="override"))
+            elif key == "recipe" and ov.package is None:
+                problems += recipe_choice_problems(value)
+            elif key == "mem" and ov.package is None and value is not None:
+                for name in value if isinstance(value, list) else [value]:
+                    try:
+                        spec = catalog.resolve(name)
+                    except OverlayError as exc:
+                        problems += [p for p in exc.problems if p not in problems]
+                        continue
+                    names.append(spec.name)
+    names = list(dict.fromkeys(names))
+    for key, value in params:  # one at a time: a -m sweep gives one parameter several values
+        problems += [p for p in request_problems(names, {key: value}, catalog) if p not in problems]
     return problems
+
+
+def recipe_choice_problems(name: Any) -> list[Problem]:
+    """``recipe=<name>`` names a file of recipes/recipe/ (Hydra's config group ``recipe``)."""
+    from ..bridge.recipes import recipe_name_problem, shipped_recipes
+    if name is None or (isinstance(name, str) and recipe_file(name) is not None):
+        return []
+    import difflib
+    choices = shipped_recipes()
+    close = difflib.get_close_matches(str(name), choices, n=1)
+    hint = f"; did you mean recipe={close[0]}?" if close else ""
+    as_function = (f", or run the Bridge recipe function itself: recipe.function={name}"
+                   if isinstance(name, str) and recipe_name_problem(name) is None else "")
+    return [Problem(("recipe",), "recipe", name, f"unknown recipe {short_repr(str(name))} (not in recipes/recipe/){hint}",
+                    f"choose one of: {', '.join(choices)}{as_function}", check="recipe")]
+
+
+def _composable(args: list[str]) -> bool:
+    """A trial composition needs plain overrides: no -m (sweeps compose per job), no Hydra flags (--cfg, -c ...)."""
+    return all("=" in a and not a.startswith("-") for a in args)
+
+
+def composition_problems(overrides: list[str]) -> list[Problem]:
+    """Hydra's Compose API on train.yaml with these overrides: whatever it still refuses (``run.nope=1``,
+    ``mem=x`` without ``+``, ``+mem=a,b`` without -m) becomes our usage error in Hydra's words."""
+    from hydra import compose, initialize_config_dir
+    try:
+        with initialize_config_dir(config_dir=str(data_dir("recipes")), version_base="1.3", job_name="train"):
+            compose("train", overrides=overrides)
+    except Exception as exc:  # noqa: BLE001  Hydra's MissingConfigException, ConfigCompositionException, ...
+        return [Problem(("hydra",), "command line", None, f"Hydra cannot compose the config: "
+                        f"{' '.join(str(exc).split())}",
+                        "fix the override Hydra names; overlays are selected with +mem=name or '+mem=[a,b]', "
+                        "parameters set with mem.<overlay>.<param>=value", check="hydra")]
+    return []
 
 
 # ---------------------------------------------------------------- one job
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves of nested mappings by dotted key."""
     if isinstance(node, dict) and node:
         out: dict[str, Any] = {}
         for k, v in node.items():
@@ -186,7 +335,9 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def selected_overlays(mem: Any, catalog: Catalog) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """Overlay names and parameters from the composed ``mem`` node; every problem at once."""
+    """Overlay names and parameters from the composed ``mem`` node; every problem at once. An overlay is selected
+    when its file was composed (its ``overlay:`` declaration is there), never by a parameter alone."""
+    from ..core.engine import unselected_problem
     names, params, problems = [], {}, []
     if mem is not None and not isinstance(mem, dict):
         raise UsageError([Problem(("mem",), "mem", mem, "mem must hold the selected overlays",
@@ -204,6 +355,9 @@ def selected_overlays(mem: Any, catalog: Catalog) -> tuple[list[str], dict[str, 
                                     f"(`mbmem explain {name}` lists them)"))
             continue
         node = dict(node or {})
+        if RESERVED_KEY not in node:  # no file was loaded here: `+mem.<name>.<param>=` made the node, not +mem=
+            problems.append(unselected_problem(spec.name, f"mem.{name}", node))
+            continue
         declared = node.pop(RESERVED_KEY, None)
         if declared is not None and declared != spec.raw.get(RESERVED_KEY):
             problems.append(Problem((name,), f"mem.{name}.{RESERVED_KEY}", None,
@@ -248,15 +402,23 @@ class RunOptions:
     verbose: bool = False
 
 
+RUN_OPTION_KEYS = ("dry_run", "world_size", "validate", "json", "plan", "gpu_memory", "verbose")
+
+
 def run_options(node: Any) -> tuple[RunOptions, list[Problem]]:
     """``run.*`` checked and typed (issue 15 #10/#12: run.world_size=abc or 0, run.gpu_memory=abc)."""
     from ..bridge.recipes import world_size_problem
     from ..core.sizes import parse_size
-    node = node if isinstance(node, dict) else {}
+    node = dict(node) if isinstance(node, dict) else {}
     opts, problems = RunOptions(), []
 
     def bad(key: str, value: Any, message: str, fix: str) -> None:
         problems.append(Problem(("run",), f"run.{key}", value, message, fix, check="run_option"))
+
+    for key in RUN_OPTION_KEYS:  # ${...} and the like in text get the one message for user values, then no other
+        why = value_problem(node.get(key)) if isinstance(node.get(key), str) else None
+        if why:
+            bad(key, node.pop(key), f"run.{key} {why}", value_fix(why, f"run.{key}"))
 
     for key in ("validate", "json", "plan", "verbose"):
         value = node.get(key, getattr(opts, key))
@@ -286,12 +448,9 @@ def run_options(node: Any) -> tuple[RunOptions, list[Problem]]:
 def run(cfg) -> int:
     """The body of train.py's Hydra main. Returns the exit code; never exits the process."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-    try:
-        container = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as exc:  # e.g. an ${oc.env:...} that does not resolve
-        return _print_error(UsageError([Problem(("run",), "config", None, f"the composed config does not resolve: {exc}",
-                                                "fix the ${...} interpolation in your overrides")]), as_json=False)
+    # Never resolved: an interpolation in a user value is refused (core/values.py), so nothing read from the
+    # environment reaches the config or the run records (issue 22 #2c).
+    container = OmegaConf.to_container(cfg, resolve=False)
     run_node = container.get("run") if isinstance(container.get("run"), dict) else {}
     as_json = run_node.get("json") is True
     rank, rank_problem = rank_of(os.environ)
@@ -315,6 +474,7 @@ def _plan_and_launch(container: dict[str, Any], say, rank: int, problems: list[P
                                 "give overrides as KEY=VALUE, e.g. model.tensor_model_parallel_size=2"))
     else:  # model..x / model.__class__ are refused here, before the import (issue 15 #10)
         problems += [p for p in map(key_problem, _flatten(bridge or {})) if p]
+    problems += user_value_problems(container)
     recipe = container.get("recipe")
     problems += spec_problems(recipe)
     try:
@@ -330,6 +490,29 @@ def _plan_and_launch(container: dict[str, Any], say, rank: int, problems: list[P
     if problems:
         raise UsageError(problems)
     return _with_bridge(container, opts, recipe, names, params, catalog, say, rank)
+
+
+def user_value_problems(container: dict[str, Any]) -> list[Problem]:
+    """The one rule for user values (core/values.py) on the composed config: Bridge overrides, the recipe's
+    kwargs and overrides, and ``run.*`` keys ``run_options`` does not type (overlay parameters are checked with
+    the overlays, ``run.*`` options by ``run_options``, the recipe function by ``spec_problems``)."""
+    def part(node: Any, *keep: str, drop: tuple[str, ...] = ()) -> dict[str, Any] | None:
+        if not isinstance(node, dict):
+            return None
+        return {k: v for k, v in node.items() if (not keep or k in keep) and k not in drop}
+    recipe = container.get("recipe")
+    trees = {"bridge": container.get("bridge"), "recipe": part(recipe, "kwargs", "overrides"),
+             "run": part(container.get("run"), drop=RUN_OPTION_KEYS)}
+    problems = []
+    for top, tree in trees.items():
+        leaves = _flatten(tree, top) if isinstance(tree, dict) else {}
+        for key, value in leaves.items():
+            why = value_problem(value)
+            if why:
+                shown_key = key.removeprefix("bridge.")
+                problems.append(Problem(("override",), shown_key, value, f"the value of {shown_key} {why}",
+                                        value_fix(why, shown_key), check="override"))
+    return problems
 
 
 def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, params, catalog, say, rank) -> int:
@@ -445,7 +628,7 @@ def export_environment(report, bcfg) -> None:
 
 
 def _print_error(exc: OverlayError, as_json: bool, code: int = EXIT_USAGE) -> int:
-    print(f"train.py: {exc}", file=sys.stderr)
+    print(shown(f"train.py: {exc}", one_line=False), file=sys.stderr)
     if as_json:
         from ..core.report import render_error_json
         print(render_error_json(exc, code))
@@ -497,15 +680,23 @@ def run_job(cfg) -> int:
     try:
         code = run(cfg)
     except Exception as exc:
-        if not _planning_only(cfg):
+        if console.is_output_error(exc):  # `| head -0`, `> /dev/full`: one line, exit 74, never a traceback
+            code = console.output_failed("train.py", exc)
+        elif not _planning_only(cfg):
             raise
-        print(f"train.py: internal error ({type(exc).__name__}: {exc}); please report it with the command line. "
-              f"Set MBMEM_DEBUG=1 for the traceback.", file=sys.stderr)
-        if os.environ.get("MBMEM_DEBUG"):
-            traceback.print_exc()
-        code = EXIT_REJECTED
+        else:
+            code = _internal_error(exc)
     JOBS.append(JobResult(number, overrides, code))
     return code
+
+
+def _internal_error(exc: Exception) -> int:
+    """A bug met while only planning: one line and exit 1 (the traceback with MBMEM_DEBUG=1)."""
+    print(shown(f"train.py: internal error ({type(exc).__name__}: {exc}); please report it with the command line. "
+                "Set MBMEM_DEBUG=1 for the traceback."), file=sys.stderr)
+    if os.environ.get("MBMEM_DEBUG"):
+        traceback.print_exc()
+    return EXIT_REJECTED
 
 
 def _planning_only(cfg) -> bool:
@@ -516,7 +707,8 @@ def _planning_only(cfg) -> bool:
     return dry is True or (dry == "auto" and not cuda_available())
 
 
-VERDICTS = {EXIT_OK: "passed", EXIT_REJECTED: "rejected", EXIT_USAGE: "usage error", EXIT_INCOMPLETE: "incomplete"}
+VERDICTS = {EXIT_OK: "passed", EXIT_REJECTED: "rejected", EXIT_USAGE: "usage error", EXIT_INCOMPLETE: "incomplete",
+            EXIT_OUTPUT: "output failed"}
 
 
 def finish() -> int:
@@ -532,7 +724,7 @@ def finish() -> int:
             print(f"  #{job.number} {VERDICTS.get(job.code, 'exit ' + str(job.code))} (exit {job.code}): {job.overrides}",
                   file=sys.stderr)
     codes = {job.code for job in JOBS}
-    for code in (EXIT_REJECTED, EXIT_USAGE, EXIT_INCOMPLETE):  # the most serious outcome decides
+    for code in (EXIT_OUTPUT, EXIT_REJECTED, EXIT_USAGE, EXIT_INCOMPLETE):  # the most serious outcome decides
         if code in codes:
             return code
     return max(codes)

@@ -22,15 +22,16 @@ import datetime as _dt
 import os
 import re
 import shlex
-import stat
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..core import allocconf
-from ..core.catalog import Catalog, data_dir, recipe_file, train_recipe_arg
+from ..core.catalog import USER_DIRS_ENV, Catalog, data_dir, recipe_file, recipe_spec, train_recipe_arg
 from ..core.errors import OverlayError, Problem
+from ..core.outfile import write_output
+from ..core.text import unsafe_character
+from ..core.values import MAX_WORLD_SIZE, parse_count
 
 TEMPLATE = data_dir("recipes") / "slurm" / "sbatch.sh.j2"
 CHECKOUT = Path(__file__).resolve().parents[3]  # where train.py lives when running from a clone
@@ -177,45 +178,40 @@ def output_log_problems(output: str | None) -> list[Problem]:
     return problems
 
 
-def output_file_problems(path: str | None) -> list[Problem]:
-    """``-o FILE``: a new or existing regular file in an existing folder; never a link, device, fifo or folder."""
-    if path is None:
-        return []
-    target = Path(path)
-    folder = target.parent
-    if not folder.is_dir():
-        return [_bad("-o", path, f"the folder {str(folder)!r} does not exist" if not folder.exists()
-                     else f"{str(folder)!r} is not a folder", f"create it first (mkdir -p {shlex.quote(str(folder))}) "
-                     "or choose another path")]
-    try:
-        st = target.lstat()
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        return [_bad("-o", path, f"cannot inspect it: {exc.strerror}", "choose another path")]
-    if st is not None and stat.S_ISLNK(st.st_mode):
-        return [_bad("-o", path, "is a symbolic link; mbmem slurm does not write through links",
-                     "remove the link or choose another path")]
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                or stat.S_ISBLK(st.st_mode) else "a fifo" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
-        return [_bad("-o", path, f"is {kind}; mbmem slurm only writes regular files", "choose a file path")]
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return [_bad("-o", path, f"the folder {str(folder)!r} is not writable", "choose another path")]
-    return []
+# Upper bounds of the counts (issue 22 #3): the world size (nodes x GPUs per node) is bounded by MAX_WORLD_SIZE too.
+MAX_GPUS_PER_NODE = 1024
+MAX_CPUS_PER_TASK = 1 << 16
+COUNTS = (("nodes", "--nodes", MAX_WORLD_SIZE, "--nodes 4"), ("gpus_per_node", "--gpus-per-node", MAX_GPUS_PER_NODE,
+                                                                 "--gpus-per-node 8"),
+          ("cpus_per_task", "--cpus-per-task", MAX_CPUS_PER_TASK, "--cpus-per-task 32"))
 
 
-def option_problems(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpus_per_node: int,
-                    cpus_per_task: int | None = None, python: str | None = None, workdir: str | None = None,
+def count_problems(counts: dict[str, object]) -> tuple[dict[str, int | None], list[Problem]]:
+    """--nodes, --gpus-per-node and --cpus-per-task (text or int) as numbers, each in its bounds, and their
+    product (the world size) at most MAX_WORLD_SIZE; every problem at once."""
+    numbers: dict[str, int | None] = {}
+    problems = []
+    for key, flag, maximum, example in COUNTS:
+        value = counts.get(key)
+        if value is None:
+            numbers[key] = None
+            continue
+        numbers[key], why = parse_count(value, maximum=maximum)
+        if why:
+            problems.append(_bad(flag, value, why, f"e.g. {example}"))
+    if numbers.get("nodes") and numbers.get("gpus_per_node") and \
+            numbers["nodes"] * numbers["gpus_per_node"] > MAX_WORLD_SIZE:
+        problems.append(_bad("--nodes/--gpus-per-node", f"{numbers['nodes']}x{numbers['gpus_per_node']}",
+                             f"makes a world size above {MAX_WORLD_SIZE} GPUs (2^20)", "e.g. --nodes 4 --gpus-per-node 8"))
+    return numbers, problems
+
+
+def option_problems(*, recipe: str, overlays: list[str], sets: list[str], nodes: int | str, gpus_per_node: int | str,
+                    cpus_per_task: int | str | None = None, python: str | None = None, workdir: str | None = None,
                     container_image: str | None = None, container_mounts: str | None = None,
-                    output: str | None = None, **sbatch) -> list[Problem]:
+                    output: str | None = None, overlay_dirs: list[str] | None = None, **sbatch) -> list[Problem]:
     """Every problem with the options, without importing anything heavy."""
-    problems: list[Problem] = []
-    if nodes < 1 or gpus_per_node < 1:
-        problems.append(_bad("--nodes/--gpus-per-node", f"{nodes}/{gpus_per_node}", "must be at least 1",
-                             "e.g. --nodes 4 --gpus-per-node 8"))
-    if cpus_per_task is not None and cpus_per_task < 1:
-        problems.append(_bad("--cpus-per-task", cpus_per_task, "must be at least 1", "e.g. --cpus-per-task 32"))
+    problems = count_problems(dict(nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task))[1]
     problems += sbatch_problems({k.replace("_", "-"): v for k, v in sbatch.items()})
     problems += output_log_problems(output)
     if not RECIPE_NAME.fullmatch(recipe):
@@ -223,18 +219,22 @@ def option_problems(*, recipe: str, overlays: list[str], sets: list[str], nodes:
                              "e.g. --recipe llama3_8b_pretrain or --recipe llama3_8b_pretrain_config"))
     named = [("--overlay", o) for o in overlays] + [("--set", s) for s in sets] + [
         ("--recipe", recipe), ("--python", python), ("--workdir", workdir), ("--container-image", container_image),
-        ("--container-mounts", container_mounts)]
+        ("--container-mounts", container_mounts)] + [("--overlay-dir", d) for d in overlay_dirs or ()]
     for flag, value in named:
         if value is not None and any(c in value for c in "\n\r\0"):
             problems.append(_bad(flag, value, "contains a newline or NUL byte", "pass single-line values"))
+        elif value is not None and unsafe_character(value):  # would reach the script and the terminal showing it
+            problems.append(_bad(flag, value, f"contains the control or bidirectional character "
+                                 f"{unsafe_character(value)}", "remove it"))
         elif value == "" and flag != "--set":
             problems.append(_bad(flag, value, "is empty", f"give {flag} a value or leave the option out"))
     if container_mounts and not container_image:
         problems.append(_bad("--container-mounts", container_mounts, "has no effect without --container-image",
                              "add --container-image IMAGE, or drop --container-mounts"))
-    if container_image and workdir and any(c in workdir for c in ":,"):
-        problems.append(_bad("--workdir", workdir, "contains ':' or ','; pyxis' --container-mounts cannot mount it",
-                             "use a path without ':' and ','"))
+    for flag, path in [("--workdir", workdir)] + [("--overlay-dir", d) for d in overlay_dirs or ()]:
+        if container_image and path and any(c in path for c in ":,"):
+            problems.append(_bad(flag, path, "contains ':' or ','; pyxis' --container-mounts cannot mount it",
+                                 "use a path without ':' and ','"))
     return problems
 
 
@@ -243,11 +243,10 @@ PRETRAINED_CHECKPOINT = "checkpoint.pretrained_checkpoint"
 
 def _recipe_function(recipe: str) -> tuple[str, dict]:
     """(Bridge function name, the recipe file's overrides) without importing Bridge."""
-    import yaml
     path = recipe_file(recipe)
     if path is None:
         return recipe, {}
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    data = recipe_spec(path)
     return str(data.get("function", recipe)), dict(data.get("overrides") or {})
 
 
@@ -278,11 +277,23 @@ def _mount_target(mount: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def container_mounts_with_workdir(workdir: str, user_mounts: str | None) -> str:
-    """The user's mounts, plus the repository mounted at the same path unless a mount already targets it."""
+def _same_path_mount(mount: str) -> str | None:
+    """The path a mount shows at the same place inside the container (``P`` or ``P:P``), else None."""
+    parts = mount.split(":")
+    return parts[0].rstrip("/") or "/" if len(parts) == 1 or parts[0] == parts[1] else None
+
+
+def container_mounts_with_workdir(workdir: str, user_mounts: str | None, overlay_dirs: list[str] | None = None) -> str:
+    """The user's mounts, plus the repository mounted at the same path unless a mount already targets it, plus each
+    user overlay directory at its own path unless a same-path mount already holds it (train.py inside the
+    container reads them through MBMEM_OVERLAY_DIRS, issue 22 #2a)."""
     mounts = [m for m in (user_mounts or "").split(",") if m]
     if not any(_mount_target(m).rstrip("/") == workdir.rstrip("/") for m in mounts):
         mounts.insert(0, f"{workdir}:{workdir}")
+    for d in overlay_dirs or ():
+        inside = [p for p in map(_same_path_mount, mounts) if p]
+        if not any(d == p or d.startswith(p.rstrip("/") + "/") for p in inside):
+            mounts.append(f"{d}:{d}")
     return ",".join(mounts)
 
 
@@ -300,16 +311,23 @@ def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpu
            env: dict[str, str], cpu_smoke: bool = False, python: str | None = None, workdir: str | None = None,
            container_image: str | None = None, container_mounts: str | None = None, cpus_per_task: int | None = None,
            output: str | None = None, verdict: str = "not validated", standard: dict[str, str] | None = None,
-           **sbatch) -> str:
-    """The sbatch script text. Raises OverlayError listing every problem with the options."""
+           overlay_dirs: list[str] | None = None, **sbatch) -> str:
+    """The sbatch script text. Raises OverlayError listing every problem with the options.
+
+    ``overlay_dirs`` (absolute): the user overlay directories; the script exports them as MBMEM_OVERLAY_DIRS
+    (and mounts them in a container), so train.py in the job finds the user overlays it names."""
+    overlay_dirs = [os.path.abspath(d) for d in overlay_dirs or ()]
     problems = option_problems(recipe=recipe, overlays=overlays, sets=sets, nodes=nodes, gpus_per_node=gpus_per_node,
                                cpus_per_task=cpus_per_task, python=python, workdir=workdir,
                                container_image=container_image, container_mounts=container_mounts, output=output,
-                               **sbatch)
-    exports = {**(STANDARD_ENV if standard is None else standard), **env}
+                               overlay_dirs=overlay_dirs, **sbatch)
+    dirs_env = {USER_DIRS_ENV: os.pathsep.join(overlay_dirs)} if overlay_dirs else {}
+    exports = {**(STANDARD_ENV if standard is None else standard), **env, **dirs_env}
     problems += env_problems(exports)
     if problems:
         raise OverlayError(problems)
+    counts = count_problems(dict(nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_task=cpus_per_task))[0]
+    nodes, gpus_per_node, cpus_per_task = counts["nodes"], counts["gpus_per_node"], counts["cpus_per_task"]
     world = nodes * gpus_per_node
     workdir = workdir or default_workdir()
     title = (f"{recipe} with overlays [{', '.join(overlays) or 'none'}] on "
@@ -324,7 +342,7 @@ def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpu
         train_args=train_args(recipe, overlays, sets, cpu_smoke=cpu_smoke, world_size=world),
         workdir=workdir, python=python or ("python" if container_image else sys.executable),
         container_image=container_image,
-        container_mounts=container_mounts_with_workdir(workdir, container_mounts) if container_image else None,
+        container_mounts=container_mounts_with_workdir(workdir, container_mounts, overlay_dirs) if container_image else None,
         container_env=",".join([*exports, *SCRIPT_ENV]),
     )
     return template_environment().get_template(TEMPLATE.name).render(**values)
@@ -358,29 +376,10 @@ def make_log_folder(output: str | None) -> None:
                                      "choose a log path in a folder you can create")]) from None
 
 
-def write_script(path: str, text: str) -> None:
-    """Write ``text`` to a new regular file at ``path``: a temporary file in the same folder, its mode set on
-    the file descriptor we created, then renamed over ``path`` (rename replaces a link, never follows it)."""
-    problems = output_file_problems(path)
-    if problems:
-        raise OverlayError(problems)
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fchmod(f.fileno(), SCRIPT_MODE)
-        problems = output_file_problems(path)  # anything replaced meanwhile is refused as well
-        if problems:
-            raise OverlayError(problems)
-        os.replace(tmp, target)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise OverlayError([_bad("-o", path, f"cannot write it: {exc.strerror}", "choose another path")]) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def write_script(path: str, text: str, *, force: bool = False) -> None:
+    """The script to ``path`` through the one writer of output files (core/outfile.py): a regular file, never
+    through a link, device or fifo; an existing file only with ``force`` (``--force``); mode 0755; atomic."""
+    write_output(path, text, "-o", force=force, mode=SCRIPT_MODE, who="slurm")
 
 
 def collect(*groups: Iterable[Problem]) -> None:

@@ -14,9 +14,15 @@ accepted candidate's, so it has passed both already. Order (sources in ``costs.p
    skill, Selective Module Decision Table)
 7. PP doubled while DP >= 2 (Quick Decision 5: ~6% per DP halving)
 8. activation CPU offload, PP = 1 only, instead of recompute (Quick Decision 7; cpu-offloading skill)
-9. full recompute, the fewest layers that fit (activation-recompute skill, Quick Decision Guide 5)
-10. optimizer CPU offload, the smallest documented fraction that fits (cpu-offloading skill, Quick Decision)
-11. TP doubled, last resort (Quick Decision 4: -28% on Llama3-70B)
+9. full recompute ``block``: the fewest layers per stage that fit, else the most tried (activation-recompute
+   skill, Full-layer recompute and Quick Decision Guide 5)
+10. full recompute ``uniform``/1, every layer (same)
+11. optimizer CPU offload, the smallest documented fraction that fits (cpu-offloading skill, Quick Decision)
+12. TP doubled, last resort (Quick Decision 4: -28% on Llama3-70B)
+
+A rung that cannot change memory here is listed under "skipped: saves nothing here" (the distributed optimizer at
+DP x CP = 1, a candidate the model prices at no saving), never printed as a step; a rejected one names the field
+or overlay that caused it (steps.explain_rejection).
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ from typing import Any
 
 from ..core.catalog import Catalog
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST, full_recompute_cost, optimizer_offload_cost
-from .steps import Candidate, Rejected, Start, breakdown_of, realize, settings, toggles, train_command
+from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, realize, settings, toggles,
+                    train_command)
 
 RECOMPUTE_OVERLAYS = ("selective_recompute", "full_recompute")
+SAVES_NOTHING = "saves nothing here"
+MIN_SAVING = 1 << 20   # a candidate the plan prices at less than 1 MiB saved is not a step
 
 
 @dataclass
@@ -42,8 +51,12 @@ class State:
     world: int
 
 
+class SavesNothing(str):
+    """A rung's reason for not applying that is a zero saving on this configuration (listed apart)."""
+
+
 # A rung returns candidates to try in order of preference (the first that fits wins; otherwise the one
-# that saves most), or a sentence saying why it does not apply here.
+# that saves most), or a sentence saying why it does not apply here (a SavesNothing when it would save nothing).
 Proposal = list[tuple[Candidate, str]] | str
 
 
@@ -89,6 +102,18 @@ def selective_default(state: State) -> Proposal:
 
 
 def dist_optimizer(state: State) -> Proposal:
+    """Shards optimizer state over DP x CP / instances (and expert state over expert DP): nothing to shard at 1."""
+    from ..core.paths import read
+    m = _model(state)
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    dp = state.world // max(1, tp * pp * cp)
+    instances = int(read(state.cfg, "ddp.num_distributed_optimizer_instances", 1) or 1)
+    experts = getattr(m, "num_moe_experts", None) or 0
+    etp = getattr(m, "expert_tensor_parallel_size", None) or tp
+    expert_dp = state.world // max(1, pp * (getattr(m, "expert_model_parallel_size", 1) or 1) * etp)
+    if dp * cp // instances <= 1 and (not experts or expert_dp // instances <= 1):
+        return SavesNothing(f"DP x CP is {dp * cp} (world {state.world} / TP{tp} PP{pp} CP{cp}): the distributed "
+                            "optimizer has nothing to shard across")
     return [(state.cand.plus("dist_optimizer"), COSTS["dist_optimizer"][1])]
 
 
@@ -141,18 +166,36 @@ def cpu_offload(state: State) -> Proposal:
              f"{n} of {layers} layers: {COSTS['cpu_offload'][1]}") for n in counts]
 
 
-def full_recompute(state: State) -> Proposal:
-    """Full recompute instead of selective: ``block`` of a few layers per stage first, ``uniform``/1 last."""
+def _full_recompute(state: State, options: list[tuple[str, int]]) -> Proposal:
     mine = _own(state, "selective_recompute")
     if mine:
         return mine
-    m = _model(state)
-    per_stage = max(1, m.num_layers // m.pipeline_model_parallel_size)
-    blocks = sorted({n for n in (per_stage // 4, per_stage // 2) if 1 <= n < per_stage})
-    options = [("block", n) for n in blocks] + [("uniform", 1)]
+    per_stage = _layers_per_stage(state)
     return [(state.cand.plus("full_recompute", params={"method": method, "num_layers": n},
                              drop=("selective_recompute", "cpu_offload")),
              full_recompute_cost(method, n, per_stage)) for method, n in options]
+
+
+def _layers_per_stage(state: State) -> int:
+    m = _model(state)
+    return max(1, m.num_layers // m.pipeline_model_parallel_size)
+
+
+def full_recompute_block(state: State) -> Proposal:
+    """Full recompute of the first n layers of each stage (``block``), the fewest of 1/4, 1/2, 3/4 of the stage
+    that fit; megatron-core applies n to each virtual-pipeline chunk (transformer_block.py _checkpointed_forward),
+    so n stays within a chunk."""
+    m = _model(state)
+    chunk = max(1, _layers_per_stage(state) // (m.virtual_pipeline_model_parallel_size or 1))
+    blocks = sorted({n for n in (chunk // 4, chunk // 2, 3 * chunk // 4) if 1 <= n < chunk})
+    if not blocks:
+        return f"a {chunk}-layer chunk has no part to checkpoint short of all of it (the uniform rung does that)"
+    return _full_recompute(state, [("block", n) for n in blocks])
+
+
+def full_recompute_uniform(state: State) -> Proposal:
+    """Full recompute of every layer, one at a time (``uniform``/1): the most full recompute saves."""
+    return _full_recompute(state, [("uniform", 1)])
 
 
 def optimizer_offload(state: State) -> Proposal:
@@ -180,7 +223,8 @@ LADDER_RUNGS = (
     Rung("selective_recompute (wider)", selective_wide),
     Rung("PP x2 (DP /2)", pipeline_doubling),
     Rung("cpu_offload", cpu_offload),
-    Rung("full_recompute", full_recompute),
+    Rung("full_recompute block", full_recompute_block),
+    Rung("full_recompute uniform", full_recompute_uniform),
     Rung("optimizer_offload", optimizer_offload),
     Rung("TP x2", tensor_doubling),
 )
@@ -190,8 +234,10 @@ def _label(rung: Rung, before: Candidate, after: Candidate) -> str:
     """The step as the user reads it: what was added and with which parameters."""
     if rung.label == "selective_recompute (wider)":
         return "selective_recompute " + ",".join(after.params["selective_recompute"]["modules"])
-    if after.params.get(rung.label) and rung.label not in before.overlays:
-        return f"{rung.label} " + " ".join(f"{k}={v}" for k, v in after.params[rung.label].items())
+    overlay = rung.label.split(" ")[0]
+    if after.params.get(overlay) and (overlay not in before.overlays
+                                      or after.params[overlay] != before.params.get(overlay)):
+        return f"{overlay} " + " ".join(f"{k}={v}" for k, v in after.params[overlay].items())
     return rung.label
 
 
@@ -218,6 +264,7 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         return {"capacity_bytes": int(capacity), "margin": margin, "fits": False, "steps": [],
                 "error": f"your starting point is rejected: {exc.reason}", "command": None}
     state = State(start, base, work, report, world)
+    probes: dict = {}   # explain_rejection's realized probes, shared by the rungs
     first = breakdown_of(work, world)
     total = first.footprint
     rows: list[dict[str, Any]] = [{"step": "baseline", "overlays": list(start.overlays), "total_bytes": int(total),
@@ -228,14 +275,16 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
             break  # expandable segments always comes first (free; fragmentation is invisible to any plan)
         proposal = rung.propose(state)
         if isinstance(proposal, str):
-            rows.append({"step": rung.label, "skipped": proposal})
+            rows.append({"step": rung.label, "skipped": str(proposal),
+                         "kind": SAVES_NOTHING if isinstance(proposal, SavesNothing) else "not applicable"})
             continue
         best, reasons = None, []
         for cand, cost in proposal:
             try:
                 cfg2, report2 = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
             except Rejected as exc:
-                reasons.append(exc.reason)
+                reasons.append(explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
+                                                 cache=probes))
                 continue
             b = breakdown_of(cfg2, world)
             new_total = b.footprint
@@ -246,22 +295,24 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
                 best = option
                 break
         if best is None:
-            rows.append({"step": rung.label, "skipped": f"rejected: {reasons[0]}"})
+            rows.append({"step": rung.label, "skipped": f"rejected: {reasons[0]}", "kind": "rejected"})
             continue
         cand, cost, cfg2, report2, new_total, b = best
         changed = toggles(cfg, settings(state.report, state.cand), settings(report2, cand))
         key = tuple((t, repr(new)) for t, _, new in changed)
         label = _label(rung, state.cand, cand)
         if not changed:
-            rows.append({"step": label, "skipped": "already in effect in this config (changes nothing)"})
+            rows.append({"step": label, "skipped": "already in effect in this config (changes nothing)",
+                         "kind": "already in effect"})
             continue
         if key in seen:
-            rows.append({"step": label, "skipped": f"same change as {seen[key]}"})
+            rows.append({"step": label, "skipped": f"same change as {seen[key]}", "kind": "duplicate"})
             continue
         seen[key] = label
         saving = total - new_total
-        if rung.label != "expandable_segments" and saving <= 0:
-            rows.append({"step": label, "skipped": f"saves nothing at this layout ({saving / 2**30:+.2f} GiB modelled)"})
+        if rung.label != "expandable_segments" and saving < MIN_SAVING:
+            rows.append({"step": label, "skipped": f"the plan prices it at {saving / 2**30:+.2f} GiB on this "
+                                                   "configuration", "kind": SAVES_NOTHING})
             continue
         rows.append({"step": label, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                      "changes": [{"target": t, "old": _shown(o), "new": _shown(n)} for t, o, n in changed],
@@ -269,7 +320,13 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
                      "fits": new_total <= limit, "validation": _verdict(report2), "breakdown": b})
         state = State(start, cand, cfg2, report2, world)
         total = new_total
+    from . import model as P
+    from .ranges import uncertainty, verdict
+    shape, lay, st = P.from_config(state.cfg, world)
+    ranges = uncertainty(shape, lay, st)
+    fit_verdict, unless = verdict(total <= limit, ranges, limit)
     return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, "fits": total <= limit,
+            "fit_verdict": fit_verdict, "fits_unless": unless, "uncertainty": [r.as_dict() for r in ranges],
             "overlays": list(dict.fromkeys([*start.overlays, *state.cand.overlays])),
             "validation": _verdict(state.report), "command": train_command(start, state.cand, world)}
 
@@ -280,21 +337,37 @@ def _verdict(report: Any) -> str:
 
 
 def render_recommendation(rec: dict[str, Any]) -> str:
+    """The ladder as the user reads it: each step with its saving and cost; the rungs that would save nothing on
+    this configuration in one list ("skipped: saves nothing here"), the others skipped with their reason; then the
+    fit verdict ("fits unless ..." where the plan is unsure) and the one validated command."""
     if rec.get("error"):
         return rec["error"]
     lines = [f"recommended path (memory-tuning skill, Quick Decision), capacity {rec['capacity_bytes'] / 2**30:.1f} GiB "
              f"with a {rec['margin']:.0%} margin; each step validated (our rules + Bridge):"]
+    nothing = []
     for r in rec["steps"]:
         if "skipped" in r:
-            lines.append(f"  - {r['step']:<34} skipped: {r['skipped']}")
+            if r.get("kind") == SAVES_NOTHING:
+                nothing.append(f"{r['step']} ({r['skipped']})")
+            else:
+                lines.append(f"  - {r['step']:<34} skipped: {r['skipped']}")
             continue
-        saving = f"  saves {r['saving_bytes'] / 2**30:5.2f} GiB" if "saving_bytes" in r else ""
+        if "saving_bytes" not in r:
+            saving = ""
+        elif r["saving_bytes"] or r["step"] != "expandable_segments":
+            saving = f"  saves {r['saving_bytes'] / 2**30:5.2f} GiB"
+        else:  # the one step whose effect, fragmentation, is outside the allocated-memory plan
+            saving = "  saves fragmentation (reserved, not allocated: outside the plan)"
         lines.append(f"  {'*' if r['fits'] else ' '} {r['step']:<34} {r['total_bytes'] / 2**30:6.2f} GiB{saving}"
                      f"{'  FITS' if r['fits'] else ''}")
         if r.get("changes"):
             lines.append("      sets: " + ", ".join(f"{c['target']}={c['new']!r}" for c in r["changes"]))
         if r.get("cost"):
             lines.append(f"      cost: {r['cost']}")
+    if nothing:
+        lines.append("  skipped: saves nothing here: " + "; ".join(nothing))
+    if rec.get("fit_verdict") and rec["fit_verdict"] not in ("fits", "-") and rec["fits"]:
+        lines.append(f"  verdict: {rec['fit_verdict']}")
     lines.append(("next command (validated: " if rec["fits"] else "nothing on the ladder fits; closest (validated: ")
                  + f"{rec['validation']}):")
     lines.append(f"  {rec['command']}")

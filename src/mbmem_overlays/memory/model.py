@@ -21,43 +21,70 @@ FP32 = 4
 FP8 = 1
 ADAM_MOMENTS = 2    # exp_avg and exp_avg_sq
 
+# The assumptions a plan's uncertainty ranges qualify (memory/ranges.py); each range names one of these.
+MOE_BALANCE = (
+    "MoE tokens are balanced across experts (each GPU's experts take topk x its tokens); the range for "
+    "activations runs to the most one GPU's experts can receive: capacity factor x that share when tokens beyond "
+    "moe_expert_capacity_factor are dropped (moe_utils.py get_capacity, per source rank and expert), or, dropless, "
+    "every token of the expert-parallel group routed to this GPU's experts; with "
+    "moe_pad_expert_input_to_capacity the load is the capacity itself")
+VOCAB_FROM_TOKENIZER = (
+    "a vocabulary the recipe leaves to the tokenizer (model.vocab_size None) is the tokenizer's vocab_size, or for "
+    "a Hugging Face tokenizer the model's shipped config.json vocab_size (Bridge sets it from the tokenizer at "
+    "setup); when neither is known the embedding, output layer and logits are not counted and the range says how "
+    "large a vocabulary still fits")
+FP8_TRANSPOSE = (
+    "FP8 weights keep a transposed FP8 copy (Hopper GEMMs take only the TN layout: TE v2.17.1 tensor/utils.py "
+    "post_all_gather_processing _create_transpose); on a GPU with non-TN FP8 GEMMs (Blackwell) that byte per "
+    "layer weight is not kept: the low end of the parameters' range")
+GRAPH_WARMUP = (
+    "with TE CUDA graphs the first cuda_graph_warmup_steps iterations run eagerly (Bridge train.py captures when "
+    "step == cuda_graph_warmup_steps), so every activation is allocated in them; and the capture itself runs "
+    "before the next iteration's zero_grad (train.py train_step), with the previous step's fp32 gradient copies "
+    "still allocated. The headline plan is training after capture (replay, optimizer step, the capture's "
+    "activations); these two transient phases are the high end of the activations' range")
+
 ASSUMPTIONS = (
     "allocated memory only (torch's max_memory_allocated, what Bridge reports as mem-max-allocated): allocator "
     "fragmentation (reserved-but-unallocated) is not modelled; expandable_segments therefore shows 0 B of change "
-    "although it is the fix for that gap",
-    "CUDA context, NCCL communicators, userbuffers and cuBLAS/TE workspaces are outside torch's allocated memory "
-    "and not counted",
-    "the peak is the largest of three phases on the first and last pipeline ranks: the 1F1B steady state (most "
-    "microbatches in flight, plus the last stage's loss and deferred output-layer gradients), CUDA graph capture "
-    "and the optimizer step (fp32 copies of bf16 gradients)",
+    "although it is the fix for that gap. The caching allocator rounds every request up to 512 bytes (negligible) "
+    "and hands out a cached large block whole when less than 1 MiB would be left over (CUDACachingAllocator "
+    "should_split): that slack depends on the order of allocations and is not modelled",
+    "CUDA context, NCCL communicators, TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
+    "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) and cuBLAS/TE workspaces are outside torch's allocated "
+    "memory and not counted",
+    "the peak is the largest of three phases on the first and last pipeline ranks (and any middle rank whose "
+    "layers differ): the 1F1B steady state (most microbatches in flight, plus the last stage's loss, deferred "
+    "output-layer gradients and megatron-core's global memory buffer), CUDA graph capture and the optimizer step "
+    "(fp32 copies of bf16 gradients, plus the graphs' static inputs)",
     "per-layer CUDA graphs (cuda_graph_modules, or the deprecated cuda_graph_scope; none: the whole layer) follow "
-    "megatron-core's TECudaGraphHelper (transformer/cuda_graphs.py): one graph per graphable layer "
-    "(_layer_is_graphable: attn, mlp, moe/moe_router, mamba by layer type) and per microbatch in the pipeline "
-    "order (one microbatch without PP), captured after the warm-up steps with model, gradient and optimizer state "
-    "alive but no eager activations; the captured scopes' saved activations for the in-flight microbatches are "
-    "the capture peak and stay as the graphs' private pool (reserved, not allocated, in replay). Each graphed "
-    "layer and in-flight microbatch also holds, allocated throughout, its static input (the hidden state, plus "
-    "for attention graphs the bool attention mask mbs x s/cp x s, _get_layer_static_inputs) and its static "
-    "output. Transformer Engine is not installed here, so TE's make_graphed_callables was not read: its "
-    "input/output buffer reuse across consumed microbatches (TE >= 2.7, _reuse_graph_input_output_buffers) is "
-    "taken to keep one static input and output per in-flight graph, and static gradient buffers are not "
-    "counted. The local implementation is modelled the same way",
-    "attention uses a fused/flash kernel (TE default): only softmax statistics are kept, so core_attn recompute "
-    "saves almost nothing; an unfused backend would keep the s x s scores",
+    "megatron-core's TECudaGraphHelper (transformer/cuda_graphs.py) and TE v2.17.1's make_graphed_callables "
+    "(pytorch/graph.py): one graph per graphable layer (_layer_is_graphable: attn, mlp, moe/moe_router, mamba by "
+    "layer type) and per microbatch in the pipeline order (one microbatch without PP), captured after the warm-up "
+    "steps; the captured scopes' saved activations for the in-flight microbatches are the capture peak and stay "
+    "as the graphs' private pool (reserved, not allocated, in replay). Each graphed layer and in-flight microbatch "
+    "has a static input (the hidden state, plus for attention graphs the bool mask mbs x s/cp x s: "
+    "_get_layer_static_inputs), allocated throughout, and a static output, allocated while capturing and "
+    "weak-referenced into the pool after its backward graph is captured (_reuse_graph_input_output_buffers), so "
+    "in replay it and the next eager norm's saved copy of it are pool memory. Static gradient buffers (reused by "
+    "shape; the previous graph's weak-referenced) are not counted. The local implementation is modelled the same "
+    "way",
+    GRAPH_WARMUP,
+    "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept beside q, "
+    "k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or adapter-read copy "
+    "for linear_proj stays); an unfused backend would keep the s x s scores",
     "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs keep theirs "
     "only when an adapter reads the same tensor; under SP a column-parallel LoRA-A keeps the full gathered input "
     "unless input re-gather lets it reuse the sequence-local shard",
-    "FP8 weights keep a transposed FP8 copy (Hopper GEMMs take only the TN layout); on Blackwell this byte is not "
-    "needed and the plan overstates parameters by 1 byte per layer weight",
-    "MoE tokens are balanced across experts; capacity factor and token imbalance are not modelled",
+    FP8_TRANSPOSE,
+    MOE_BALANCE,
     "'moe' selective recompute checkpoints the MoE layer with the pre-MLP norm output as its saved input "
     "(moe/moe_layer.py tensor_parallel.checkpoint(custom_forward, False, hidden_states, ...)): that output stays "
     "unless 'layernorm' is selected too, which megatron-core turns off for MoE layers under a TE moe_router "
     "graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
     "can_recompute_pre_mlp_layernorm_for_cudagraph)",
     "hybrid (Mamba) blocks use the fused conv1d+scan kernel, which keeps its input projection and scan output",
-    "a vocabulary the recipe leaves to the tokenizer (model.vocab_size None) is the tokenizer's vocab_size, or for "
-    "a Hugging Face tokenizer the model's shipped config.json vocab_size (Bridge sets it from the tokenizer at setup)",
+    VOCAB_FROM_TOKENIZER,
     "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
     "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones the "
     "offloaded fraction of the optimizer's parameters to pinned CPU memory and copies each CPU step's result back "
@@ -80,6 +107,48 @@ ASSUMPTIONS = (
     "gathered copy is not counted; no fp32 gradient copy is made at the step (FSDP owns its main-grad buffers)",
 )
 
+
+# Terms added for issue 25, each found in the code path of a measured configuration (bench/plan_accuracy.py) and
+# physically general; Settings.without switches any of them off so the bench can show what each one changes.
+# name -> (what the model now counts, where it comes from: installed megatron-core 0.19.2 / Bridge 0.6.2 files,
+# Transformer Engine at tag v2.17.1, the commit Bridge 0.6.x's uv.lock pins).
+ADDED_TERMS = {
+    "glu_linear_copy": (
+        "unfused GLU (bias_activation_fusion off): the linear half plus glu_linear_offset is a new tensor the "
+        "product keeps, a clamped gate is a new tensor silu keeps; MoE experts without the fused weighted kernel "
+        "also keep the activation output for the probabilities' gradient",
+        "megatron/core/transformer/mlp.py:324-331 (glu: activation_func(x_glu) * (x_linear + glu_linear_offset)); "
+        "transformer/moe/experts.py:861-879 (the same, then intermediate_parallel * permuted_probs)"),
+    "core_attn_output": (
+        "core_attn recompute keeps q, k, v only: the fused kernel's bf16 output is dropped unless linear_proj "
+        "keeps that same tensor for a bf16 weight gradient (under FP8 it keeps a quantized copy instead)",
+        "megatron/core/transformer/attention.py:461,494 (_checkpointed_attention_forward: checkpoint(custom_forward, "
+        "False, query, key, value, ...)); tensor_parallel/random.py:618 (CheckpointFunction: "
+        "ctx.save_for_backward(*args))"),
+    "te_cross_entropy_in_place": (
+        "TE's fused cross entropy writes the gradient into the bf16 logits and saves them: 2 bytes per logit, "
+        "not 6",
+        "TE v2.17.1 transformer_engine/pytorch/cross_entropy.py:53-62; common/triton/cross_entropy.py:190 "
+        "(tl.store(X_ptr + X_offsets, X_block.to(grad_dtype))); megatron/core/models/common/language_module/"
+        "language_module.py:186 (te_parallel_cross_entropy(logits, ...))"),
+    "graph_outputs_in_pool": (
+        "in CUDA graph replay a graph's static output, and the next eager norm's saved copy of it, are pool "
+        "memory (weak references), not allocated",
+        "TE v2.17.1 transformer_engine/pytorch/graph.py:719-723 (make_weak_ref(static_outputs)), :866 (replay "
+        "returns static_outputs); megatron/core/transformer/cuda_graphs.py:2593-2595 "
+        "(_reuse_graph_input_output_buffers=True for TE >= 2.7)"),
+    "graph_static_inputs_at_step": (
+        "CUDA graph static inputs (one hidden state per in-flight layer-microbatch) stay allocated at the optimizer "
+        "step",
+        "megatron/core/transformer/module.py:257 (get_layer_static_inputs: torch.ones hidden state), "
+        "transformer/cuda_graphs.py:2231 (_get_sample_arguments: reused per signature), TE v2.17.1 graph.py:848 "
+        "(replay copies each input into its static buffer)"),
+    "global_memory_buffer": (
+        "the last stage's trainable output layer under SP all-gathers into megatron-core's global memory buffer "
+        "(full sequence x hidden, bf16), kept for the job; the deferred-wgrad drain keeps a second one",
+        "megatron/core/tensor_parallel/layers.py:570 (get_global_memory_buffer().get_tensor(dim_size, input.dtype, "
+        "\"mpu\")); megatron/core/utils.py:1259 (drain_embedding_wgrad_compute: \"mpu_0\")"),
+}
 
 # ----------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)
@@ -162,12 +231,21 @@ class Settings:
     deferred_wgrad_microbatches: int = 0      # defer_embedding_wgrad_compute: output-layer dY kept per microbatch
     graph_scopes: tuple[str, ...] = ()        # per-layer CUDA graph scopes (see GRAPH_SCOPE_TERMS)
     logits_bytes: int = BF16 + FP32           # per logit element at the loss (see loss_bytes)
+    cross_entropy_impl: str = "unfused"       # "te", "native" (fused) or "unfused" (see loss_bytes)
     step_upcasts_grads: bool = True           # the optimizer step copies bf16 grads to fp32 (not precision-aware)
     precision_aware: bool = False             # optimizer.use_precision_aware_optimizer (see optimizer_gpu_bytes)
     optimizer_instances: int = 1              # ddp.num_distributed_optimizer_instances (see data_parallel_shards)
     fsdp: str | None = None                   # Megatron FSDP on: ddp.data_parallel_sharding_strategy
     fsdp_outer_optim: bool = False            # ddp.outer_dp_sharding_strategy == "optim" (HSDP across instances)
     shared_expert_overlap: bool = False       # moe_shared_expert_overlap: the shared expert is outside router graphs
+    glu_clamped: bool = False                 # activation_func_clamp_value set: the unfused GLU clamps x_glu first
+    moe_load: float = 1.0                     # tokens on this rank's experts / a balanced load (see moe_load_range)
+    moe_capacity_factor: float | None = None  # moe_expert_capacity_factor (None: dropless)
+    moe_probs_mul: bool = False               # experts weight their activation output by the probs separately
+    graph_warmup_steps: int = 0               # cuda_graph_warmup_steps: eager iterations before TE graph capture
+    # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
+    # (bench/plan_accuracy.py); empty in every plan.
+    without: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -234,11 +312,18 @@ def rank_layers(s: Shape, lay: Layout, rank: int) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(kinds: tuple[str, ...], pp: int, vpp: int, rank: int) -> tuple[tuple[str, int], ...]:
+def _rank_chunks(kinds: tuple[str, ...], pp: int, vpp: int, rank: int) -> tuple[tuple[str, ...], ...]:
+    """The layers of each model chunk pipeline rank ``rank`` holds, in order (chunk c sits on rank c % pp)."""
     chunks = pp * vpp
+    return tuple(kinds[round(c * len(kinds) / chunks):round((c + 1) * len(kinds) / chunks)]
+                 for c in range(rank, chunks, pp))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_layers(kinds: tuple[str, ...], pp: int, vpp: int, rank: int) -> tuple[tuple[str, int], ...]:
     counts: dict[str, int] = {}
-    for chunk in range(rank, chunks, pp):
-        for kind in kinds[round(chunk * len(kinds) / chunks):round((chunk + 1) * len(kinds) / chunks)]:
+    for chunk in _rank_chunks(kinds, pp, vpp, rank):
+        for kind in chunk:
             counts[kind] = counts.get(kind, 0) + 1
     return tuple(counts.items())
 
@@ -257,10 +342,12 @@ def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     raise ValueError(f"unknown layer block {block!r}")
 
 
-def stage_params(s: Shape, lay: Layout, first: bool, last: bool) -> tuple[float, float, float]:
-    """(transformer-layer params, embedding/output params, expert params) on one GPU of the first or last stage."""
+def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | None = None) -> tuple[float, float, float]:
+    """(transformer-layer params, embedding/output params, expert params) on one GPU of pipeline rank ``rank``
+    (default: the first stage when ``first``, else the last)."""
+    rank = (0 if first else lay.pp - 1) if rank is None else rank
     dense = expert = 0.0
-    for kind, count in rank_layers(s, lay, 0 if first else lay.pp - 1).items():
+    for kind, count in rank_layers(s, lay, rank).items():
         for block in kind.split("+"):
             d, e = _block_params(s, lay, block)
             dense += count * d
@@ -361,11 +448,13 @@ def optimizer_gpu_bytes(st: Settings) -> float:
     return master + (1.0 - f) * ADAM_MOMENTS * st.state_bytes
 
 
-def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes on one GPU of the stage."""
-    layer_params, embed, expert = stage_params(s, lay, first, last)
+def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
+                rank: int | None = None) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes on one GPU of the stage (``rank`` as in stage_params)."""
+    rank = (0 if first else lay.pp - 1) if rank is None else rank
+    layer_params, embed, expert = stage_params(s, lay, first, last, rank)
     dense = layer_params + embed
-    adapters = lora_params(s, lay, st, 0 if first else lay.pp - 1)
+    adapters = lora_params(s, lay, st, rank)
     frozen = st.lora_rank > 0
     trainable_dense = adapters if frozen else dense
     trainable_expert = 0.0 if frozen else expert
@@ -424,9 +513,16 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
                 # q/k LayerNorm (Qwen3): TE's norm saves a contiguous copy of its input (ops/basic/rmsnorm.py)
                 terms["attention_qk_norm_inputs"] = BF16 * (s.heads + s.groups) * s.head_dim / t
         terms["attention_softmax_stats"] = FP32 * s.heads / t
-        # The fused attention kernel keeps its bf16 output for its own backward; under FP8 the output
-        # projection keeps a quantized copy of it as well.
-        terms["attention_output"] = BF16 * s.heads * (s.v_head_dim or s.head_dim) / t
+        # The fused attention kernel keeps its bf16 output for its own backward. linear_proj keeps that same
+        # tensor as its input when it computes a bf16 weight gradient (its own, or an adapter's); under FP8 it
+        # keeps a quantized copy instead. core_attn recompute checkpoints the kernel with only q, k, v saved
+        # (attention.py _checkpointed_attention_forward -> random.py CheckpointFunction save_for_backward(*args)),
+        # so the kernel's copy is then dropped unless linear_proj holds the same tensor.
+        out = BF16 * s.heads * (s.v_head_dim or s.head_dim) / t
+        if (keeps_input("linear_proj") and (frozen or not st.fp8)) or "core_attn_output" in st.without:
+            terms["attention_output"] = out
+        else:
+            terms["attention_kernel_output"] = out
         if st.fp8 and not frozen:
             terms["attention_output_fp8"] = FP8 * s.heads * (s.v_head_dim or s.head_dim) / t
         lora_gathered("linear_qkv")
@@ -435,8 +531,15 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             terms["mlp_layernorm_output"] = ln_out * s.hidden / sp_div
         terms["mlp_fc1_output"] = BF16 * (2 if s.gated else 1) * s.ffn / t
         if s.gated and not st.swiglu_fused:
-            # unfused SwiGLU is silu(a) * b: autograd keeps silu(a) for the product's backward as well
+            # unfused SwiGLU is silu(a) * (b + glu_linear_offset) (mlp.py glu): autograd keeps silu(a) for the
+            # product's backward, and b + offset too, a new tensor (b is a view of FC1's output, the offset a
+            # Python float: the sum is materialized even at 0.0); a clamped a (activation_func_clamp_value) is
+            # a new tensor that silu keeps as its input
             terms["mlp_silu_output"] = BF16 * s.ffn / t
+            if "glu_linear_copy" not in st.without:
+                terms["mlp_glu_linear_input"] = BF16 * s.ffn / t
+                if st.glu_clamped:
+                    terms["mlp_glu_clamped_input"] = BF16 * s.ffn / t
         if keeps_input("linear_fc2"):
             terms["mlp_act_output"] = (BF16 if frozen else gemm_in) * s.ffn / t
         lora_gathered("linear_fc1")
@@ -444,7 +547,7 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # Each rank routes its own sequence-local tokens (megatron-core needs SP with TP for MoE) topk times.
         # Expert-TP all-gathers the dispatched tokens across its group and splits the FFN: the expert input
         # grows ETP-fold, the FFN activations per rank stay the same (token_dispatcher.py, alltoall).
-        routed = s.topk / sp_div
+        routed = s.topk / sp_div * st.moe_load
         # MoE layers have a separate (unfused) pre-MLP norm; the router's gating function saves its output
         # whether or not the router trains (moe_utils.py RouterGatingLinearFunction)
         terms["moe_layernorm_output"] = BF16 * s.hidden / sp_div
@@ -454,6 +557,15 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         terms["moe_fc1_output"] = routed * BF16 * (2 if s.gated else 1) * s.moe_ffn
         if s.gated and not st.swiglu_fused:
             terms["moe_silu_output"] = routed * BF16 * s.moe_ffn
+            if "glu_linear_copy" not in st.without:  # experts.py bias_act_func glu: as the dense MLP's
+                terms["moe_glu_linear_input"] = routed * BF16 * s.moe_ffn
+                if st.glu_clamped:
+                    terms["moe_glu_clamped_input"] = routed * BF16 * s.moe_ffn
+        if st.moe_probs_mul and "glu_linear_copy" not in st.without:
+            # without the fused weighted activation the expert output of the activation is multiplied by the
+            # routing probabilities afterwards (experts.py bias_act_func: intermediate * permuted_probs), and that
+            # product keeps its bf16 input for the probabilities' gradient
+            terms["moe_probs_mul_input"] = routed * BF16 * s.moe_ffn
         if keeps_input("linear_fc2"):
             terms["moe_act_output"] = routed * (BF16 if frozen else gemm_in) * s.moe_ffn
         # unpermute weights each expert output by its routing probability and keeps it for that gradient
@@ -479,18 +591,20 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
 
 
 RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recompute skill, Decision Table)
-    "core_attn": ("attention_softmax_stats",),
+    "core_attn": ("attention_softmax_stats", "attention_kernel_output"),
     # the MLP checkpoint (TE: the pre-MLP norm is fused into FC1) keeps only its input
-    "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_act_output",
-            "lora_a_gathered_input_linear_fc1"),
+    "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_glu_linear_input",
+            "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
     # "layernorm" checkpoints only norms that are separate modules: with TE's fused norm+GEMM the input norm is
     # an IdentityOp and is skipped (transformer_layer.py: recompute_input_layernorm); MoE's pre-MLP norm is separate
     "layernorm": ("moe_layernorm_output",),
-    "moe_act": ("moe_silu_output", "moe_act_output"),
+    "moe_act": ("moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
+                "moe_act_output"),
     # The MoE checkpoint's saved input is the pre-MLP norm output (moe/moe_layer.py: tensor_parallel.checkpoint(
     # custom_forward, False, hidden_states, ...)): it stays unless "layernorm" drops it as well.
-    "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_act_output",
-            "moe_router", "moe_unpermute_input", "shared_expert"),
+    "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
+            "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
+            "shared_expert"),
     "shared_experts": ("shared_expert",),
     "mla_up_proj": ("attention_qkv",),
 }
@@ -502,12 +616,13 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
 # transformer/cuda_graphs.py captures the scopes, transformer_layer.py _get_submodules_under_cudagraphs).
 GRAPH_SCOPE_TERMS = {
     "attn": ("attn_layernorm_input", "attention_layernorm_output", "attention_qkv", "attention_qk_norm_inputs",
-             "attention_softmax_stats", "attention_output", "attention_output_fp8", "mla_up_proj_inputs",
-             "lora_a_gathered_input_linear_qkv"),
-    "mlp": ("mlp_layernorm_input", "mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_act_output",
-            "lora_a_gathered_input_linear_fc1"),
+             "attention_softmax_stats", "attention_output", "attention_kernel_output", "attention_output_fp8",
+             "mla_up_proj_inputs", "lora_a_gathered_input_linear_qkv"),
+    "mlp": ("mlp_layernorm_input", "mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output",
+            "mlp_glu_linear_input", "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
     "moe": ("moe_layernorm_input", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
-            "moe_silu_output", "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert"),
+            "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
+            "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert"),
     # up to the router: the pre-MLP norm and the router, and the shared experts unless they overlap with the
     # EP communication (then they run outside the graph)
     "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert"),
@@ -534,9 +649,9 @@ def layer_graph_parts(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[f
     """(eager, pool, static) bytes one layer of ``kind`` keeps per microbatch under CUDA graphs.
 
     TE captures one graph per graphable layer and microbatch (transformer_layer.py _te_cuda_graph_capture: the
-    selected parts of the layer, in order). Its saved activations go to the pool; its static input
-    (_get_layer_static_inputs: the bf16 hidden state, and for attention the bool mask mbs x s/cp x s) and its
-    static output are allocated for as long as the graph lives. The first graphed block reads the static input
+    selected parts of the layer, in order). Its saved activations go to the pool. ``static`` is its static
+    input (_get_layer_static_inputs: the bf16 hidden state, and for attention the bool mask mbs x s/cp x s) plus
+    its static output; layer_graph_buffers splits the two. The first graphed block reads the static input
     directly, so that block's norm input is the static input rather than a tensor of its own.
     """
     terms = _selected_terms(s, lay, st, kind)
@@ -554,6 +669,51 @@ def layer_graph_parts(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[f
     pool = sum(v for k, v in terms.items() if k in inside)
     eager = sum(v for k, v in terms.items() if k not in inside)
     return eager * _tokens(lay), pool * _tokens(lay), static * _tokens(lay)
+
+
+def layer_graph_buffers(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[float, float]:
+    """(static input, static output) bytes of one graphed layer of ``kind`` per microbatch; (0, 0) when eager.
+
+    The static input is megatron-core's sample argument (module.py get_layer_static_inputs: a torch.ones
+    hidden state, plus the attention mask for attention graphs), allocated before capture and written by
+    every replay (TE graph.py Graphed.forward: static_input_surface[i].copy_(inputs[i])); megatron-core reuses
+    one once its microbatch's backward is captured (cuda_graphs.py _get_sample_arguments), so there is one per
+    in-flight microbatch, allocated in every phase. The static output is allocated while capturing; TE then
+    weak-references it once its backward graph exists (graph.py, _reuse_graph_input_output_buffers, which
+    megatron-core passes for TE >= 2.7: cuda_graphs.py), so in replay it is pool memory, as is the saved input
+    of whatever eager norm reads it next (see graph_outputs_read_eagerly).
+    """
+    if not graphed_blocks(kind, st.graph_scopes):
+        return 0.0, 0.0
+    hidden = BF16 * s.hidden / (lay.tp if lay.sp else 1) * _tokens(lay)
+    static_in = hidden + (1.0 * lay.seq * _tokens(lay) if "attn" in graphed_blocks(kind, st.graph_scopes) else 0.0)
+    return static_in, hidden
+
+
+def graph_outputs_read_eagerly(s: Shape, lay: Layout, st: Settings, rank: int) -> int:
+    """How many graphed layers per microbatch on pipeline rank ``rank`` hand their output to an eager norm.
+
+    That norm saves its input for its backward, and the input is the graph's static output, which replay
+    writes into pool memory the allocator does not count (layer_graph_buffers). The norm is the next block of
+    the same layer, or the first block of the next layer of the same model chunk when that block is eager; a
+    chunk's last layer hands its output to the next stage instead. A moe_router graph covers only part of its
+    block (the dispatcher reads its outputs), so it is not counted.
+    """
+    n = 0
+    for chunk in _rank_chunks(layer_kinds(s), lay.pp, lay.vpp, rank):
+        for j, kind in enumerate(chunk):
+            graphed = graphed_blocks(kind, st.graph_scopes)
+            blocks = kind.split("+")
+            whole = [b for b, module in graphed.items() if module == b]
+            if not whole or len(whole) != len(graphed):
+                continue
+            last = max(blocks.index(b) for b in whole)
+            if last + 1 < len(blocks):
+                n += 1
+            elif j + 1 < len(chunk) and chunk[j + 1].split("+")[0] not in graphed_blocks(chunk[j + 1],
+                                                                                         st.graph_scopes):
+                n += 1
+    return n
 
 
 def _tokens(lay: Layout) -> float:
@@ -592,6 +752,7 @@ class StageActivations:
     capture: float = 0.0      # CUDA graph capture: the graphed scopes' activations for every in-flight microbatch
     pool: float = 0.0         # the graphs' private pool, reserved through the steady state
     detail: tuple[tuple[str, float], ...] = ()
+    persistent: float = 0.0   # allocated in every phase, the optimizer step included (graph static inputs)
 
 
 def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageActivations:
@@ -608,19 +769,29 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     detail: list[tuple[str, float]] = []
     capture = pool = 0.0
     graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
+    persistent = 0.0
     if graphed:
         # Graphed scopes keep their activations in the graphs' private pool: allocated while the graphs are
         # captured (after the warm-up steps, in pipeline order, no eager activations alive), reserved-only in
-        # replay. Static inputs and outputs are allocated in both phases; megatron-core reuses a static input
-        # once its microbatch's backward is done (cuda_graphs.py _get_sample_arguments), so there is one per
-        # in-flight microbatch.
+        # replay. Static inputs and outputs are allocated while capturing; in replay only the static inputs are
+        # (layer_graph_buffers), one per in-flight microbatch, and they stay allocated through the optimizer step.
         parts = {kind: layer_graph_parts(s, lay, st, kind) for kind in counts}
         eager, inside, static = (mean(lambda kind, i=i: parts[kind][i]) for i in range(3))
-        per_layer = eager + static
         capture = per_stage * (inside + static) * mbs_alive
-        pool = per_stage * inside * mbs_alive
-        detail.append(("CUDA graph pool (reserved; allocated only while capturing)", pool))
-        detail.append(("CUDA graph static inputs and outputs", per_stage * static * mbs_alive))
+        buffers = {kind: layer_graph_buffers(s, lay, st, kind) for kind in counts}
+        static_in, static_out = (mean(lambda kind, i=i: buffers[kind][i]) for i in range(2))
+        if "graph_outputs_in_pool" in st.without:
+            per_layer = eager + static
+            pool = per_stage * inside * mbs_alive
+            detail.append(("CUDA graph static inputs and outputs", per_stage * static * mbs_alive))
+        else:
+            read = graph_outputs_read_eagerly(s, lay, st, rank) * hidden_local / per_stage
+            per_layer = eager - read + static_in
+            pool = per_stage * (inside + static_out) * mbs_alive
+            detail.append(("CUDA graph static inputs", per_stage * static_in * mbs_alive))
+        if "graph_static_inputs_at_step" not in st.without:
+            persistent = per_stage * static_in * mbs_alive
+        detail.insert(0, ("CUDA graph pool (reserved; allocated only while capturing)", pool))
     if st.recompute == "full":
         # Only each checkpointed group's input survives; one group is re-materialized at a time.
         boundary = 2 * BF16 * s.hidden / (lay.tp if lay.sp else 1) * lay.seq * lay.mbs / lay.cp
@@ -640,7 +811,10 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     if rank == 0:
         acts += hidden_local * mbs_alive  # embedding output
     if rank == lay.pp - 1:
-        logits = st.logits_bytes * s.vocab / lay.tp * tokens
+        per_logit = st.logits_bytes
+        if "te_cross_entropy_in_place" in st.without and st.cross_entropy_impl == "te":
+            per_logit = BF16 + FP32
+        logits = per_logit * s.vocab / lay.tp * tokens
         detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", logits))
         acts += logits
         if st.deferred_wgrad_microbatches:
@@ -650,11 +824,12 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             deferred = st.deferred_wgrad_microbatches * per_mb
             detail.append(("deferred output-layer wgrad inputs", deferred))
             acts += deferred
-    return StageActivations(acts, capture, pool, tuple(detail))
+    return StageActivations(acts, capture, pool, tuple(detail), persistent)
 
 
 # ----------------------------------------------------------------------------- the most-loaded GPU
-def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, last: bool) -> float:
+def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
+                           rank: int | None = None) -> float:
     """fp32 gradient copies the distributed optimizer makes at its step when gradients are kept in bf16
     (distrib_optimizer.py _copy_model_grads_to_main_grads: shard_main_param.grad = shard_model_grad.float())."""
     if st.grad_bytes >= FP32 or not st.master_bytes or st.lora_rank:
@@ -671,7 +846,7 @@ def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, las
         fraction = 1.0
     if not fraction:
         return 0.0
-    layer_params, embed, expert = stage_params(s, lay, first, last)
+    layer_params, embed, expert = stage_params(s, lay, first, last, rank)
     shards, expert_shards = optimizer_shards(lay, st)
     return FP32 * ((layer_params + embed) / shards + expert / expert_shards) * fraction
 
@@ -683,7 +858,8 @@ def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
 
 
 def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params: float) -> float:
-    """Transient unsharded copies the data-parallel communication keeps beside the sharded state."""
+    """Transient unsharded copies the data-parallel communication keeps beside the sharded state, and
+    megatron-core's global memory buffer on the last stage."""
     if st.fsdp is not None:
         # Megatron FSDP: each layer is one FSDP unit (mcore_fsdp_adapter.py fsdp_unit_modules: TransformerLayer,
         # MoETransformerLayer, MambaLayer). Sharded parameters are all-gathered per unit, the next unit prefetched
@@ -692,50 +868,107 @@ def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params
         unit = largest_layer_params(s, lay, rank)
         gathered = 2 * unit * (st.param_bytes + st.fp8_weight_copy_bytes) if p_shard > 1 else 0.0
         unsharded_grads = unit * st.grad_bytes if g_shard > 1 and not st.lora_rank else 0.0
-        return gathered + unsharded_grads
+        return gathered + unsharded_grads + global_memory_buffer(s, lay, st, rank)
+    out = global_memory_buffer(s, lay, st, rank)
     if st.dist_optimizer and lay.dp * lay.cp > 1:
         # overlap_param_gather keeps one bucket's all-gathered params (Megatron bucket_size 40M params)
-        return min(40e6, (params / st.param_bytes)) * st.param_bytes
-    return 0.0
+        out += min(40e6, (params / st.param_bytes)) * st.param_bytes
+    return out
+
+
+def global_memory_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """megatron-core's GlobalMemoryBuffer on the last stage under SP: the trainable output layer (a megatron-core,
+    not TE, ColumnParallelLinear) all-gathers its sequence-parallel input into a buffer that lives for the rest
+    of the job (tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication:
+    get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu"), full sequence x hidden, bf16); the
+    deferred output-layer wgrad drain gathers into a second one ("mpu_0", utils.py drain_embedding_wgrad_compute).
+    A frozen output layer (LoRA) gathers into a fresh tensor instead (layers.py linear_with_frozen_weight)."""
+    if "global_memory_buffer" in st.without or not lay.sp or rank != lay.pp - 1 or st.lora_rank or not s.vocab:
+        return 0.0
+    full = BF16 * s.hidden * _tokens(lay)   # the gathered sequence: s x mbs / cp tokens x hidden
+    return full * (2 if st.deferred_wgrad_microbatches else 1)
+
+
+PHASES = ("steady 1F1B", "CUDA graph capture", "optimizer step")
+
+
+def phase_breakdowns(s: Shape, lay: Layout, st: Settings, rank: int) -> dict[str, Breakdown]:
+    """Pipeline rank ``rank`` in each phase (PHASES), every component on one GPU: parameters, gradients and
+    optimizer state throughout; activations in the 1F1B steady state (the last stage's loss buffers included)
+    or while CUDA graphs are captured; at the optimizer step only the allocations that outlive the backward
+    (graph static inputs) beside the fp32 gradient copies."""
+    first, last = rank == 0, rank == lay.pp - 1
+    p, g, o = model_state(s, lay, st, first=first, last=last, rank=rank)
+    acts = stage_activations(s, lay, st, rank)
+    other = communication_buffers(s, lay, st, rank, p)
+    step = optimizer_step_buffers(s, lay, st, first, last, rank)
+    detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
+    if st.fsdp is not None and other:
+        detail += (("Megatron FSDP gathered parameters and unsharded gradients", other),)
+    elif global_memory_buffer(s, lay, st, rank):
+        detail += (("megatron-core global memory buffer (output layer SP gather)", global_memory_buffer(s, lay, st, rank)),)
+    resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
+    values = {"steady 1F1B": (acts.steady, other), "CUDA graph capture": (acts.capture, other),
+              "optimizer step": (acts.persistent, other + step)}
+    return {phase: Breakdown(p, g, o, a, x, detail, rank, phase, resident) for phase, (a, x) in values.items()}
+
+
+def stage_peak(s: Shape, lay: Layout, st: Settings, rank: int) -> Breakdown:
+    """Pipeline rank ``rank`` at its peak: the phase whose allocated total is largest."""
+    phases = phase_breakdowns(s, lay, st, rank)
+    return max(phases.values(), key=lambda b: b.total)
+
+
+def stage_breakdowns(s: Shape, lay: Layout, st: Settings) -> tuple[Breakdown, ...]:
+    """Every pipeline rank at its peak (index = pipeline rank): first, middle and last stages, each with its
+    components, the phase it peaks in and, under CUDA graphs, what the allocator holds with the graphs' pool."""
+    return tuple(stage_peak(s, lay, st, rank) for rank in range(lay.pp))
+
+
+def _candidate_ranks(s: Shape, lay: Layout) -> list[int]:
+    """The ranks that can be the most loaded: the first and last, and any middle rank whose layers differ
+    from theirs (an even split of a uniform stack gives middle ranks fewer in-flight microbatches than the
+    first and neither embedding nor output layer)."""
+    ends = sorted({0, lay.pp - 1})
+    seen = {_rank_layers(layer_kinds(s), lay.pp, lay.vpp, r) for r in ends}
+    return ends + [r for r in range(1, lay.pp - 1) if _rank_layers(layer_kinds(s), lay.pp, lay.vpp, r) not in seen]
 
 
 def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
-    """The most-loaded GPU at its peak: over the first and last pipeline ranks, the largest of the steady
-    1F1B state, CUDA graph capture and the optimizer step (each on top of parameters, gradients, optimizer)."""
+    """The most-loaded GPU at its peak: over the pipeline ranks that can be the most loaded (_candidate_ranks),
+    the largest of the steady 1F1B state, CUDA graph capture and the optimizer step (each on top of parameters,
+    gradients, optimizer); judged on the footprint (with CUDA graphs, allocated tensors plus the pool)."""
     best: Breakdown | None = None
-    for rank in sorted({0, lay.pp - 1}):
-        first, last = rank == 0, rank == lay.pp - 1
-        p, g, o = model_state(s, lay, st, first=first, last=last)
-        acts = stage_activations(s, lay, st, rank)
-        other = communication_buffers(s, lay, st, rank, p)
-        step = optimizer_step_buffers(s, lay, st, first, last)
-        phases = {"steady 1F1B": (acts.steady, other), "CUDA graph capture": (acts.capture, other),
-                  "optimizer step": (0.0, other + step)}
-        phase, (a, x) = max(phases.items(), key=lambda kv: sum(kv[1]))
-        detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
-        if st.fsdp is not None and other:
-            detail += (("Megatron FSDP gathered parameters and unsharded gradients", other),)
-        resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
-        b = Breakdown(p, g, o, a, x, detail, rank, phase, resident)
+    for rank in _candidate_ranks(s, lay):
+        b = stage_peak(s, lay, st, rank)
         if best is None or b.footprint > best.footprint:
             best = b
     return best
 
 
 # ----------------------------------------------------------------------------- from a Bridge config
+def cross_entropy_impl(m: Any) -> str:
+    """Which cross entropy the last stage runs (language_module.py compute_language_model_loss)."""
+    if not bool(getattr(m, "cross_entropy_loss_fusion", False)):
+        return "unfused"
+    return "te" if str(getattr(m, "cross_entropy_fusion_impl", "native")) == "te" else "native"
+
+
 def loss_bytes(m: Any) -> int:
     """Bytes per logit element at the loss's peak.
 
-    Unfused megatron-core cross entropy and TE's kernel: the bf16 logits plus one fp32 tensor (the upcast logits
-    turned into the softmax in place, or TE's fp32 gradient). The torch.compile'd "native" fusion
-    (fusions/fused_cross_entropy.py) is the same in forward, but its compiled calculate_gradients allocates a
-    fresh fp32 buffer and the bf16 result beside the saved fp32 softmax: 4 + 4 + 2 bytes (inductor's generated
-    code for it, checked with torch 2.14).
+    Unfused megatron-core cross entropy (tensor_parallel/cross_entropy.py): the bf16 logits plus their fp32 upcast,
+    turned into the softmax in place. TE's kernel (cross_entropy_fusion_impl "te") writes the gradient into the
+    bf16 logits themselves and saves that tensor (TE v2.17.1 pytorch/cross_entropy.py CrossEntropyFunction.forward
+    :53-62, common/triton/cross_entropy.py cross_entropy_kernel :190 tl.store(X_ptr ...)): 2 bytes, plus fp32
+    row statistics (3 per token). The torch.compile'd "native" fusion (fusions/fused_cross_entropy.py) keeps the
+    fp32 softmax, and its compiled calculate_gradients allocates a fresh fp32 buffer and the bf16 result beside
+    it: 4 + 4 + 2 bytes (inductor's generated code for it, checked with torch 2.14).
     """
-    fused = bool(getattr(m, "cross_entropy_loss_fusion", False))
-    if fused and str(getattr(m, "cross_entropy_fusion_impl", "native")) == "native":
+    impl = cross_entropy_impl(m)
+    if impl == "native":
         return FP32 + FP32 + BF16
-    return BF16 + FP32
+    return BF16 if impl == "te" else BF16 + FP32
 
 
 def graph_scopes(m: Any) -> tuple[str, ...]:
@@ -786,6 +1019,25 @@ def fp8_weight_copy_bytes(fp8: bool, fp8_params: bool, transpose_cache_disabled:
     if fp8_params:
         return FP8
     return 0 if transpose_cache_disabled else 2 * FP8
+
+
+def _moe_weights_activation_separately(m: Any) -> bool:
+    """Whether the experts multiply their activation output by the routing probabilities as a separate autograd op
+    (experts.py bias_act_func): not with the fused weighted kernels (bias_activation_fusion without GLU
+    interleaving, or the fused weighted squared ReLU), and not when the probabilities were applied to the input
+    (they are then ones that need no gradient)."""
+    if bool(getattr(m, "moe_apply_probs_on_input", False)):
+        return False
+    if bool(getattr(m, "bias_activation_fusion", True)) and getattr(m, "moe_mlp_glu_interleave_size", None) is None:
+        return False
+    act = getattr(getattr(m, "activation_func", None), "__name__", "")
+    return not (act == "squared_relu" and bool(getattr(m, "use_fused_weighted_squared_relu", False)))
+
+
+def _capacity_factor(m: Any) -> float | None:
+    """moe_expert_capacity_factor when tokens beyond it are dropped (None: dropless routing)."""
+    factor = getattr(m, "moe_expert_capacity_factor", None)
+    return float(factor) if factor else None
 
 
 def _dtype_bytes(dtype: Any, default: int) -> int:
@@ -900,9 +1152,17 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         grad_bytes=FP32 if grad_fp32 else BF16,
         param_bytes=FP8 if fp8_params else BF16,
         fp8_weight_copy_bytes=fp8_weight_copy_bytes(fp8, fp8_params, bool(getattr(m, "disable_parameter_transpose_cache", False))),
-        swiglu_fused=bool(getattr(m, "bias_activation_fusion", True)),
+        # TE's activation module (use_te_activation_func) keeps only its input, as the fused kernel does
+        swiglu_fused=bool(getattr(m, "bias_activation_fusion", True) or getattr(m, "use_te_activation_func", False)),
+        glu_clamped=getattr(m, "activation_func_clamp_value", None) is not None,
+        moe_probs_mul=bool(experts) and _moe_weights_activation_separately(m),
+        moe_capacity_factor=_capacity_factor(m),
+        moe_load=_capacity_factor(m) if _capacity_factor(m) and getattr(m, "moe_pad_expert_input_to_capacity",
+                                                                          False) else 1.0,
+        graph_warmup_steps=int(getattr(m, "cuda_graph_warmup_steps", 0) or 0) if scopes else 0,
         graph_scopes=scopes,
         logits_bytes=loss_bytes(m),
+        cross_entropy_impl=cross_entropy_impl(m),
         step_upcasts_grads=not precision_aware,
         deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
         if defer and lay.pp > 1 else 0,
@@ -945,13 +1205,23 @@ class Plan:
     margin: float
     bridge_estimate: float | None
     assumptions: tuple[str, ...] = ASSUMPTIONS
+    ranges: tuple[Any, ...] = ()      # memory/ranges.py Range: where the last step's peak could move
 
     @property
     def total(self) -> float:
         return self.steps[-1].breakdown.total
 
+    @property
+    def limit(self) -> float | None:
+        return None if self.capacity is None else self.capacity * (1 - self.margin)
+
     def fits(self, step: Step) -> bool | None:
         return None if self.capacity is None else step.breakdown.footprint <= self.capacity * (1 - self.margin)
+
+    def verdict(self) -> tuple[str, list[str]]:
+        """The last step's fit verdict: "fits", "fits unless ...", "does NOT fit" or "-" (memory/ranges.py)."""
+        from .ranges import verdict
+        return verdict(self.fits(self.steps[-1]), self.ranges, self.limit)
 
     def as_dict(self) -> dict[str, Any]:
         steps = []
@@ -965,6 +1235,8 @@ class Plan:
                 "total_bytes": int(self.total), "capacity_bytes": None if self.capacity is None else int(self.capacity),
                 "margin": self.margin, "fits": self.fits(self.steps[-1]),
                 "bridge_estimator_bytes": None if self.bridge_estimate is None else int(self.bridge_estimate),
+                "fit_verdict": self.verdict()[0], "fits_unless": self.verdict()[1],
+                "uncertainty": [r.as_dict() for r in self.ranges],
                 "steps": steps, "assumptions": list(self.assumptions)}
 
 

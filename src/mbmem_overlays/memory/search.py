@@ -4,7 +4,10 @@ Two passes. ``search`` enumerates on the memory model's dataclasses alone (tens 
 second), with the rules that decide most combinations written out on the dataclasses. ``search_validated``
 then realizes the cheapest ones, one by one, exactly as ``train.py`` would (the user's overrides and
 overlays, our engine, Bridge's validation), drops what is refused or no longer fits once applied, and
-keeps going until ``top`` have passed; each result carries the command that reproduces it.
+keeps going until ``top`` have passed; each result carries the command that reproduces it, its saving against
+the user's own configuration and the fit verdict. An overlay set is not offered when one of its overlays saves
+nothing on that layout (the same set without it has the same footprint and costs less: the distributed optimizer at
+DP x CP = 1, say), and a rejection names the field or overlay that caused it (steps.explain_rejection).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from ..core.errors import OverlayError
 from ..core.rules import REGATHER_SURFACES
 from . import model as P
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST
-from .steps import Candidate, Rejected, Start, breakdown_of, first_line, realize, train_command
+from .ranges import uncertainty, verdict
+from .steps import Candidate, Rejected, Start, breakdown_of, explain_rejection, first_line, realize, train_command
 
 # The Bridge fields a layout sets; a field the user set with --set is pinned to the user's value.
 LAYOUT_FIELDS = {"tp": "model.tensor_model_parallel_size", "pp": "model.pipeline_model_parallel_size",
@@ -34,6 +38,7 @@ SP_FIELD = "model.sequence_parallel"
 ALWAYS = ("expandable_segments",)
 OPTIONS = ("selective_recompute", "dist_optimizer", "full_recompute", "cpu_offload", "optimizer_offload")
 RECOMPUTE = {"selective_recompute", "full_recompute"}
+MIN_SAVING = 1 << 20   # an overlay whose removal changes the footprint by less saves nothing on that layout
 
 
 def _divisors(n: int, cap: int) -> list[int]:
@@ -81,6 +86,7 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
                     continue
                 vpps = [1] + [v for v in (2, 4, 5) if (shape.layers // pp) % v == 0] if pp > 1 else [1]
                 for vpp in _choices(vpps, LAYOUT_FIELDS["vpp"], locked):
+                    footprints: dict[frozenset, float] = {}   # this layout's overlay sets, evaluated so far
                     for k in range(len(options) + 1):
                         for combo in itertools.combinations(options, k):
                             s = set(combo)
@@ -90,8 +96,11 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
                             lay = replace(base_lay, tp=tp, pp=pp, vpp=vpp, cp=cp, sp=sp and tp > 1)
                             st = _settings(base_st, s, shape)
                             total = P.estimate(shape, lay, st).footprint  # what must fit
+                            footprints[frozenset(s)] = total
                             if total > capacity * (1 - margin):
                                 continue
+                            if any(footprints.get(frozenset(s - {o}), math.inf) <= total + MIN_SAVING for o in s):
+                                continue  # an overlay in it saves nothing here: the smaller set is offered
                             found.append({"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": lay.dp, "sp": lay.sp,
                                           "overlays": sorted(s), "total_bytes": int(total),
                                           "cost": round(_cost(s, lay, base_lay), 3)})
@@ -152,6 +161,8 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
         raise Rejected(f"your overlays are rejected on this recipe: {first_line(exc)}") from None
     rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays)
     limit = capacity * (1 - margin)
+    own = breakdown_of(mine, world).footprint   # the user's configuration as planned: what each result saves
+    probes: dict = {}
     results: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
     checked = 0
@@ -164,15 +175,19 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
         try:
             work, report = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
         except Rejected as exc:
-            dropped[exc.reason] += 1
+            dropped[explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
+                                      cache=probes)] += 1
             continue
         b = breakdown_of(work, world)
         if b.footprint > limit:
             dropped["does not fit once the overlays resolve their parameters (memory model on the applied config)"] += 1
             continue
         v = report.validation
+        shape, lay, st = P.from_config(work, world)
+        fit_verdict, unless = verdict(True, uncertainty(shape, lay, st, b), limit)
         results.append({**row, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                         "total_bytes": int(b.footprint), "modelled_bytes": row["total_bytes"],
+                        "saving_bytes": int(own - b.footprint), "fit_verdict": fit_verdict, "fits_unless": unless,
                         "validation": "our rules only" if v is None else v.verdict,
                         "command": train_command(start, cand, world), "breakdown": b})
     return {"results": results, "evaluated": evaluated, "seconds": seconds + (time.perf_counter() - t0),

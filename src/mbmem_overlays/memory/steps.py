@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shlex
 import textwrap
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ..core.errors import OverlayError
 from ..core.paths import read
 from . import model as P
 from .costs import LADDER
+from .ranges import uncertainty
 
 
 def gib(x: float | None) -> str:
@@ -58,11 +60,13 @@ class Candidate:
 
 
 class Rejected(Exception):
-    """A candidate that our rules or Bridge's validation refuse; ``reason`` is one line for the user."""
+    """A candidate that our rules or Bridge's validation refuse; ``reason`` is one line for the user and
+    ``problem`` the first Problem behind it (None when there is none)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, problem: Any = None):
         super().__init__(reason)
         self.reason = reason
+        self.problem = problem
 
 
 def first_line(exc: OverlayError) -> str:
@@ -94,11 +98,48 @@ def realize(cfg: Any, start: Start, cand: Candidate, world: int, *, catalog: Cat
         report = api_apply_overlay(work, names, env={}, params=params, world_size=world, locked=locked,
                                    validate=validate, catalog=catalog)
     except OverlayError as exc:  # our rules, or (engine >= ValidationRejected) Bridge's validation
-        raise Rejected(first_line(exc)) from None
+        raise Rejected(first_line(exc), next(iter(getattr(exc, "problems", None) or []), None)) from None
     v = report.validation
     if v is not None and not v.ok:  # an engine that returns Bridge's rejection instead of raising it
         raise Rejected(" ".join(str(v.error or v.verdict).split()))
     return work, report
+
+
+# The engine's wording for a Bridge rejection names every overlay applied, whichever caused it.
+_BRIDGE_PREFIX = re.compile(r"^Bridge's own validation rejected the config with .*? applied: ")
+
+
+def explain_rejection(cfg: Any, start: Start, cand: Candidate, world: int, exc: Rejected, *, catalog: Catalog,
+                      validate: bool = True, cache: dict | None = None) -> str:
+    """The rejection as "<what caused it>: <why>", the cause being what the candidate adds without which it
+    passes: a field it sets (checked alone on the user's start, e.g. model.context_parallel_size=2 with a LoRA
+    recipe), else an overlay it adds. Our own rules already name their field; Bridge's validation names none,
+    so the candidate is bisected (each check is one realize, ~20 ms; ``cache`` keeps them across candidates)."""
+    problem = exc.problem
+    if problem is not None and getattr(problem, "check", "") != "bridge" and getattr(problem, "field", ""):
+        field = str(problem.field)
+        text = exc.reason if exc.reason.startswith(field) else f"{field}: {exc.reason}"
+        return text
+    why = _BRIDGE_PREFIX.sub("", exc.reason)
+    cache = {} if cache is None else cache
+
+    def rejected(probe: Candidate) -> bool:
+        key = (probe.overlays, repr(sorted(probe.params.items())), repr(sorted(probe.sets.items())))
+        if key not in cache:
+            try:
+                realize(cfg, start, probe, world, catalog=catalog, validate=validate)
+                cache[key] = False
+            except Rejected:
+                cache[key] = True
+        return cache[key]
+
+    causes = [f"{k}={hydra_value(v)}" for k, v in cand.sets.items() if rejected(Candidate(sets={k: v}))]
+    if not causes:
+        added = [o for o in cand.overlays if o not in start.overlays]
+        causes = [f"+mem={o}" for o in added if not rejected(cand.plus(drop=(o,)))]
+    if not causes:
+        causes = [f"{k}={hydra_value(v)}" for k, v in cand.sets.items()] or [f"+mem={o}" for o in cand.overlays]
+    return f"{' with '.join(causes)}: {why}" if causes else why
 
 
 def breakdown_of(cfg: Any, world: int) -> P.Breakdown:
@@ -189,8 +230,9 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
                                                      if k.split(".")[0] in applied or k in applied}, world_size=world,
                       locked=locked, catalog=catalog)
         steps.append(P.Step(name, P.estimate(*P.from_config(work, world)), P.STEP_NOTES.get(name, "")))
-    return P.Plan(recipe, world, P.from_config(work, world)[1], tuple(steps), capacity, margin,
-                  bridge_estimate(work, world))
+    shape, lay, st = P.from_config(work, world)
+    return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
+                  ranges=uncertainty(shape, lay, st, steps[-1].breakdown))
 
 
 def layout_text(lay: P.Layout) -> str:
@@ -206,10 +248,13 @@ def render_plan(plan: P.Plan) -> str:
              "most-loaded GPU, GiB:",
              f"  {'step':<22}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'other':>8}{'total':>9}{'delta':>8}  fits"]
     prev = None
+    verdict, unless = plan.verdict()
     for s in plan.steps:
         b = s.breakdown
         delta = "" if prev is None else f"{(b.total - prev.breakdown.total) / 2**30:+8.2f}"
         fits = {None: "-", True: "yes", False: "NO"}[plan.fits(s)]
+        if s is plan.steps[-1] and unless:
+            fits = "yes*"
         lines.append(f"  {('+ ' if prev else '') + s.name:<22}{gib(b.parameters):>8}{gib(b.gradients):>8}"
                      f"{gib(b.optimizer):>8}{gib(b.activations):>8}{gib(b.other):>8}{gib(b.total):>9}{delta:>8}  {fits}"
                      + (f"   ({s.note})" if s.note else ""))
@@ -222,13 +267,26 @@ def render_plan(plan: P.Plan) -> str:
                      "plus the graphs' pool); whether it fits is judged on that")
     if plan.capacity:
         lines.append(f"capacity {plan.capacity / 2**30:.1f} GiB with a {plan.margin:.0%} margin -> "
-                     f"{'fits' if plan.fits(plan.steps[-1]) else 'does NOT fit'}")
+                     + ("* " if unless else "") + verdict)
+    lines += render_ranges(plan.ranges)
     if plan.bridge_estimate:
         lines.append(f"Bridge's estimate_training_memory for the final config: {plan.bridge_estimate / 2**30:.2f} GiB "
                      "(ignores recompute, offload, SP, LoRA and precision)")
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in plan.assumptions]
     return "\n".join(lines)
+
+
+def render_ranges(ranges) -> list[str]:
+    """One line per uncertainty range: the component, the most-loaded GPU's footprint at both ends, why."""
+    if not ranges:
+        return []
+    out = ["uncertain (the plan's own assumptions; most-loaded GPU at each end):"]
+    for r in ranges:
+        high = f"{r.high / 2**30:.2f} GiB" if r.high is not None else \
+            f"+{r.per_unit * 1000 / 2**30:.3f} GiB per 1,000 {r.unit}s"
+        out.append(f"  - {r.component}: {r.low / 2**30:.2f} GiB .. {high}: {r.reason}")
+    return out
 
 
 # ----------------------------------------------------------------------------- the plot

@@ -23,12 +23,18 @@ SUMMARY = {
                 "the request",
     "other_processes": "other processes on the GPU held the memory the request needed",
     "oom_unknown": "out of memory, but the snapshot does not hold the failed request (no 'oom' trace entry)",
-    "none": "no OOM: the snapshot's state at its peak",
+    "none": "no OOM: the state at the peak of the recorded trace",
     "empty": "empty snapshot: nothing allocated",
 }
 DUMP = {"oom_observer": "written at the OOM by Bridge's observer (the file name says so)",
         "scheduled": "Bridge's scheduled dump at profile_step_end (the file name says so)",
         "unknown": "dump kind unknown (not one of Bridge's file names)"}
+
+
+def summary(report: Report) -> str:
+    if report.kind == "none" and report.moment is not None and report.moment.kind == "dump":
+        return "no OOM: the state at the dump (the file has no trace to replay)"
+    return SUMMARY[report.kind]
 
 
 def verdict(report: Report) -> str:
@@ -73,7 +79,7 @@ def render(report: Report, advice: Advice, top: int, plan_lines: list[str] | Non
              f"format: {shown(report.format.description)}; {DUMP[report.dump_kind]}",
              f"devices in the file: {', '.join(map(str, (d.device for d in report.devices))) or 'none'}"
              + (f"; device {report.oom.device} failed" if report.oom else ""),
-             f"diagnosis: {SUMMARY[report.kind]}",
+             f"diagnosis: {summary(report)}",
              f"verdict: {verdict(report)} (exit {exit_code(report)}); confidence: {report.confidence}"]
     if advice.next_command:
         lines.append(f"next command: {shown(advice.next_command)}")
@@ -84,8 +90,8 @@ def render(report: Report, advice: Advice, top: int, plan_lines: list[str] | Non
         t = m.totals
         at = {"oom": "at the OOM", "peak": "at the peak of the trace", "dump": "at the dump"}[m.kind]
         stamp = when(m.time_us)
-        lines.append(f"state {at} on device {m.device} (after trace entry {m.position} of {m.entries}"
-                     + (f", {stamp}" if stamp else "") + "):")
+        where = f"after trace entry {m.position} of {m.entries}" if m.entries else "no trace in the file"
+        lines.append(f"state {at} on device {m.device} ({where}" + (f", {stamp}" if stamp else "") + "):")
         exact = ("exact" if not m.error_bytes else
                  f"up to {gib(m.error_bytes)} more: {m.estimated_blocks} block(s) freed before the dump have sizes "
                  "estimated from their requested sizes")
@@ -138,10 +144,10 @@ def render_comparison(c: Comparison, top: int) -> str:
         m = r.moment
         if m is None:
             return "no state"
-        return f"{'at the OOM' if m.kind == 'oom' else 'at its peak'} on device {m.device}"
+        return f"{ {'oom': 'at the OOM', 'peak': 'at its peak', 'dump': 'at the dump'}[m.kind]} on device {m.device}"
 
-    lines = [f"comparing A: {shown(a.path)} ({moment(a)}, {SUMMARY[a.kind]})",
-             f"against  B: {shown(b.path)} ({moment(b)}, {SUMMARY[b.kind]})"]
+    lines = [f"comparing A: {shown(a.path)} ({moment(a)}, {summary(a)})",
+             f"against  B: {shown(b.path)} ({moment(b)}, {summary(b)})"]
     lines += section("allocator settings that differ (A vs B)",
                      [f"{shown(k)}: {_setting(va)} vs {_setting(vb)}" for k, va, vb in c.settings]) or \
         ["allocator settings: the same (or not in the files)"]
@@ -231,7 +237,7 @@ def as_json(report: Report, advice: Advice, top: int, plan: dict[str, Any] | Non
         "categories": [] if m is None else [{"category": c.name, "bytes": c.bytes, "count": c.count}
                                             for c in m.categories],
         "kind": report.kind, "verdict": verdict(report), "confidence": report.confidence,
-        "summary": SUMMARY[report.kind], "reasons": [*report.reasons, *advice.reasons],
+        "summary": summary(report), "reasons": [*report.reasons, *advice.reasons],
         "next_command": advice.next_command, "command_check": advice.command_check,
         "remedies": [{"name": r.name, "action": r.action, "cost": r.cost, "overlay": r.overlay, "env": r.env or None,
                       "command": r.command} for r in advice.remedies],

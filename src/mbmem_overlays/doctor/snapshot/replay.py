@@ -18,7 +18,6 @@ and the remainder is too small to split), and where that is not certain, an uppe
 from __future__ import annotations
 
 import bisect
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ SMALL_SIZE = 1 << 20            # kSmallSize: requests up to this use the small 
 LARGE_BUFFER = 20 << 20         # kLargeBuffer: slack an oversize block may carry
 ROUNDUP_START = 1 << 20         # kRoundUpPowerOfTwoStart
 PAGE = 2 << 20                  # expandable segments map 2 MiB pages
+MAX_RANGES = 4096               # separate mapped ranges kept; a real trace has a handful per stream and pool
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,11 @@ class Intervals:
         self.ends: dict[int, tuple[int, int]] = {}   # start -> (end, stream)
         self.total = 0
 
-    def add(self, start: int, size: int, stream: int) -> None:
+    def add(self, start: int, size: int, stream: int, force: bool = False) -> bool:
+        """Map [start, start+size); False (nothing changed) when that would exceed MAX_RANGES separate ranges
+        (``force``: the dump's own segments, which are always kept)."""
+        if len(self.starts) >= MAX_RANGES and not force:
+            return False
         end = start + size
         i = bisect.bisect_left(self.starts, start)
         if i > 0:
@@ -117,6 +121,7 @@ class Intervals:
         self.starts.insert(i, start)
         self.ends[start] = (end, stream)
         self.total += end - start
+        return True
 
     def remove(self, start: int, size: int) -> bool:
         end = start + size
@@ -125,15 +130,15 @@ class Intervals:
             return False
         s = self.starts[i]
         e, stream = self.ends[s]
-        if e < end:
+        if e < end or (s < start and end < e and len(self.starts) >= MAX_RANGES):
             return False
         del self.starts[i]
         del self.ends[s]
         self.total -= e - s
         if s < start:
-            self.add(s, start - s, stream)
+            self.add(s, start - s, stream, force=True)   # within the bound checked above
         if end < e:
-            self.add(end, e - end, stream)
+            self.add(end, e - end, stream, force=True)
         return True
 
     def ranges(self) -> list[tuple[int, int, int]]:
@@ -167,15 +172,16 @@ class State:
 
 @dataclass
 class Timeline:
-    """Totals after each entry: index p holds the state after p entries (p = 0 .. n)."""
-    allocated: array
-    active: array
-    requested: array
-    reserved: array
+    """Totals after each entry: index p holds the state after p entries (p = 0 .. n). Plain lists: a hostile file's
+    sums may pass any fixed-width integer."""
+    allocated: list
+    active: list
+    requested: list
+    reserved: list
     delta_frames: list          # per entry, the stack of the block whose allocation it changed (None: none)
-    delta_bytes: array          # per entry, the change of allocated bytes
+    delta_bytes: list           # per entry, the change of allocated bytes
     inconsistent: int = 0       # entries the dump contradicts (e.g. a free of a block that was not live)
-    estimated_error: array = None  # per position, the bound on allocated bytes from estimated block sizes
+    estimated_error: list | None = None  # per position, the bound on allocated bytes from estimated block sizes
     snapshot_checks: tuple[int, int] = (0, 0)   # (markers matched, markers checked): 'snapshot' entries hold active
 
 
@@ -185,7 +191,7 @@ def dump_state(segments: list[M.Segment]) -> State:
     mapped = Intervals()
     for seg in segments:
         if seg.expandable:
-            mapped.add(seg.address, seg.total_size, seg.stream)
+            mapped.add(seg.address, seg.total_size, seg.stream, force=True)
         else:
             plain[seg.address] = (seg.total_size, seg.stream, seg.pool)
         for b in seg.blocks:
@@ -235,8 +241,8 @@ class Replayer:
         reserved = sum(s for s, _, _ in plain.values()) + mapped.total
         keep = capture is None
         if keep:
-            a_arr, c_arr, q_arr, r_arr, e_arr = (array("q", bytes(8 * (n + 1))) for _ in range(5))
-            d_bytes = array("q", bytes(8 * n))
+            a_arr, c_arr, q_arr, r_arr, e_arr = ([0] * (n + 1) for _ in range(5))
+            d_bytes = [0] * n
             d_frames: list = [None] * n
         checked = matched = 0
         inconsistent = 0
@@ -309,7 +315,9 @@ class Replayer:
                     continue
                 reserved -= size[i]
             elif a == M.SEGMENT_UNMAP:
-                mapped.add(addr[i], size[i], streams[i])
+                if not mapped.add(addr[i], size[i], streams[i]):
+                    inconsistent += 1
+                    continue
                 reserved += size[i]
             elif a == M.SNAPSHOT and keep:
                 checked += 1
