@@ -88,6 +88,9 @@ def remedies_for(report: Report) -> tuple[list[C.Remedy], list[str]]:
                          command_note="lists the processes holding the GPU; nothing to validate"), *rest], why
     if kind == "oom_unknown":
         rest, why = capacity_remedies(report)
+        lead = report.lead_device
+        if lead is not None and lead.dump.reserved and lead.dump.reserved - lead.dump.allocated < 0.02 * lead.dump.reserved:
+            return rest, why   # hardly anything reserved was unallocated: not a fragmentation remedy
         return [_overlay("expandable_segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the zero-cost "
                          "first step while the verdict is unknown"), *rest], why
     return [], []

@@ -24,6 +24,7 @@ RING_FULL = 100_000          # Bridge's trace_alloc_max_entries: a trace this lo
 OTHERS_MIN = 2 * GiB         # non-PyTorch memory below this is the CUDA context, NCCL and workspaces as usual
 _OOM_NAME = re.compile(r"_oom_rank-(\d+)(\.[^/]*)?$")
 _SCHEDULED_NAME = re.compile(r"_(\d+)(\.pickle|\.pkl)(\.gz)?$")
+_OOM_WORD = re.compile(r"(^|[^a-z])oom([^a-z]|$)", re.I)   # oom_snapshot.pickle, rank0-OOM.pkl; not "room"
 
 
 def gib(n: float | None) -> str:
@@ -156,7 +157,7 @@ class DeviceReport:
 class Report:
     path: str
     rank: int | None
-    dump_kind: str            # oom_observer | scheduled | unknown (from Bridge's file names)
+    dump_kind: str            # oom_observer | scheduled | oom_named | unknown (from the file name)
     format: M.Format
     devices: tuple[DeviceReport, ...]
     lead: int | None          # the device reported first: the failing one, else the highest peak
@@ -192,6 +193,8 @@ def name_hints(path: str) -> tuple[int | None, str]:
     m = _SCHEDULED_NAME.search(base)
     if m:
         return int(m.group(1)), "scheduled"
+    if _OOM_WORD.search(base):
+        return None, "oom_named"
     return None, "unknown"
 
 
@@ -400,11 +403,18 @@ def analyze(snap: M.Snapshot, path: str, file_bytes: int = 0, capacity: float | 
     else:
         lead = max(devices, key=lambda d: (d.peak_allocated if d.peak_allocated is not None else d.dump.allocated,
                                            -d.device))
-        if dump_kind == "oom_observer":
+        if dump_kind in ("oom_observer", "oom_named"):
             kind, confidence = "oom_unknown", "low"
-            reasons.append("the file name says Bridge's OOM observer wrote it, but its trace has no 'oom' entry (history "
-                           "was not recorded, or the ring lost it): the failed request and CUDA's free memory are "
-                           "unknown; the figures are the state at the dump, which is the state at the failure")
+            who = "Bridge's OOM observer wrote it" if dump_kind == "oom_observer" else "it was written at an OOM"
+            reasons.append(f"the file name says {who}, but its trace has no 'oom' entry (history was not recorded, or "
+                           "the ring lost it): the failed request and CUDA's free memory are unknown; the figures are "
+                           "the state at the dump" + (", which is the state at the failure" if dump_kind ==
+                                                       "oom_observer" else ""))
+            t = lead.dump
+            if t.reserved and t.reserved - t.allocated < 0.02 * t.reserved:
+                reasons.append(f"at the dump only {gib(t.reserved - t.allocated)} of the {gib(t.reserved)} reserved "
+                               "was unallocated: if this is the state at the failure, fragmentation was not the "
+                               "cause")
         else:
             kind, confidence = "none", "high"
             where = ("the peak of the recorded trace" if lead.entries else "the dump (no trace: history was not "

@@ -21,7 +21,7 @@ SAMPLES = 1000
 MAX_SEGMENTS = 300
 COLORS = ("#4e79a7", "#f28e2c", "#e15759", "#76b7b2", "#59a14f", "#edc949", "#af7aa1", "#ff9da7", "#9c755f",
           "#bab0ab")
-OTHER, PENDING, FREE = "#d9d9d9", "#ff7f0e", "#ffffff"
+OTHER, PENDING, FREE = "#d9d9d9", "#555555", "#ffffff"   # pending: dark grey, unlike any site colour
 
 
 def _samples(n: int, allocated, must: list[int]) -> list[int]:
@@ -185,7 +185,7 @@ def page(snap: M.Snapshot, report: Report, summary_text: str, top: int) -> str:
                     f"<table><tr><th>site</th><th>bytes</th><th>blocks</th><th>category</th></tr>{legend}</table>")
         svg, hidden = _segments_svg(m, colors)
         body.append(f"<h2>Segment map at the {'OOM' if m.kind == 'oom' else m.kind} ({m.totals.segments} segments; "
-                    f"white: free, orange: awaiting free, grey: other sites)</h2>" + svg)
+                    f"white: free, dark grey: awaiting free, light grey: other sites)</h2>" + svg)
         if hidden:
             body.append(f"<p>{hidden} smaller segments are not drawn.</p>")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -28,6 +28,7 @@ SUMMARY = {
 }
 DUMP = {"oom_observer": "written at the OOM by Bridge's observer (the file name says so)",
         "scheduled": "Bridge's scheduled dump at profile_step_end (the file name says so)",
+        "oom_named": "written at an OOM (the file name says so)",
         "unknown": "dump kind unknown (not one of Bridge's file names)"}
 
 

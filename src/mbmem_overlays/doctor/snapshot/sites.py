@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_FRAMES = 512
-NO_STACK = "<no stack recorded>"
+NO_STACK = "<no stack: allocated before history recording started, or recorded without context>"
 
 # Python files that are framework internals, not the caller's code.
 _INTERNAL_PY = re.compile(r"(^|/)(torch|transformer_engine|apex|triton|nvfuser|thunder|torchao|_pytest|pluggy)/"
@@ -93,6 +93,12 @@ _RULES = [
     ("backward (gradients and temporaries)", re.compile(r"torch/autograd/"), re.compile(r"backward|_engine_run")),
     ("backward (gradients and temporaries)", re.compile(r"pipeline_parallel/schedules\.py"), re.compile(r"backward")),
     ("inputs (batch)", re.compile(r"gpt_step\.py|training/utils/batch|megatron/bridge/data/|get_batch"), None),
+    # Hugging Face stacks (snapshots of non-Megatron jobs read the same way)
+    ("optimizer state", re.compile(r"bitsandbytes/optim/"), None),
+    ("parameters and gradient buffers", re.compile(r"transformers/modeling_utils\.py|accelerate/(big_modeling|utils/"
+                                                   r"modeling)\.py"), None),
+    ("activations: PEFT adapters", re.compile(r"peft/tuners/"), re.compile(r"forward")),
+    ("activations: transformers model", re.compile(r"transformers/models/[^/]+/modeling_"), re.compile(r"forward")),
     ("activations: other", re.compile(r"pipeline_parallel/schedules\.py"), re.compile(r"forward")),
 ]
 _CPP_RULES = (("communication buffers", ("ProcessGroupNCCL", "c10d::", "nccl")),
