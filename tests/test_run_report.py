@@ -1,0 +1,529 @@
+"""The run report (issue 23): a healthy run's memory lines read exactly, per rank and per pipeline stage, judged
+(at_risk / fragmenting / over_provisioned / healthy), planned against measured with --plan, and advice in both
+directions; plus the doctor's recall (anything that says out of memory is never "no OOM, high").
+
+Fixtures: tests/fixtures/runs/ (written by generate.py from Megatron-LM's and Bridge's own format code) and the
+doctor corpus (tests/fixtures/doctor/). The per-rank figures are checked against the log's printed text with a
+reader written here, independently of memlines.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from conftest import mbmem, paste
+
+from mbmem_overlays.doctor import memlines as ML
+from mbmem_overlays.doctor import run_report as RR
+from mbmem_overlays.doctor.diagnose import diagnose
+from mbmem_overlays.doctor.parse import scan
+
+RUNS = Path(__file__).parent / "fixtures" / "runs"
+DOCTOR = Path(__file__).parent / "fixtures" / "doctor"
+GiB = 1 << 30
+
+
+def doctor(*names: str):
+    f = scan([str(RUNS / n) for n in names])
+    return f, diagnose(f)
+
+
+def doctor_json(*args: str, env: dict | None = None):
+    out = mbmem("doctor", *args, "--json", env=env, timeout=120)
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+# ----------------------------------------------------------------------------- the printed figures, read here
+LINE = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \((MB|GB)\)((?: \| [^|:]+: [^|\[\s]+)+)")
+
+
+def printed(path: Path) -> dict[int, dict[str, float]]:
+    """rank -> {metric name: value} of each rank's latest report, read with a regex of this test."""
+    out: dict[int, tuple[int, str, dict]] = {}
+    for m in LINE.finditer(path.read_text()):
+        rank, it, unit = int(m.group(1)), int(m.group(2)), m.group(3)
+        fields = {}
+        for piece in m.group(4).split(" | ")[1:]:
+            name, _, value = piece.partition(": ")
+            fields[name.strip()] = value.strip()
+        if rank not in out or it >= out[rank][0]:
+            out[rank] = (it, unit, fields)
+    return {r: {"unit": u, "iteration": it, **fs} for r, (it, u, fs) in out.items()}
+
+
+NAMES = {"MB": {"allocated": "allocated_bytes", "max allocated": "max_allocated_bytes", "reserved": "reserved_bytes",
+                "max reserved": "max_reserved_bytes"},
+         "GB": {"mem-allocated-gigabytes": "allocated_bytes", "mem-max-allocated-gigabytes": "max_allocated_bytes",
+                "mem-reserved-gigabytes": "reserved_bytes", "mem-max-reserved-gigabytes": "max_reserved_bytes",
+                "mem-max-inactive-gigabytes": "max_inactive_bytes", "mem-alloc-retires": "alloc_retries"}}
+
+
+@pytest.mark.parametrize("name", ["bridge_llama3_8b_tp2_pp2.log", "bridge_fragmenting.log", "megatron_lm_tp4_pp2.log",
+                                  "bridge_at_risk.log"])
+def test_per_rank_figures_equal_the_log_to_the_printed_precision(name):
+    """Bytes are the printed value times its unit (Bridge GB = 1e9, Megatron-LM MB = 2^20), exactly."""
+    code, data = doctor_json(str(RUNS / name))
+    assert code == 0
+    ranks = {r["rank"]: r for r in data["run"]["ranks"]}
+    want = printed(RUNS / name)
+    assert set(ranks) == set(want)
+    for rank, fields in want.items():
+        unit = fields["unit"]
+        scale = 1e9 if unit == "GB" else 2**20
+        assert ranks[rank]["iteration"] == fields["iteration"]
+        for metric, key in NAMES[unit].items():
+            value = fields[metric]
+            expect = int(value) if key == "alloc_retries" else round(float(value) * scale)
+            assert ranks[rank][key] == expect, (rank, metric)
+
+
+def test_the_text_table_prints_each_figure_as_the_log_does():
+    out = mbmem("doctor", str(RUNS / "bridge_llama3_8b_tp2_pp2.log"))
+    row = next(line for line in out.stdout.splitlines() if re.match(r"\s*\*?\s+4\s+1\s+2\s", line))
+    log = printed(RUNS / "bridge_llama3_8b_tp2_pp2.log")[4]
+    assert log["mem-max-allocated-gigabytes"] in row.split() and log["mem-max-reserved-gigabytes"] in row.split()
+    out = mbmem("doctor", str(RUNS / "megatron_lm_tp4_pp2.log"))
+    row = next(line for line in out.stdout.splitlines() if re.match(r"\s*\*?\s+9\s+1\s+10\s", line))
+    log = printed(RUNS / "megatron_lm_tp4_pp2.log")[9]
+    assert log["max allocated"] in row.split() and "MiB, as the log prints them" in out.stdout
+
+
+# ----------------------------------------------------------------------------- the formats, line by line
+@pytest.mark.parametrize("line, rank, iteration, field, expect", [
+    ("[Rank 3] (after 10 iterations) memory (MB) | allocated: 1024.00 | max allocated: 2048.50 | reserved: 3072.00 | "
+     "max reserved: 4096.00", 3, 10, "max_allocated", round(2048.5 * 2**20)),
+    ("[Rank 0] (after 1 iterations) memory (MB) | allocated: 18243.64111328125 | max allocated: 50664.2548828125 | "
+     "reserved: 54556.0 | max reserved: 54556.0", 0, 1, "max_allocated", round(50664.2548828125 * 2**20)),
+    ("[Rank 7] (after 2 iterations) memory (GB) | mem-allocated-gigabytes: 63.66 | mem-max-allocated-gigabytes: 153.4 "
+     "| mem-max-reserved-gigabytes: 182.2 | mem-alloc-retires: 3 | mem-allocated-count: 507", 7, 2, "max_reserved",
+     round(182.2e9)),
+    ("[Rank 7] (after 2 iterations) memory (GB) | mem-allocated-gigabytes: 1.2345e-05 | mem-max-allocated-gigabytes: "
+     "0.0012346 | mem-alloc-retires: 3", 7, 2, "allocated", round(1.2345e-05 * 1e9)),
+    ("(after 20 iterations) memory (MB) | allocated: 10.5 | max allocated: 20.25", None, 20, "max_allocated",
+     round(20.25 * 2**20)),
+])
+def test_memory_line_formats(line, rank, iteration, field, expect):
+    (r,) = ML.parse_reports(line, "x.log:1", None)
+    assert not r.unreadable and r.rank == rank and r.iteration == iteration and r.values[field] == expect
+    if "retires" in line:
+        assert r.values["alloc_retries"] == 3
+
+
+@pytest.mark.parametrize("prefix", ["3: ", "[default3]:", "p4_v2_perf/0 [default3]:", "[2026-11-28 09:00:01][INFO]"
+                                    "[utils:190] - ", "[1,3]<stdout>:"])
+def test_launcher_and_logging_prefixes(tmp_path, prefix):
+    p = tmp_path / "p.log"
+    p.write_text(prefix + "[Rank 3] (after 5 iterations) memory (MB) | allocated: 1.00 | max allocated: 2.00 | "
+                 "reserved: 3.00 | max reserved: 4.00\n")
+    f = scan([str(p)])
+    assert list(f.memory) == [3] and f.memory[3].latest.values["max_reserved"] == 4 * 2**20
+
+
+def test_a_report_without_a_rank_takes_the_launcher_prefix():
+    (r,) = ML.parse_reports("(after 5 iterations) memory (MB) | allocated: 1.00 | max allocated: 2.00", "x:1", 12)
+    assert r.rank == 12
+
+
+def test_two_reports_on_one_line_and_interleaved_ranks():
+    f, d = doctor("megatron_lm_tp4_pp2.log")
+    assert sorted(f.memory) == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert f.memory[2].latest.values["max_allocated"] == round(42905.60 * 2**20)   # the first of the glued pair
+    assert f.memory[3].latest.values["max_allocated"] == round(42700.80 * 2**20)
+
+
+def test_user_memory_keys_are_read_by_their_printed_form():
+    """Bridge prints a byte statistic as a float in GB and a count as an int, whatever the user named it."""
+    f, d = doctor("bridge_user_memory_keys.log")
+    r = f.memory[0].latest
+    assert r.values["max_allocated"] == round(44.44e9) and r.values["max_reserved"] == round(47.29e9)
+    assert r.values["alloc_retries"] == 0
+    assert "alloc_count" not in r.values and ("live_blocks", "2913") in r.other    # a count it cannot place: kept
+    assert any("read by their words" in x for x in d.reasons)
+
+
+def test_latest_report_wins_and_iteration_one_is_flagged(tmp_path):
+    line = "[Rank 0] (after {i} iterations) memory (GB) | mem-max-allocated-gigabytes: {a} | mem-max-reserved-gigabytes: {r}"
+    p = tmp_path / "it.log"
+    p.write_text(line.format(i=2, a=30.0, r=31.0) + "\n" + line.format(i=1, a=20.0, r=21.0) + "\n")
+    f = scan([str(p)])
+    assert f.memory[0].latest.iteration == 2 and f.memory[0].first_iteration == 1
+    p.write_text(line.format(i=1, a=20.0, r=21.0) + "\n")
+    d = diagnose(scan([str(p)]), capacity=80e9)
+    assert any("optimizer" in x and "iteration 1" in x for x in d.reasons)
+    assert d.confidence == "medium"
+
+
+@pytest.mark.parametrize("line, why", [
+    ("allocated: -12.00 | max allocated: 900.00 | reserved: 1000.00 | max reserved: 1000.00", "not a memory figure"),
+    ("allocated: 1.00 | max allocated: nan | reserved: 1000.00", "not a memory figure"),
+    ("allocated: 10.00 | max allocated: 99999999999999999999.00", "more than 1 PiB"),
+    ("allocated: 5000.00 | max allocated: 4000.00 | reserved: 6000.00", "a peak cannot be"),
+    ("allocated: 5000.00 | max allocated: 6000.00 | reserved: 100.00 | max reserved: 100.00", "reserved is below"),
+    ("allocated: 0.0 | max allocated: 0.0 | reserved: 0.0 | max reserved: 0.0", "every figure is 0"),
+    ("allocated: 1.2.3 | max allocated: 2.0", "not a number"),
+])
+def test_absurd_numbers_are_unreadable_not_used(line, why):
+    (r,) = ML.parse_reports("[Rank 1] (after 3 iterations) memory (MB) | " + line, "x:1", None)
+    assert why in r.unreadable
+
+
+def test_unreadable_reports_are_listed_and_never_plotted():
+    code, data = doctor_json(str(RUNS / "unreadable_numbers.log"))
+    assert code == 0 and [r["rank"] for r in data["run"]["ranks"]] == [4]
+    assert len(data["run"]["unreadable"]) == 5
+    from mbmem_overlays.doctor.plot import rows_to_plot
+    assert [r["rank"] for r in rows_to_plot(data["run"])] == [4]
+
+
+def test_theoretical_estimate_is_shown_beside():
+    f, d = doctor("megatron_lm_tp4_pp2.log")
+    (t,) = f.theoretical
+    assert t.parts == {"weight_and_optimizer": round(13508.31 * 2**20), "activation": round(23442.19 * 2**20),
+                       "total": round(36950.50 * 2**20)}
+    assert any("the job's own estimate" in x and "total 36.08 GiB" in x for x in d.run_lines)
+
+
+# ----------------------------------------------------------------------------- ranks -> pipeline stages
+def test_stages_follow_megatron_core_rank_order():
+    """tp-cp-ep-dp-pp (the default): TP2 CP2 PP2 on 8 GPUs -> ranks 0-3 stage 0, 4-7 stage 1; TP4 PP2 DP2 on 16:
+    the DP-rank-0 reporters are 0-3 (stage 0) and 8-11 (stage 1)."""
+    f, _ = doctor("bridge_llama3_8b_tp2_pp2.log")
+    rep = RR.build(f)
+    assert {r.rank: r.stage for r in rep.rows} == {r: r // 4 for r in range(8)}
+    f, _ = doctor("megatron_lm_tp4_pp2.log")
+    rep = RR.build(f)
+    assert {r.rank: r.stage for r in rep.rows} == {0: 0, 1: 0, 2: 0, 3: 0, 8: 1, 9: 1, 10: 1, 11: 1}
+    assert rep.stages.expected == 8
+
+
+def test_tp_pp_dp_mapping_changes_the_stage(tmp_path):
+    p = tmp_path / "m.log"
+    lines = ["WORLD_SIZE=16", "tensor_model_parallel_size: 2", "pipeline_model_parallel_size: 4",
+             "use_tp_pp_dp_mapping: True"]
+    lines += [f"[Rank {r}] (after 3 iterations) memory (MB) | allocated: 1.00 | max allocated: 2.00" for r in (0, 2, 6, 8)]
+    p.write_text("\n".join(lines) + "\n")
+    rep = RR.build(scan([str(p)]))
+    assert {r.rank: r.stage for r in rep.rows} == {0: 0, 2: 1, 6: 3, 8: 0}   # stage = (rank // TP*CP) % PP
+
+
+def test_stages_unknown_without_the_world_size_are_said(tmp_path):
+    p = tmp_path / "m.log"
+    p.write_text("pipeline_model_parallel_size: 4\n[Rank 5] (after 3 iterations) memory (MB) | allocated: 1.00 | "
+                 "max allocated: 2.00\n")
+    rep = RR.build(scan([str(p)]))
+    assert rep.rows[0].stage is None and any("world size" in u for u in rep.unknown)
+
+
+# ----------------------------------------------------------------------------- verdicts
+def series(**ranks) -> dict:
+    out = {}
+    for key, (alloc, reserved, retries, inactive) in ranks.items():
+        values = {"max_allocated": int(alloc * GiB), "max_reserved": int(reserved * GiB)}
+        if retries is not None:
+            values["alloc_retries"] = retries
+        if inactive is not None:
+            values["max_inactive"] = int(inactive * GiB)
+        r = ML.MemoryReport(int(key[1:]), 10, f"x.log:{key[1:]}", "GB", values)
+        out[r.rank] = ML.RankSeries(r, 10)
+    return out
+
+
+def findings_with(memory) -> object:
+    from mbmem_overlays.doctor.parse import Findings
+    f = Findings()
+    f.memory = memory
+    return f
+
+
+@pytest.mark.parametrize("ranks, capacity, kind, hot", [
+    ({"r0": (70, 77, 0, 1), "r1": (60, 62, 0, 1)}, 80, "at_risk", 0),             # 3 GiB free < 5% of 80
+    ({"r0": (40, 60, 0, 1), "r1": (40, 42, 0, 1)}, 80, "fragmenting", 0),         # 20 GiB reserved never allocated
+    ({"r0": (40, 42, 3, 1), "r1": (40, 42, 0, 1)}, 80, "fragmenting", 0),         # allocator retries
+    ({"r0": (40, 47, 0, 9), "r1": (40, 42, 0, 1)}, 80, "fragmenting", 0),         # inactive split blocks
+    ({"r0": (40, 42, 0, 1), "r1": (50, 52, 0, 1)}, 80, "over_provisioned", 1),    # >= 25% free everywhere
+    ({"r0": (60, 63, 0, 1), "r1": (50, 52, 0, 1)}, 80, "healthy", 0),
+    ({"r0": (55, 58, 0, 1), "r1": (50, 52, 0, 1)}, None, "healthy", 0),           # no capacity: headroom unknown
+    ({"r0": (75, 78, 2, 1), "r1": (50, 52, 0, 1)}, 80, "at_risk", 0),             # at risk outranks fragmenting
+])
+def test_verdict_table(ranks, capacity, kind, hot):
+    rep = RR.build(findings_with(series(**ranks)), capacity * GiB if capacity else None, 0.05)
+    assert rep.kind == kind and rep.hot.rank == hot
+    main = [x for x in rep.findings if x.kind == kind]
+    assert main and all("[x.log:" in x.text for x in main)       # each verdict names its line
+    if capacity is None:
+        assert rep.confidence == "low" and any("capacity" in u for u in rep.unknown)
+
+
+def test_margin_moves_the_at_risk_line():
+    ranks = series(r0=(70, 74, 0, 1))
+    assert RR.build(findings_with(ranks), 80 * GiB, 0.05).kind == "healthy"      # 6 GiB free = 7.5%
+    assert RR.build(findings_with(ranks), 80 * GiB, 0.10).kind == "at_risk"
+
+
+# ----------------------------------------------------------------------------- one command, documented codes
+@pytest.mark.parametrize("name, kind, code", [
+    ("bridge_llama3_8b_tp2_pp2.log", "over_provisioned", 0), ("bridge_at_risk.log", "at_risk", 0),
+    ("bridge_fragmenting.log", "fragmenting", 0), ("megatron_lm_old_prefixes.log", "healthy", 0),
+    ("bridge_at_risk_then_oom.log", "capacity", 0),
+])
+def test_one_command_for_any_log(name, kind, code):
+    rc, data = doctor_json(str(RUNS / name))
+    assert (rc, data["kind"], data["exit_code"]) == (code, kind, code)
+    assert data["schema_version"] == 3 and data["run"]["ranks"]
+    assert data["verdict"] == ("diagnosed" if kind == "capacity" else "reported")
+
+
+def test_json_run_object_has_the_documented_keys():
+    rc, data = doctor_json(str(RUNS / "bridge_llama3_8b_tp2_pp2.log"))
+    run = data["run"]
+    assert {"ranks", "hot_rank", "capacity_bytes", "planned"} <= set(run)
+    assert {"rank", "stage", "iteration", "allocated_bytes", "max_allocated_bytes", "reserved_bytes",
+            "max_reserved_bytes", "max_inactive_bytes", "alloc_retries"} <= set(run["ranks"][0])
+    assert run["hot_rank"] == 0 and run["capacity_bytes"] == 81559 * 2**20 and run["planned"] == []
+
+
+def test_an_oom_log_gets_the_diagnosis_and_the_per_rank_table():
+    out = mbmem("doctor", str(RUNS / "bridge_at_risk_then_oom.log"))
+    assert out.returncode == 0
+    assert out.stdout.startswith("diagnosis: genuine capacity limit") and "per-rank memory (GB" in out.stdout
+    # the table's capacity is the OOM message's (torch's own total), the exact one
+    rc, data = doctor_json(str(RUNS / "bridge_at_risk_then_oom.log"))
+    assert data["run"]["capacity_bytes"] == int(79.11 * GiB)
+
+
+def test_at_risk_advice_starts_from_what_the_log_shows_is_on():
+    _, d = doctor("bridge_at_risk.log")
+    names = [r["name"] for r in d.remedies]
+    assert names[0] == "selective_recompute" and "dist_optimizer" not in names   # Bridge's summary shows it on
+    assert d.next_command.endswith("train.py recipe=llama3_8b_pretrain +mem=selective_recompute")
+
+
+def test_fragmenting_advice_is_expandable_segments():
+    _, d = doctor("bridge_fragmenting.log")
+    assert d.kind == "fragmenting" and d.next_command.endswith("+mem=expandable_segments")
+    assert any("7 allocator retries" in x for x in d.reasons)
+
+
+def test_over_provisioned_lists_what_can_be_turned_off_by_throughput_gain():
+    _, d = doctor("bridge_over_provisioned_recompute_offload.log")
+    assert [r["name"] for r in d.remedies] == ["optimizer_offload_off", "full_to_selective", "tp_halved", "pp_halved"]
+    assert d.savings.startswith("not sized")     # without --plan nothing is sized
+
+
+def test_over_provisioned_next_command_is_the_doctor_with_plan():
+    out = mbmem("doctor", "tests/fixtures/runs/bridge_over_provisioned_recompute_offload.log", "--gpu-memory", "80GiB")
+    cmd = next(line for line in out.stdout.splitlines() if line.startswith("next command: "))[14:]
+    assert shlex.split(cmd) == ["mbmem", "doctor", "tests/fixtures/runs/bridge_over_provisioned_recompute_offload.log",
+                                "--plan", "--gpu-memory", "80GiB"]
+
+
+def test_plan_says_what_the_log_lacks(tmp_path):
+    """--plan on a log without a recipe or world size says what is missing (and imports nothing)."""
+    from mbmem_overlays.doctor.run_plan import make_run_planner
+    f = scan([str(RUNS / "megatron_lm_old_prefixes.log")])
+    rep = RR.build(f)
+    planner = make_run_planner(None, [], None, None, 0.05)
+    from mbmem_overlays.doctor.diagnose import _context
+    ctx = _context(f, None, None)
+    assert planner(rep, ctx, f) is None and "the recipe (give --recipe)" in rep.plan_status
+
+
+# ----------------------------------------------------------------------------- issue 23 §3: recall
+OOM_LIKE = re.compile(r"(?i:out[ _-]?of[ _-]?memory|cannot allocate memory|can't allocate memory|not enough memory|"
+                      r"insufficient memory|failed to allocate|alloc(?:ation)? failed|out of resource)|\bOOM\b|"
+                      r"_ALLOC_FAILED|CUDA_ERROR_OUT_OF_MEMORY|MemoryAllocation|CUresult error[: ]+(?:result=)?2\b")
+
+
+def every_fixture() -> list[Path]:
+    return sorted(p for p in [*DOCTOR.rglob("*.log"), *RUNS.glob("*.log")])
+
+
+@pytest.mark.parametrize("path", every_fixture(), ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_no_oom_like_fixture_is_called_no_oom_high(path):
+    d = diagnose(scan([str(path)]))
+    lines = [line for line in path.read_text(errors="replace").splitlines() if OOM_LIKE.search(line)]
+    if d.verdict == "no_oom" and d.confidence == "high":
+        assert not lines, lines[:3]
+
+
+@pytest.mark.parametrize("line", [
+    "torch.OutOfMemoryError: Tried to allocate 12.60 GiB. GPU had 12.44 GiB free of 79.19",
+    "[torch_memory_saver.cpp] CUresult error: 2 (out of memory) file=csrc/core.cpp func=cu_mem_create line=57",
+    "RuntimeError: OOM when allocating tensor with shape [8, 4096]",
+    "ERROR: cudaErrorMemoryAllocation returned from cudaMalloc",
+    "CUDA_ERROR_OUT_OF_MEMORY in cuMemCreate",
+    "RuntimeError: CUDA error: out of memory",
+    "NCCL WARN Failed to CUDA calloc 2097152 bytes",
+    "RuntimeError: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "RuntimeError: transformer_engine/common/util/cuda_runtime.cpp:42 CUDA Error: out of memory",
+    "triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 262144",
+    "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
+    "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
+    "HIP out of memory. Tried to allocate 2.00 GiB",
+    "hipErrorOutOfMemory: out of memory",
+    "Out Of Memory while allocating the workspace",
+    "failed to allocate 2.00 GiB of device memory",
+    "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 34359738368 bytes",
+])
+def test_every_spelling_of_out_of_memory_is_an_oom(tmp_path, line):
+    p = tmp_path / "x.log"
+    p.write_text("python train.py recipe=llama3_8b_pretrain\n[rank0]: " + line + "\n[rank0]: [after training is done]\n")
+    d = diagnose(scan([str(p)]))
+    assert d.verdict in ("diagnosed", "unsure") and d.kind != "none", (d.kind, d.summary)
+
+
+def test_the_abbreviated_message_keeps_the_numbers_it_shows(tmp_path):
+    p = tmp_path / "x.log"
+    p.write_text("[rank1]: torch.OutOfMemoryError: Tried to allocate 12.60 GiB. GPU had 12.44 GiB free of 79.19\n")
+    f = scan([str(p)])
+    o = f.ooms[0]
+    assert (o.requested, o.free, o.capacity) == (int(12.60 * GiB), int(12.44 * GiB), int(79.19 * GiB))
+    d = diagnose(f)
+    assert d.verdict == "unsure" and "reserved-but-unallocated" in d.unknown
+
+
+@pytest.mark.parametrize("line", ["set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid OOM",
+                                  "if you run out of memory, lower the micro batch size"])
+def test_advice_that_mentions_oom_is_not_an_oom_but_not_high(tmp_path, line):
+    p = tmp_path / "x.log"
+    p.write_text(f"[rank0]: {line}\n[rank0]: [after training is done] datetime: 2026\n")
+    d = diagnose(scan([str(p)]))
+    assert (d.kind, d.verdict, d.confidence) == ("none", "no_oom", "medium")
+
+
+def test_no_oom_is_high_only_when_the_log_reached_its_end(tmp_path):
+    p = tmp_path / "x.log"
+    p.write_text("[rank0]: iteration 10/ 100 | lm loss: 1.0\n")
+    assert diagnose(scan([str(p)])).confidence == "medium"
+    p.write_text("[rank0]: iteration 100/ 100 | lm loss: 1.0\n[rank0]: [after training is done] datetime: x\n")
+    assert diagnose(scan([str(p)])).confidence == "high"
+
+
+def test_fragmentation_barely_covering_says_both():
+    d = diagnose(scan([str(DOCTOR / "allocator/fragmentation_barely_near_capacity.log")]))
+    assert d.kind == "fragmentation" and d.confidence == "medium"
+    assert d.summary.startswith("fragmentation caused this failure; capacity is next")
+    assert [r["name"] for r in d.remedies][:2] == ["expandable_segments", "selective_recompute"]
+
+
+# ----------------------------------------------------------------------------- --plot
+def test_plot_writes_a_picture_of_the_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    out_file = tmp_path / "ranks.png"
+    out = mbmem("doctor", str(RUNS / "megatron_lm_tp4_pp2.log"), "--plot", str(out_file))
+    assert out.returncode == 0 and f"plot: {out_file}" in out.stdout
+    assert out_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = mbmem("doctor", str(RUNS / "megatron_lm_tp4_pp2.log"), "--plot", str(out_file))
+    assert out.returncode == 2 and "exists already" in out.stderr            # --force to replace
+    out = mbmem("doctor", str(RUNS / "megatron_lm_tp4_pp2.log"), "--plot", str(out_file), "--force")
+    assert out.returncode == 0
+
+
+def test_plot_without_memory_lines_says_so(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = mbmem("doctor", str(DOCTOR / "allocator/current_capacity.log"), "--plot", str(tmp_path / "p.svg"))
+    assert out.returncode == 0 and "plot: not written (no readable per-rank memory lines" in out.stdout
+    assert not (tmp_path / "p.svg").exists()
+
+
+# ----------------------------------------------------------------------------- --plan (imports Bridge once)
+@pytest.fixture(scope="module")
+def planned(bridge):
+    """Each fixture's --plan report, in this process (Bridge is imported once per test session)."""
+    from mbmem_overlays.cli import main
+    cache: dict = {}
+
+    def run(name: str, *extra: str) -> tuple[int, dict, str]:
+        key = (name, extra)
+        if key not in cache:
+            import contextlib
+            import io
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                rc = main(["doctor", str(RUNS / name), "--plan", "--json", *extra])
+            data = json.loads(buf.getvalue())
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                main(["doctor", str(RUNS / name), "--plan", *extra])
+            cache[key] = (rc, data, buf.getvalue())
+        return cache[key]
+    return run
+
+
+@pytest.mark.bridge
+def test_plan_puts_planned_beside_measured_for_every_reporting_rank(planned):
+    rc, data, text = planned("bridge_llama3_8b_tp2_pp2.log")
+    assert rc == 0
+    run = data["run"]
+    reporting = {r["rank"] for r in run["ranks"]}
+    rows = {p["rank"]: p for p in run["planned"]}
+    assert set(rows) == reporting
+    for r in run["ranks"]:
+        p = rows[r["rank"]]
+        assert p["stage"] == r["stage"] and p["measured_max_allocated_bytes"] == r["max_allocated_bytes"]
+        assert p["error_percent"] == round((p["planned_peak_bytes"] - r["max_allocated_bytes"])
+                                           / r["max_allocated_bytes"] * 100, 1)
+    assert run["plan"]["layout"] == "TP2 PP2 CP2 DP1" and run["plan"]["recipe"] == "llama3_8b_pretrain"
+    assert "planned" in text and "error" in text and "mean |error|" in text
+
+
+@pytest.mark.bridge
+def test_stage_breakdowns_agree_with_the_model_and_ranks_with_megatron_core(bridge):
+    """The per-stage plan is memory/model.py's estimate on every rank; the stage of each rank is megatron-core's
+    own RankGenerator's pipeline group (core/parallel_state.py)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from mbmem_overlays.doctor.run_plan import stage_breakdowns
+    from mbmem_overlays.memory import model as M
+    cfg = bridge.load_recipe("llama3_8b_pretrain")
+    bridge.apply_overrides(cfg, ["model.pipeline_model_parallel_size=4"])
+    shape, lay, st = M.from_config(cfg, 16)
+    stages = stage_breakdowns(shape, lay, st)
+    assert len(stages) == 4
+    assert max(stages[0].footprint, stages[-1].footprint) == M.estimate(shape, lay, st).footprint
+    for tp, cp, dp, pp, order, mapping in [(2, 2, 2, 2, "tp-cp-ep-dp-pp", "False"), (4, 1, 2, 2, "tp-cp-ep-dp-pp", "False"),
+                                           (2, 1, 2, 4, "tp-cp-ep-pp-dp", "True")]:
+        groups = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order).get_ranks("pp")
+        want = {rank: stage for group in groups for stage, rank in enumerate(group)}
+        from mbmem_overlays.doctor.parse import Findings, Seen
+        f = Findings()
+        f.layout, f.world = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, Seen(tp * cp * dp * pp, "x")
+        f.config["use_tp_pp_dp_mapping"] = Seen(mapping, "x")
+        smap = RR.stage_map(f)
+        assert {r: smap.stage(r) for r in want} == want, (tp, cp, dp, pp, order)
+
+
+@pytest.mark.bridge
+def test_over_provisioned_advice_turns_something_off_validated_with_the_new_peak(planned):
+    rc, data, text = planned("bridge_over_provisioned_recompute_offload.log")
+    assert rc == 0 and data["kind"] == "over_provisioned"
+    offs = [r for r in data["remedies"] if r["name"] in ("optimizer_offload_off", "full_to_selective")]
+    assert offs and all(r["train_command"] and r["check"].startswith("validated") for r in offs)
+    first = offs[0]
+    assert first["predicted_peak_bytes"] > data["run"]["ranks"][0]["max_reserved_bytes"] and first["fits"]
+    assert data["next_command"] == data["remedies"][0]["train_command"]
+    assert "optimizer_offload" not in data["next_command"]          # turned off: the overlay is gone
+    assert "predicted peak" in text
+
+
+@pytest.mark.bridge
+def test_the_turn_off_command_runs_as_pasted(planned):
+    """Pasted into a shell at the repository root: train.py dry-runs it, our rules and Bridge's validation pass."""
+    rc, data, _ = planned("bridge_over_provisioned_recompute_offload.log")
+    out = paste(data["next_command"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+@pytest.mark.bridge
+def test_at_risk_with_plan_prices_the_ladder(planned):
+    rc, data, _ = planned("bridge_at_risk.log")
+    assert data["kind"] == "at_risk"
+    priced = [r for r in data["remedies"] if r.get("predicted_peak_bytes") is not None]
+    assert priced and all(r["predicted_peak_bytes"] < data["run"]["ranks"][0]["max_reserved_bytes"] for r in priced)
+    if data["next_command"]:
+        assert data["next_command"].startswith("python train.py recipe=llama3_8b_pretrain")
