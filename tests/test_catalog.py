@@ -54,7 +54,7 @@ def test_unknown_overlay_suggests_the_right_name():
 def _write(dirpath: Path, name: str, text: str) -> Path:
     (dirpath / "mem").mkdir(parents=True, exist_ok=True)
     p = dirpath / "mem" / f"{name}.yaml"
-    p.write_text(text)
+    p.write_text(text if text.startswith("# @package") else f"# @package mem.{name}\n{text}")  # Hydra's header
     return p
 
 

@@ -153,7 +153,7 @@ def test_user_overlay_with_misspelled_field(recipe, clean_env, tmp_path):
 
 def test_user_overlay_wrong_type(recipe, clean_env, tmp_path):
     (tmp_path / "mem").mkdir()
-    (tmp_path / "mem" / "wrong.yaml").write_text("overlay:\n  summary: t\n  set:\n    model.num_layers: many\n")
+    (tmp_path / "mem" / "wrong.yaml").write_text("# @package mem.wrong\noverlay:\n  summary: t\n  set:\n    model.num_layers: many\n")
     with pytest.raises(OverlayError, match="expects int"):
         apply_overlay(recipe(L8), "wrong", env=clean_env, overlay_dirs=[str(tmp_path)])
 

@@ -22,10 +22,11 @@ L8 = "llama3_8b_pretrain_config"
 ALLOC = "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def write_overlay(base: Path, name: str, text: str) -> Path:
+def write_overlay(base: Path, name: str, text: str, header: bool = True) -> Path:
+    """``base/mem/<name>.yaml`` with ``text`` after Hydra's ``# @package mem.<name>`` line (``header``)."""
     (base / "mem").mkdir(parents=True, exist_ok=True)
     path = base / "mem" / f"{name}.yaml"
-    path.write_text(text)
+    path.write_text(f"# @package mem.{name}\n{text}" if header else text)
     return path
 
 
@@ -56,7 +57,8 @@ MALFORMED = [
     ("overlay:\n  env: {PYTORCH_CUDA_ALLOC_CONF: {expandable_segments: maybe}}\n", "must be True or False"),
     ("overlay:\n  set: {model.__dataclass_fields__: 1}\n", "names a Python internal"),
     ("overlay:\n  set: {'model..x': 1}\n", "is not a dotted config path"),
-    ("overlay:\n  set: {model.num_layers: 2020-01-01}\n", "holds a date"),
+    # OmegaConf's loader (Hydra's, and ours) reads a bare 2020-01-01 as text; an explicit tag still makes a date
+    ("overlay:\n  set: {model.num_layers: !!timestamp 2020-01-01}\n", "holds a date"),
     ("x: &a [*a]\noverlay:\n  params: {x: {type: labels}}\n", "refers to itself"),
     (f"x: {'1' * 5000}\noverlay: {{}}\n", "not valid YAML"),
     ("overlay: {}\n" + "# padding\n" * 120_000, "larger than"),
