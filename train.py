@@ -2,14 +2,15 @@
 
 Plans (CPU, or run.dry_run=true) or launches (GPU node, under torchrun) a Megatron Bridge
 recipe with validated memory overlays. There is no default recipe: pick one. See README.md.
-Exit codes: 0 passed, 1 rejected, 2 usage, 3 validation incomplete (README "Exit codes");
-under -m, the worst job's code after every job has run.
+Exit codes: 0 passed, 1 rejected, 2 usage, 3 validation incomplete, 74 stdout closed or full (README "Exit
+codes"); under -m, the worst job's code after every job has run.
 """
 
 import sys
 
 import hydra
 
+from mbmem_overlays.core import console
 from mbmem_overlays.launch.hydra_entry import finish, run_job, startup
 
 
@@ -19,6 +20,7 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    console.guard_stdout()
     sys.argv = startup(sys.argv)
     main()
-    sys.exit(finish())
+    sys.exit(console.finish(finish(), "train.py"))

@@ -296,13 +296,16 @@ def test_o_refuses_devices_fifos_folders_and_links(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary file left behind
 
 
-def test_o_replaces_a_regular_file_atomically(tmp_path):
+def test_o_replaces_a_regular_file_only_with_force_and_atomically(tmp_path):
     target = tmp_path / "job.sh"
     target.write_text("old")
     target.chmod(0o600)
     twin = tmp_path / "twin"
     os.link(target, twin)  # a hard link sees in-place writes, not a rename
-    out = _slurm_cli(o=target)
+    out = _slurm_cli(o=target)  # -o writes a new file: an existing one is refused, untouched (issue 22 #5)
+    assert out.returncode == 2 and "exists already" in out.stderr and "--force" in out.stderr, out.stderr
+    assert target.read_text() == "old" and stat.S_IMODE(target.stat().st_mode) == 0o600
+    out = _slurm_cli("--force", o=target)
     assert out.returncode == 0, out.stderr
     assert target.read_text().startswith("#!/bin/bash") and twin.read_text() == "old"
     assert stat.S_IMODE(target.stat().st_mode) == 0o755 and stat.S_IMODE(twin.stat().st_mode) == 0o600
