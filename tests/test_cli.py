@@ -3,10 +3,9 @@
 import json
 import re
 import shlex
-import sys
 
 import pytest
-from conftest import ROOT, mbmem, run_cmd
+from conftest import ROOT, mbmem, paste
 
 pytestmark = pytest.mark.bridge
 
@@ -65,8 +64,7 @@ def test_apply_prints_a_train_command_that_runs_as_printed(bridge, capsys, tmp_p
     command = out.split("next: ", 1)[1].splitlines()[0]
     argv = shlex.split(command)
     assert argv[:2] == ["python", "train.py"]
-    done = run_cmd([sys.executable, *argv[1:], "run.dry_run=true"],
-                   env={"MBMEM_RUNS_DIR": str(tmp_path), "MBMEM_QUIET": "1"})
+    done = paste(f"{command} run.dry_run=true", env={"MBMEM_RUNS_DIR": str(tmp_path), "MBMEM_QUIET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[you] model.tensor_model_parallel_size: 1 -> 2" in done.stdout and "validation: PASSED" in done.stdout
     assert "[selective_recompute] model.recompute_modules" in done.stdout or "recompute_granularity" in done.stdout

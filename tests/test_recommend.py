@@ -9,7 +9,6 @@ and --json always prints one object with schema_version. The plot's labels never
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from mbmem_overlays.core.sizes import parse_size
 from mbmem_overlays.memory import model as P
 
 from conftest import ROOT
+from conftest import paste as conftest_paste
 
 L8 = "llama3_8b_pretrain"
 
@@ -34,11 +34,10 @@ def cli_json(capsys, *argv) -> tuple[int, dict]:
     return rc, json.loads(out)
 
 
-def paste(command: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """What a user does with a printed command: paste it into a shell at the repository root, with the
-    project's Python first on PATH (``python train.py ...``)."""
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"}
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+def paste(command: str, timeout: int = 600):
+    """What a user does with a printed command: paste it into a shell at the repository root. A real bash parses
+    it (quotes, ``&&``, variables); the ``python train.py ...`` it starts runs in this process (conftest.paste)."""
+    return conftest_paste(command, timeout=timeout)
 
 
 def words(command: str) -> list[str]:
