@@ -155,6 +155,16 @@ def _train_main(argv: list[str]) -> int:
     return 0  # train.py always leaves through sys.exit(finish()); reaching here means it returned normally
 
 
+def script(path, *args, timeout=300, env=None, input=None, cwd=ROOT):
+    """``python PATH ARGS`` (an example or bench script run as ``__main__``), in this process (see ``in_process``)."""
+    import runpy
+
+    def run(argv):
+        runpy.run_path(str(path), run_name="__main__")
+        return 0
+    return in_process(run, list(args), timeout=timeout, env=env, input=input, cwd=cwd, argv0=str(path))
+
+
 def train(*args, timeout=300, env=None, input=None, cwd=ROOT):
     """train.py's behaviour, in this process (see ``in_process``): returncode, stdout and stderr."""
     return in_process(_train_main, list(args), timeout=timeout, env=env, input=input, cwd=cwd, argv0="train.py")

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, snapshot
+from conftest import ROOT, script, snapshot
 
 if importlib.util.find_spec("nemo_run") is None:
     pytest.skip("the [run] extra (requirements/run.lock) is not installed", allow_module_level=True)
@@ -114,11 +114,9 @@ def test_slurm_executor_submits_a_job_with_the_overlays(cluster, tmp_path):
 
 
 @pytest.mark.bridge
-def test_example_refuses_before_submitting(tmp_path):
-    env = {**os.environ, "NEMORUN_HOME": str(tmp_path / "nemo_run")}
-    out = subprocess.run(check=False, args=[sys.executable, str(EXAMPLE), "--recipe", RECIPE, "--overlay", "cpu_offload",
-                          "--set", "model.pipeline_model_parallel_size=2", "--world-size", "2"],
-                         cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+def test_example_refuses_before_submitting(bridge, tmp_path):
+    out = script(EXAMPLE, "--recipe", RECIPE, "--overlay", "cpu_offload", "--set", "model.pipeline_model_parallel_size=2",
+                 "--world-size", "2", env={"NEMORUN_HOME": str(tmp_path / "nemo_run")}, cwd=tmp_path, timeout=600)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "not launched" in out.stderr and "cpu_offload" in out.stderr and "Traceback" not in out.stderr
     assert "MBMEM_PLAN" not in out.stdout
