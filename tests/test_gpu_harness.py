@@ -2,12 +2,13 @@
 The sample records in tests/data/gpu_runs follow the recorder's format; they were written by hand
 (no GPU was available when they were made)."""
 
+import dataclasses
 import json
 import math
 
 import pytest
 
-from mbmem_overlays.launch.gpu_harness import EXPECTATIONS, MetricsError, judge, load_run
+from mbmem_overlays.launch.gpu_harness import EXPECTATIONS, TE_FREE, MetricsError, RunMetrics, judge, load_run, parse_job
 
 from conftest import ROOT
 
@@ -60,9 +61,43 @@ def test_empty_and_corrupt(tmp_path):
         load_run(tmp_path)
 
 
-def test_every_shipped_overlay_with_a_memory_claim_has_an_expectation():
+def test_every_shipped_overlay_has_an_expectation():
     assert {"selective_recompute", "full_recompute", "cpu_offload", "lora_sp_regather", "dist_optimizer",
-            "expandable_segments"} <= set(EXPECTATIONS)
+            "expandable_segments", "memory_snapshot", "optimizer_offload", "sequence_parallel"} <= set(EXPECTATIONS)
+    shipped = {p.stem for p in (ROOT / "overlays" / "mem").glob("*.yaml")}
+    assert shipped <= set(EXPECTATIONS), shipped - set(EXPECTATIONS)
+
+
+def test_unchanged_means_within_two_percent():
+    b = run("baseline")
+    rank = b.ranks[0]
+    same = RunMetrics("snap", {0: dataclasses.replace(rank, peak_allocated=int(rank.peak_allocated * 1.01))})
+    moved = RunMetrics("snap", {0: dataclasses.replace(rank, peak_allocated=int(rank.peak_allocated * 0.9))})
+    assert judge("memory_snapshot", b, same).passed
+    v = judge("memory_snapshot", b, moved)
+    assert not v.passed and any("not within 2%" in r for r in v.reasons)
+
+
+def test_runner_arguments():
+    job = parse_job(["--overlay", "memory_snapshot", "--param", "memory_snapshot.dump_step=3", "--param",
+                     "selective_recompute.modules=[core_attn,mlp]", "--set", "train.train_iters=6", "--oom-at", "3"])
+    assert job.overlays == ("memory_snapshot",) and job.oom_at == 3 and job.sets == ("train.train_iters=6",)
+    assert job.params == {"memory_snapshot": {"dump_step": 3}, "selective_recompute": {"modules": ["core_attn", "mlp"]}}
+    for bad in (["--param", "nodot=1"], ["--param", "a.b"], ["--set", "novalue"], ["--oom-at", "0"], ["--bogus"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_job(bad)
+        assert exc.value.code == 2
+
+
+def test_runner_refuses_an_oom_without_the_snapshot_overlay(capsys):
+    from mbmem_overlays.launch.gpu_harness import main
+    assert main(["train", "--oom-at", "2"]) == 2
+    assert "needs --overlay memory_snapshot" in capsys.readouterr().err
+    assert main([]) == 2
+
+
+def test_te_free_fields_are_model_fields_switched_off():
+    assert all(k.startswith("model.") and v is False for k, v in TE_FREE.items())
 
 
 def test_gpu_tests_are_collected_and_skipped_with_reasons_on_cpu():
@@ -71,4 +106,4 @@ def test_gpu_tests_are_collected_and_skipped_with_reasons_on_cpu():
     out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-rs", "-q"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:]
-    assert "6 skipped" in out.stdout and "CUDA is not available" in out.stdout
+    assert f"{len(EXPECTATIONS)} skipped" in out.stdout and "CUDA is not available" in out.stdout
