@@ -20,7 +20,7 @@ from typing import Any
 
 from ..core.errors import OverlayError, Problem, short_repr
 from ..core.paths import MISSING, path_problem, read, split, type_problem, write
-from ..core.values import plain, value_fix, value_problem
+from ..core.values import plain, text_problem, value_fix, value_problem
 
 EXAMPLE = "model.tensor_model_parallel_size=4"
 
@@ -45,6 +45,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not isinstance(text, str) or "=" not in text:
         raise OverlayError([_problem(text, str(text), None, f"override {text!r} has no '='",
                                      f"write overrides as KEY=VALUE, e.g. {EXAMPLE}")])
+    why = text_problem(text)
+    if why:  # measured before Hydra's recursive parser sees it (a RecursionError traceback, or seconds)
+        raise OverlayError([_problem(text, text.partition("=")[0][:100], text.partition("=")[2][:100],
+                                     f"override {short_repr(text)} {why}", value_fix(why, text.partition("=")[0][:100]))])
     try:
         ov = OverridesParser.create().parse_override(text)
     except HydraException as exc:  # OverrideParseException and the lexer's own HydraException

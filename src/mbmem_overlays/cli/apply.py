@@ -72,5 +72,7 @@ def run(args) -> int:
 def _next_step(args, names: list[str], world: int, code: int) -> str:
     if code == EXIT_REJECTED:
         return "fix what Bridge reports above (an override with --set, or a different overlay), then run again"
-    command = train_command(args.recipe, names, [*args.set, *(f"mem.{p}" for p in args.param)], world)
+    # --overlay-dir and MBMEM_OVERLAY_DIRS go in front, so the pasted command finds the user's overlays (issue 22 #2a)
+    command = train_command(args.recipe, names, [*args.set, *(f"mem.{p}" for p in args.param)], world,
+                            args.overlay_dir)
     return f"{command}\n  (the same with run.dry_run=true only plans; under torchrun on GPU nodes it trains)"

@@ -51,6 +51,7 @@ FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")   
 # count aliases, core/safeyaml.py) reads about 0.5 MB/s, so 64 KiB bounds the time to read a file too.
 MAX_FILE_BYTES = 64 << 10
 MAX_DEPTH = 16             # nesting of a `set` value
+MAX_FILES = 1000           # overlay files read from one user directory (each is bounded; so is their number)
 
 
 def data_dir(name: str) -> Path:
@@ -625,7 +626,14 @@ class Catalog:
             if problem is not None:
                 self.problems.append(problem)
                 continue
-            for path in sorted(overlay_folder(base).glob("*.yaml")):
+            paths = sorted(overlay_folder(base).glob("*.yaml"))
+            if len(paths) > MAX_FILES:
+                self.problems.append(Problem(
+                    ("catalog",), str(base), None, f"overlay directory {base} holds {len(paths)} *.yaml files, more "
+                    f"than {MAX_FILES}; none was read", "point --overlay-dir / MBMEM_OVERLAY_DIRS at your overlays "
+                    "only", check="overlay_dir"))
+                continue
+            for path in paths:
                 self._add_user(path)
 
     def _owner(self, name: str) -> OverlaySpec | None:

@@ -42,6 +42,9 @@ def parse_value(raw: str) -> Any:
     sweep (``a,b``) is ``Unreadable``, which ``value_problem`` reports."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+    why = text_problem(raw)
+    if why:
+        return Unreadable(raw[:200], why)
     try:
         override = OverridesParser.create().parse_override(f"x={raw}")
     except HydraException:  # OverrideParseException, and the lexer's plain HydraException ("token recognition error")
@@ -163,6 +166,8 @@ def value_fix(why: str, what: str) -> str:
         return INTERPOLATION_FIX
     if "finite" in why:
         return f"give {what} a finite number"
+    if "characters long" in why:
+        return f"give {what} a shorter value; put long lists or texts in a recipe or an overlay file"
     if "out of range" in why or "cannot be read" in why:
         return f"give {what} a number of at most {MAX_INT} (a 64-bit integer)"
     if "control or bidirectional" in why:
@@ -170,3 +175,26 @@ def value_fix(why: str, what: str) -> str:
     if "sweep" in why:
         return "give one value (a list is written [a,b]); only `python train.py -m` runs sweeps"
     return f"give {what} a plain value (a number, text, true/false, null or a list)"
+
+
+# ----------------------------------------------------------------------------- command-line text, before parsing
+# Hydra's override parser (ANTLR) recurses per bracket, so a few hundred '[' raise RecursionError (a traceback),
+# and it takes seconds per 10,000 characters; the text is measured before it ever sees it. A config value on the
+# command line is a number, a name, a path or a short list: 4,096 characters is PATH_MAX on Linux.
+MAX_OVERRIDE_CHARS = 4096
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` (one ``KEY=VALUE`` argument) is not given to Hydra's parser at all, or None."""
+    if len(text) > MAX_OVERRIDE_CHARS:
+        return f"is {len(text)} characters long, more than {MAX_OVERRIDE_CHARS}"
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]})":
+            depth -= 1
+    if deepest > MAX_NESTING:
+        return f"is nested deeper than {MAX_NESTING} levels"
+    return None

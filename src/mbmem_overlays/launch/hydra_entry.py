@@ -40,7 +40,7 @@ from ..core.report import (
     SCHEMA_VERSION,
 )
 from ..core.text import shown
-from ..core.values import value_fix, value_problem
+from ..core.values import text_problem, value_fix, value_problem
 
 HYDRA_KEYS = ("recipe", "mem", "run", "hydra", "bridge")
 RUNS_DIR_ENV = "MBMEM_RUNS_DIR"
@@ -203,6 +203,11 @@ def _parse_all(args: list[str]) -> list[tuple[str, Any, Problem | None]]:
             continue
         shown_arg = arg.removeprefix("+bridge.")
         key, _, raw = shown_arg.partition("=")
+        why = text_problem(arg)
+        if why:  # measured before Hydra's recursive parser sees it (core/values.py)
+            out.append((arg, None, Problem(("override",), key[:100], raw[:100], f"{short_repr(shown_arg)} {why}",
+                                           value_fix(why, key[:100]), check="override")))
+            continue
         try:
             out.append((arg, parser.parse_override(arg), None))
         except HydraException as exc:
