@@ -103,6 +103,7 @@ class Context:
     world: int | None
     world_where: str
     run_plan: Any = None          # run_plan.RunPlan with --plan on a log with memory lines
+    recipe: str | None = None     # --recipe, or the one the log shows
 
     @property
     def expandable_exists(self) -> bool | None:
@@ -159,7 +160,7 @@ def _context(f: Findings, recipe: str | None, catalog) -> Context:
             f"; also {source}" if source else "")
     world = f.world.value if f.world else None
     return Context(torch, torch_where, from_format, expandable, source, overlays, launch, world,
-                   f.world.where if f.world else "")
+                   f.world.where if f.world else "", recipe=recipe or f.recipe)
 
 
 # ----------------------------------------------------------------------------- allocator OOM numbers
@@ -581,7 +582,7 @@ def _run(f: Findings, ctx: Context, done, rep: RR.RunReport, priced: dict, repla
         return done(rep.kind, "reported", summary, rep.confidence, reasons + [
             "no change was validated and predicted to fit with the margin: see each one's predicted peak"], remedies,
             unknown, hot.rank, also, want_command=False)
-    if rep.kind == "over_provisioned" and remedies:
+    if rep.kind == "over_provisioned" and remedies and replan and ctx.recipe:
         cmd = replan
         return done(rep.kind, "reported", summary, rep.confidence, reasons, remedies, unknown, hot.rank, also,
                     next_cmd=cmd, check_text=("the doctor again with --plan: the memory model sizes each change on the "
@@ -612,25 +613,26 @@ def turn_off_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
                                    "(full -> selective recompute)", overlay="selective_recompute",
                                    remove_overlays=("full_recompute",) if "full_recompute" in have else (),
                                    cost=f"gives back most of {COSTS['full_recompute'][1]}")))
-    tp, pp = ctx_layout(f, "tp"), ctx_layout(f, "pp")
-    if tp and tp > 1 and tp % 2 == 0:
-        sets = {"model.tensor_model_parallel_size": tp // 2}
-        if tp // 2 == 1 and _flag(f, "sequence_parallel"):
-            sets["model.sequence_parallel"] = False
-        out.append((TP_DOUBLING_COST[0], C.Remedy("tp_halved", f"halve tensor parallelism (TP {tp} -> {tp // 2}; DP "
-                                                  "doubles)", overrides=sets,
-                                                  cost=f"gives back the TP communication: {TP_DOUBLING_COST[1]}")))
+    # A smaller TP or PP (DP doubles): only --plan can say whether it fits; the settings that need the larger
+    # size go with it (SP needs TP > 1, VPP needs PP > 1).
+    for key, path, dependent, name, what, (gain, text) in (
+            ("tp", "model.tensor_model_parallel_size", ("sequence_parallel", "model.sequence_parallel", False),
+             "tp_halved", "tensor parallelism (TP {old} -> {new}; DP doubles)", TP_DOUBLING_COST),
+            ("pp", "model.pipeline_model_parallel_size", ("vpp", "model.virtual_pipeline_model_parallel_size", None),
+             "pp_halved", "pipeline parallelism (PP {old} -> {new}; DP doubles, a smaller pipeline bubble)",
+             DP_HALVING_COST)):
+        size = f.layout.get(key)
+        if size and size > 1 and size % 2 == 0:
+            sets: dict[str, Any] = {path: size // 2}
+            shown_key, dep_path, dep_value = dependent
+            if size // 2 == 1 and (f.layout.get(shown_key) or _flag(f, shown_key)):
+                sets[dep_path] = dep_value
+            out.append((gain, C.Remedy(name, "halve " + what.format(old=size, new=size // 2), overrides=sets,
+                                       cost=f"gives back what the larger size costs: {text}")))
     if "cpu_offload" in have or _flag(f, "cpu_offloading"):
         out.append((COSTS["cpu_offload"][0], C.Remedy(
             "cpu_offload_off", "keep activations on the GPU (activation CPU offload off)",
             cost=f"gives back {COSTS['cpu_offload'][1]}", **off("cpu_offload", "model.cpu_offloading", False))))
-    if pp and pp > 1 and pp % 2 == 0:
-        sets = {"model.pipeline_model_parallel_size": pp // 2}
-        if pp // 2 == 1 and ctx_layout(f, "vpp"):
-            sets["model.virtual_pipeline_model_parallel_size"] = None
-        out.append((DP_HALVING_COST[0], C.Remedy("pp_halved", f"halve pipeline parallelism (PP {pp} -> {pp // 2}; DP "
-                                                 "doubles, a smaller pipeline bubble)", overrides=sets,
-                                                 cost=f"gives back the bubble and DP: {DP_HALVING_COST[1]}")))
     if "selective_recompute" in have or rg == "selective":
         wide = any(label in modules for label in ("mlp", "moe"))
         gain = COSTS["selective_recompute_mlp" if wide else "selective_recompute"][0]
@@ -639,9 +641,6 @@ def turn_off_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
                                    **off("selective_recompute", "model.recompute_granularity", None))))
     return [r for _, r in sorted(out, key=lambda x: -x[0])]
 
-
-def ctx_layout(f: Findings, key: str) -> int | None:
-    return f.layout.get(key)
 
 
 def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:

@@ -92,11 +92,15 @@ class MemoryReport:
 
     @property
     def peak_used(self) -> int | None:
-        """What the caching allocator held at its peak: max reserved, else max allocated."""
-        for name in ("max_reserved", "max_allocated", "reserved", "allocated"):
-            if name in self.values:
-                return self.values[name]
-        return None
+        return peak_of(self.values)
+
+
+def peak_of(values: dict[str, int]) -> int | None:
+    """What the caching allocator held at its peak: max reserved, else max allocated (else the current ones)."""
+    for name in ("max_reserved", "max_allocated", "reserved", "allocated"):
+        if name in values:
+            return values[name]
+    return None
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def _user_field(name: str, raw: str) -> tuple[str | None, bool]:
     is_count = not any(c in raw for c in ".eEnN")         # int repr: a count; float repr: GB
     if "retr" in words or "retire" in words:
         return "alloc_retries", True
-    if "oom" in words.split():
+    if any(w in ("oom", "ooms") for w in words.split()):
         return "num_ooms", True
     if is_count:
         return ("alloc_count" if "alloc" in words else None), True

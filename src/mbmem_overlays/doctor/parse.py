@@ -280,6 +280,8 @@ def _memory_lines(body: str, where: str, rank: int | None, f: Findings) -> bool:
         key = r.rank if r.rank is not None else f"? ({where.rpartition(':')[0]})"
         if not ML.add_report(f.memory, key, r):
             f.memory_dropped += 1
+        if r.values.get("num_ooms"):  # a user's memory_keys logging torch's num_ooms: the allocator failed
+            _add_event(f, Event("oom_like", r.rank, where, clip(body), f"num_ooms {r.values['num_ooms']}"))
     return bool(reports)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from ..core.text import shown
+
 GiB = 1 << 30
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 MAX_ROWS = 48          # more reporting ranks than this: one row per stage (its hottest rank)
@@ -66,13 +68,13 @@ def draw_run(run: dict[str, Any], title: str):
         # a white box, so the capacity lines never run through the text
         ax.text(peak + right * 0.012, y, text, va="center", ha="left", fontsize=8, color=color, zorder=3,
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.2})
-    labels = [f"rank {r['rank']}" + ("" if r["stage"] is None else f" (PP {r['stage']})")
+    labels = [f"rank {shown(r['rank'])[:24]}" + ("" if r["stage"] is None else f" (PP {r['stage']})")
               + (" hot" if r["rank"] == run.get("hot_rank") else "") for r in rows]
     ax.set_yticks(ys, labels, fontsize=8)
     ax.set_xlim(0, right)
     ax.set_ylim(-0.6, n - 0.4)
     ax.set_xlabel("GiB per GPU, as the job's memory lines report it")
-    ax.set_title(title[:180], fontsize=10)
+    ax.set_title(shown(title)[:180], fontsize=10)
     fig.legend(fontsize=8, loc="outside lower center", ncol=3, frameon=False)
     return fig
 

@@ -31,6 +31,7 @@ MAX_WINDOWS = 32               # windows parsed per long line
 SPARSE_HITS = 2000             # more trigger hits than this in one block: dense path
 SEEN_LIMIT = 65536             # line shapes remembered for the dense path (then forgotten and restarted)
 SEEN_LINE = 512                # only short lines are remembered: memory stays bounded (SEEN_LIMIT x SEEN_LINE)
+HELD_RANKS = 8192              # ranks whose first and last memory report are held to the end (8 MiB at most)
 SHAPE_PARSES = 32              # in a flood, lines of one shape (digits removed) parsed at most this often per block
 HEAD_BYTES = 8 << 20           # context (versions, config dumps, the launch command) is looked for in this head
 _DIGITS = b"0123456789"
@@ -174,7 +175,7 @@ def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source,
     cheaper than a pass per spelling (issue 23: 1 GB in under 15 s)."""
     carry, lineno = b"", 1
     seen: dict[bytes, int] = {}
-    known: set[bytes] = set()
+    reports = _Reports()
     while True:
         try:
             block = stream.read(BLOCK)
@@ -197,13 +198,14 @@ def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source,
         present_folded = tuple(lit for lit in folded if lit in low)
         if present or present_folded:
             spans = _spans(work, low, present, present_folded)
-            lines = (_dense(work, present, present_folded, seen, known, src) if spans is None
-                     else _sparse(work, spans, present, present_folded, known, src))
+            lines = (_dense(work, present, present_folded, seen, reports, lineno, src) if spans is None
+                     else _sparse(work, spans, present, present_folded, reports, lineno, src))
             for offset, line, after in lines:
                 yield lineno + offset, line, after
         lineno += work.count(b"\n")
         if not block:
             break
+    yield from reports.lines()
 
 
 def _spans(work: bytes, low: bytes, present: tuple[bytes, ...], folded: tuple[bytes, ...]) -> set | None:
@@ -229,20 +231,18 @@ def _spans(work: bytes, low: bytes, present: tuple[bytes, ...], folded: tuple[by
     return spans
 
 
-def _sparse(work: bytes, spans: set, present: tuple[bytes, ...], folded: tuple[bytes, ...], known: set[bytes],
-            src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+def _sparse(work: bytes, spans: set, present: tuple[bytes, ...], folded: tuple[bytes, ...], reports: _Reports,
+            base: int, src: Source) -> Iterator[tuple[int, bytes, bytes]]:
     pos, offset = 0, 0
-    reports = _Reports(known)
     for start, end in sorted(spans):
         offset += work.count(b"\n", pos, start)
         pos = start
         line = work[start:end]
-        if reports.keep(offset, line):
+        if reports.keep(base + offset, line):
             continue
         after = work[end + 1:end + 1 + WINDOW_AFTER]
         for piece in _pieces(line, present, src, folded):
             yield offset, piece, after
-    yield from reports.lines()
 
 
 MEMORY_LINE = b"memory ("
@@ -251,52 +251,44 @@ _PREFIX_KEY = re.compile(rb"^\s{0,4}(?:\[(?:rank|default)\d{1,6}\]:|\d{1,6}: )")
 
 
 class _Reports:
-    """A block's memory reports by rank: only each rank's first and last are parsed (the run report uses the
-    latest; the first tells the earliest iteration). Many ranks print the same shape of line, so the flood
-    filter below cannot tell them apart; the rank tag does."""
+    """Each rank's memory reports: only its first and its last in the whole input are parsed (the run report uses
+    the latest; the first tells the earliest iteration), whatever their number. Many ranks print the same shape
+    of line, so the flood filter cannot tell them apart; the rank tag does. The two lines per rank are held
+    (bounded: HELD_RANKS ranks of lines up to SEEN_LINE bytes) and handed on at the end of the input."""
 
-    def __init__(self, known: set[bytes]) -> None:
+    def __init__(self) -> None:
         self.by_rank: dict[bytes, list] = {}
-        self.known = known      # ranks whose first report was parsed in an earlier block
 
-    def keep(self, offset: int, line: bytes) -> bool:
-        """True when ``line`` is a memory report now held here (not to be yielded in place)."""
+    def keep(self, lineno: int, line: bytes) -> bool:
+        """True when ``line`` is a memory report now held here (not to be handed on in place)."""
         if MEMORY_LINE not in line or len(line) > SEEN_LINE:
             return False
         m = _RANK_TAG.search(line, 0, 200) or _PREFIX_KEY.match(line)
         key = m.group(0) if m else b""
         first_last = self.by_rank.get(key)
         if first_last is None:
-            if len(self.by_rank) >= SEEN_LIMIT:
+            if len(self.by_rank) >= HELD_RANKS:
                 return False
-            self.by_rank[key] = [(offset, line), None]
+            self.by_rank[key] = [(lineno, line), None]
         else:
-            first_last[1] = (offset, line)
+            first_last[1] = (lineno, line)
         return True
 
     def lines(self) -> Iterator[tuple[int, bytes, bytes]]:
-        for key, (first, last) in self.by_rank.items():
-            if key not in self.known:
-                if len(self.known) < SEEN_LIMIT:
-                    self.known.add(key)
-                yield first[0], first[1], b""
-            elif last is None:
-                last = first
-            if last is not None:
-                yield last[0], last[1], b""
+        for first, last in self.by_rank.values():
+            for lineno, line in (first, last) if last else (first,):
+                yield lineno, line, b""
 
 
 def _dense(work: bytes, present: tuple[bytes, ...], folded: tuple[bytes, ...], seen: dict[bytes, int],
-           known: set[bytes], src: Source) -> Iterator[tuple[int, bytes, bytes]]:
+           reports: _Reports, base: int, src: Source) -> Iterator[tuple[int, bytes, bytes]]:
     # A flood: lines of one shape (the line without its digits: "task 17 Killed" and "task 18 Killed" are one
     # shape) are parsed SHAPE_PARSES times per block at most, whatever their count; the work per block is
     # bounded by its number of shapes, and a flood of one template costs a split and a dict lookup per line.
-    # Memory reports of many ranks share one shape, so they are kept apart by rank instead: the first and the
-    # last report of each rank in the block are parsed (the latest is the one the run report uses).
+    # Memory reports of many ranks share one shape, so they are kept apart by rank instead (_Reports).
     seen.clear()
-    reports = _Reports(known)
     for offset, line in enumerate(work.split(b"\n")):
-        if reports.keep(offset, line):
+        if reports.keep(base + offset, line):
             continue
         if len(line) <= SEEN_LINE:
             shape = line.translate(None, _DIGITS)
@@ -309,4 +301,3 @@ def _dense(work: bytes, present: tuple[bytes, ...], folded: tuple[bytes, ...], s
         if any(lit in line for lit in present) or (folded and any(lit in line.lower() for lit in folded)):
             for piece in _pieces(line, present, src, folded):
                 yield offset, piece, b""
-    yield from reports.lines()

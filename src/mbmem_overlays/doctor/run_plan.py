@@ -40,17 +40,20 @@ CONFIG_PATHS = {
     "cpu_offloading": ("model.cpu_offloading",), "cpu_offloading_num_layers": ("model.cpu_offloading_num_layers",),
 }
 PLAN_ASSUMPTIONS = (
-    "per stage: memory/model.py's terms for each pipeline rank (estimate() computes only the first and last); a "
-    "middle stage's parameters use the last stage's layer count without the output layer",
+    "per stage: memory/model.py's terms for each pipeline rank, as its estimate() computes the most loaded one",
     "the plan models allocated memory (max allocated); a change's predicted peak adds the plan's change on that "
     "stage to the measured max reserved, so the measured fragmentation stays counted",
 )
 
 
 def stage_breakdowns(shape, lay, st) -> list:
-    """The memory model's peak on every pipeline rank (memory/model.py ``estimate`` keeps only the largest of
-    the first and last; its per-rank terms are public)."""
+    """The memory model's peak on every pipeline rank: memory/model.py ``stage_breakdowns`` where the installed
+    model has it, else the same built here from its public per-rank terms (``estimate`` keeps only the
+    largest)."""
     from ..memory import model as M
+    own = getattr(M, "stage_breakdowns", None)
+    if own is not None:
+        return list(own(shape, lay, st))
     out = []
     for rank in range(lay.pp):
         first, last = rank == 0, rank == lay.pp - 1

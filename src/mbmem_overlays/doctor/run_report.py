@@ -69,10 +69,7 @@ class RankRow:
 
     @property
     def peak(self) -> int | None:
-        for name in ("max_reserved", "max_allocated", "reserved", "allocated"):
-            if name in self.values:
-                return self.values[name]
-        return None
+        return ML.peak_of(self.values)
 
 
 @dataclass(frozen=True)
