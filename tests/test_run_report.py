@@ -562,3 +562,25 @@ def test_at_risk_with_plan_prices_the_ladder(planned):
     assert priced and all(r["predicted_peak_bytes"] < data["run"]["ranks"][0]["max_reserved_bytes"] for r in priced)
     if data["next_command"]:
         assert data["next_command"].startswith("python train.py recipe=llama3_8b_pretrain")
+
+
+# ----------------------------------------------------------------------------- any memory line: no exception
+def test_memory_line_fuzz_never_raises_and_keeps_bounds():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    names = ["allocated", "max allocated", "reserved", "max reserved", "mem-max-allocated-gigabytes",
+             "mem-max-reserved-gigabytes", "mem-alloc-retires", "peak_alloc", "num_ooms", "x", ""]
+    values = st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.integers(-10**30, 10**30).map(str),
+                       st.sampled_from(["1.2.3", "", "nan", "1e999", "-0.0", "0x10", "1_000", "٣"]),
+                       st.text(max_size=12))
+    field = st.tuples(st.sampled_from(names), values).map(lambda nv: f" | {nv[0]}: {nv[1]}")
+
+    @settings(max_examples=300, derandomize=True, deadline=None)
+    @given(st.sampled_from(["MB", "GB"]), st.lists(field, max_size=14), st.integers(0, 3), st.text(max_size=30))
+    def check(unit, fields, copies, noise):
+        line = (noise + "".join(f"[Rank {k}] (after {k} iterations) memory ({unit})" + "".join(fields)
+                                for k in range(copies)))
+        for r in ML.parse_reports(line, "x:1", None):
+            if not r.unreadable:
+                assert all(0 <= v <= ML.MAX_BYTES or k in ML.COUNT_FIELDS for k, v in r.values.items())
+    check()
