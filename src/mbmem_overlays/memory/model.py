@@ -38,10 +38,11 @@ FP8_TRANSPOSE = (
     "post_all_gather_processing _create_transpose); on a GPU with non-TN FP8 GEMMs (Blackwell) that byte per "
     "layer weight is not kept: the low end of the parameters' range")
 GRAPH_WARMUP = (
-    "with TE CUDA graphs the first cuda_graph_warmup_steps iterations run eagerly (Bridge train.py captures when "
-    "step == cuda_graph_warmup_steps), so every activation is allocated in them; and the capture itself runs "
-    "before the next iteration's zero_grad (train.py train_step), with the previous step's fp32 gradient copies "
-    "still allocated. The headline plan is training after capture (replay, optimizer step, the capture's "
+    "with TE CUDA graphs the first cuda_graph_warmup_steps iterations run eagerly (Bridge training/train.py:429-438 "
+    "captures when step == cuda_graph_warmup_steps), so every activation is allocated in them; and the capture "
+    "itself runs before the next iteration's zero_grad (train.py:866-869; megatron-core zeroes them only after "
+    "capture, cuda_graphs.py:2671 _reset_after_capture), with the previous step's fp32 gradient copies still "
+    "allocated. The headline plan is training after capture (replay, optimizer step, the capture's "
     "activations); these two transient phases are the high end of the activations' range")
 
 ASSUMPTIONS = (
@@ -143,6 +144,11 @@ ADDED_TERMS = {
         "megatron/core/transformer/module.py:257 (get_layer_static_inputs: torch.ones hidden state), "
         "transformer/cuda_graphs.py:2231 (_get_sample_arguments: reused per signature), TE v2.17.1 graph.py:848 "
         "(replay copies each input into its static buffer)"),
+    "block_recompute_one_layer": (
+        "full recompute with method block checkpoints each of its first n layers on its own, so one layer is "
+        "re-materialized at a time (uniform re-materializes a group of n)",
+        "megatron/core/recompute.py:167-181 (block: chunk_runner(layer_idx, layer_idx + 1, use_checkpoint)); "
+        ":157-166 (uniform: chunk_runner(layer_idx, layer_idx + recompute_num_layers, True))"),
     "global_memory_buffer": (
         "the last stage's trainable output layer under SP all-gathers into megatron-core's global memory buffer "
         "(full sequence x hidden, bf16), kept for the job; the deferred-wgrad drain keeps a second one",
@@ -796,13 +802,16 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         # Only each checkpointed group's input survives; one group is re-materialized at a time.
         boundary = 2 * BF16 * s.hidden / (lay.tp if lay.sp else 1) * lay.seq * lay.mbs / lay.cp
         n = max(1, st.recompute_layers)
+        working = n * full_layer   # uniform: each group of n layers is re-materialized at once
         if st.recompute_method == "block":
             ckpt = min(per_stage / lay.vpp, n) * lay.vpp
             kept = (per_stage - ckpt) * per_layer + ckpt * boundary
+            if "block_recompute_one_layer" not in st.without:
+                working = full_layer   # block checkpoints (and replays) its first n layers one at a time
         else:
             kept = per_stage / n * boundary
-        acts = kept * mbs_alive + n * full_layer
-        detail.append(("full recompute working set", n * full_layer))
+        acts = kept * mbs_alive + working
+        detail.append(("full recompute working set", working))
     else:
         layers_on_gpu = per_stage
         if st.cpu_offload_layers:
@@ -905,8 +914,8 @@ def phase_breakdowns(s: Shape, lay: Layout, st: Settings, rank: int) -> dict[str
     detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
     if st.fsdp is not None and other:
         detail += (("Megatron FSDP gathered parameters and unsharded gradients", other),)
-    elif global_memory_buffer(s, lay, st, rank):
-        detail += (("megatron-core global memory buffer (output layer SP gather)", global_memory_buffer(s, lay, st, rank)),)
+    elif (gathered := global_memory_buffer(s, lay, st, rank)):
+        detail += (("megatron-core global memory buffer (output layer SP gather)", gathered),)
     resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
     values = {"steady 1F1B": (acts.steady, other), "CUDA graph capture": (acts.capture, other),
               "optimizer step": (acts.persistent, other + step)}
@@ -1175,6 +1184,24 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
     return shape, lay, settings
 
 
+def fit_verdict(fits: bool | None, ranges: tuple[Any, ...], limit: float | None) -> tuple[str, list[str]]:
+    """The fit verdict and its clauses, over memory/ranges.py Ranges: "fits", "fits unless <clause>; or <clause>" (a range whose high end passes
+    the fit limit; an open range says how large its unknown may grow), "does NOT fit" (with the low-end clause of
+    a range that would make it fit), or "-" without a capacity."""
+    if fits is None or limit is None:
+        return "-", []
+    if not fits:
+        rescue = [f"{r.if_low}: {r.low / 2**30:.1f} GiB" for r in ranges if r.if_low and r.low <= limit]
+        return "does NOT fit" + (f" ({'; '.join(rescue)})" if rescue else ""), []
+    clauses = []
+    for r in ranges:
+        if r.high is None and r.per_unit > 0:
+            clauses.append(f"{r.unless} than {math.floor((limit - r.low) / r.per_unit):,} {r.unit}s")
+        elif r.high is not None and r.high > limit and r.unless:
+            clauses.append(f"{r.unless} ({r.high / 2**30:.1f} GiB)")
+    return ("fits unless " + "; or ".join(clauses) if clauses else "fits"), clauses
+
+
 # ----------------------------------------------------------------------------- steps
 @dataclass(frozen=True)
 class Step:
@@ -1220,8 +1247,7 @@ class Plan:
 
     def verdict(self) -> tuple[str, list[str]]:
         """The last step's fit verdict: "fits", "fits unless ...", "does NOT fit" or "-" (memory/ranges.py)."""
-        from .ranges import verdict
-        return verdict(self.fits(self.steps[-1]), self.ranges, self.limit)
+        return fit_verdict(self.fits(self.steps[-1]), self.ranges, self.limit)
 
     def as_dict(self) -> dict[str, Any]:
         steps = []
