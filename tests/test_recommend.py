@@ -201,3 +201,78 @@ def test_printed_commands_run_as_pasted(bridge, capsys):
         out = paste(command)
         assert out.returncode == 0, f"{command}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
         assert "validation: PASSED" in out.stdout, out.stdout[-3000:]
+
+
+# ----------------------------------------------------------------------------- issue 25: no empty steps
+@pytest.mark.bridge
+def test_a_rung_that_saves_nothing_is_listed_apart_never_printed_as_a_step(bridge, recipe):
+    """DP x CP = 1 with the distributed optimizer off: that rung has nothing to shard. A capacity nothing reaches,
+    so every rung is tried; no printed step saves less than the ladder's minimum (expandable segments aside:
+    its saving, fragmentation, is outside the allocated-memory plan)."""
+    from mbmem_overlays.memory.ladder import MIN_SAVING, SAVES_NOTHING, recommend, render_recommendation
+    from mbmem_overlays.memory.steps import Start
+    sets = ("model.tensor_model_parallel_size=2", "model.context_parallel_size=1",
+            "optimizer.use_distributed_optimizer=false", "ddp.use_distributed_optimizer=false")
+    cfg = recipe("llama3_8b_pretrain_config", *sets)
+    start = Start(L8, sets, locked={s.split("=")[0]: s.split("=")[1] for s in sets})
+    rec = recommend(cfg, 2, parse_size("4GiB"), start=start)
+    taken = [s for s in rec["steps"][1:] if "skipped" not in s]
+    assert taken and all(s["saving_bytes"] >= MIN_SAVING for s in taken if s["step"] != "expandable_segments")
+    dist = next(s for s in rec["steps"] if s["step"] == "dist_optimizer")
+    assert dist["kind"] == SAVES_NOTHING and "DP x CP is 1" in dist["skipped"]
+    text = render_recommendation(rec)
+    listed = [line for line in text.splitlines() if line.strip().startswith("skipped: saves nothing here:")]
+    assert len(listed) == 1 and "dist_optimizer (DP x CP is 1" in listed[0]
+    assert not any(line.lstrip(" -*").startswith("dist_optimizer ") for line in text.splitlines())
+    assert rec["fit_verdict"].startswith("does NOT fit")
+
+
+@pytest.mark.bridge
+def test_full_recompute_block_is_a_step_when_it_saves(bridge, recipe):
+    """README's ladder: full recompute `block` over the fewest layers that fit comes before `uniform`/1."""
+    from mbmem_overlays.memory.ladder import recommend
+    rec = recommend(recipe("llama3_8b_pretrain_config"), 8, parse_size("40GiB"), recipe=L8)
+    block = next(s for s in rec["steps"] if s["step"].startswith("full_recompute method=block"))
+    assert "skipped" not in block and block["saving_bytes"] > 0 and block["fits"]
+    assert {"target": "model.recompute_method", "old": None, "new": "block"} in block["changes"]
+    assert "mem.full_recompute.method=block" in rec["command"]
+    assert not any(s["step"].startswith("full_recompute method=uniform") for s in rec["steps"])  # block fitted
+
+
+@pytest.mark.bridge
+def test_a_rejection_names_the_field_that_caused_it(bridge, capsys):
+    """LoRA with CP > 1: Bridge refuses finetuning with CP > 1 unless calculate_per_token_loss is set. The search
+    names model.context_parallel_size, not the overlays that happened to be applied."""
+    rc, found = cli_json(capsys, "plan", "--recipe", "llama3_8b_peft", "--world-size", "8", "--gpu-memory", "20GiB",
+                         "--search", "--top", "2")
+    reasons = [d["reason"] for d in found["dropped_reasons"]]
+    assert rc == 0 and any(r.startswith("model.context_parallel_size=2: ") for r in reasons), reasons
+    assert not any("applied:" in r for r in reasons)
+    for r in found["results"]:   # each suggested layout carries the plan's saving and verdict
+        assert r["saving_bytes"] > 0 and r["fit_verdict"].startswith("fits")
+
+
+@pytest.mark.bridge
+def test_the_search_never_offers_an_overlay_that_saves_nothing(bridge, recipe):
+    """At DP x CP = 1 the distributed optimizer shards nothing: it appears only as optimizer offload's
+    prerequisite. In general no row keeps an overlay whose removal leaves its footprint unchanged."""
+    from mbmem_overlays.memory.search import MIN_SAVING, _refused, _settings, search
+    cfg = recipe("llama3_8b_pretrain_config", "optimizer.use_distributed_optimizer=false",
+                 "ddp.use_distributed_optimizer=false")
+    rows, _, _ = search(cfg, 8, parse_size("80GiB"), top=None)
+    shape, base_lay, base_st = P.from_config(cfg, 8)
+    single = [r for r in rows if r["dp"] * r["cp"] == 1]
+    assert single and all("dist_optimizer" not in r["overlays"] or "optimizer_offload" in r["overlays"]
+                          for r in single)
+    for r in rows[:200]:
+        lay = replace_layout(base_lay, r)
+        total = P.estimate(shape, lay, _settings(base_st, set(r["overlays"]), shape)).footprint
+        for o in r["overlays"]:
+            rest = set(r["overlays"]) - {o}
+            if not _refused(rest, r["pp"], r["tp"], base_st.dist_optimizer):
+                assert P.estimate(shape, lay, _settings(base_st, rest, shape)).footprint > total + MIN_SAVING
+
+
+def replace_layout(lay, row):
+    from dataclasses import replace
+    return replace(lay, tp=row["tp"], pp=row["pp"], vpp=row["vpp"], cp=row["cp"], sp=row["sp"])

@@ -182,12 +182,12 @@ def _layers_per_stage(state: State) -> int:
 
 
 def full_recompute_block(state: State) -> Proposal:
-    """Full recompute of the first n layers of each stage (``block``), the fewest of 1/4, 1/2, 3/4 of the stage
-    that fit; megatron-core applies n to each virtual-pipeline chunk (transformer_block.py _checkpointed_forward),
-    so n stays within a chunk."""
+    """Full recompute of the first n layers of each model chunk (``block``): the fewest of 1/4, 1/2, 3/4 and all
+    but one of a chunk's layers that fit, else the most of them (megatron-core applies n to each virtual-pipeline
+    chunk, recompute.py checkpointed_forward, so n stays within a chunk)."""
     m = _model(state)
     chunk = max(1, _layers_per_stage(state) // (m.virtual_pipeline_model_parallel_size or 1))
-    blocks = sorted({n for n in (chunk // 4, chunk // 2, 3 * chunk // 4) if 1 <= n < chunk})
+    blocks = sorted({n for n in (chunk // 4, chunk // 2, 3 * chunk // 4, chunk - 1) if 1 <= n < chunk})
     if not blocks:
         return f"a {chunk}-layer chunk has no part to checkpoint short of all of it (the uniform rung does that)"
     return _full_recompute(state, [("block", n) for n in blocks])
