@@ -11,15 +11,15 @@ any Python object exists: each node counts once, and each alias counts as the wh
 - ``max_depth``: nesting, before Python's recursion limit (PyYAML composes recursively);
 - an alias to a node that contains it (``&a [*a]``) is refused outright: it has no finite expansion.
 
-The construction is OmegaConf's loader (``omegaconf._utils.get_yaml_loader``, a PyYAML ``SafeLoader``: no
-Python objects from tags), the one Hydra reads config files with: so a file means the same to ``mbmem`` as to
-train.py (duplicate keys are an error, ``1e-4`` is a float, a date stays text). ``YamlRefused`` says which
+The construction is PyYAML's ``SafeLoader`` (no Python objects from tags) reading as OmegaConf's loader reads,
+the one Hydra reads config files with: so a file means the same to ``mbmem`` as to train.py (duplicate keys are
+an error, ``1e-4`` is a float, a date stays text). ``YamlRefused`` says which
 bound was crossed; callers name the file.
 """
 
 from __future__ import annotations
 
-import functools
+import re
 from typing import Any
 
 import yaml
@@ -34,7 +34,7 @@ class YamlRefused(ValueError):
 
 
 class _Bounds:
-    """Counting mixed into OmegaConf's loader class (see ``_loader_class``)."""
+    """The counting, mixed into the loader class (``_BoundedLoader``)."""
 
     def _start(self, max_nodes: int, max_aliases: int, max_depth: int):
         self._limits = (max_nodes, max_aliases, max_depth)
@@ -73,10 +73,38 @@ class _Bounds:
         return node
 
 
-@functools.cache
-def _loader_class() -> type:
-    from omegaconf._utils import get_yaml_loader  # omegaconf comes with Hydra; imported only when a file is read
-    return type("BoundedOmegaConfLoader", (_Bounds, get_yaml_loader()), {})
+class _OmegaConfReading(yaml.SafeLoader):
+    """PyYAML's SafeLoader read the way OmegaConf (so Hydra, so train.py) reads a config file
+    (omegaconf/_utils.py ``get_yaml_loader``): a duplicate key is an error, ``1e-4`` is a float (YAML 1.2's
+    float), and a date stays text. Restated here, not imported: omegaconf's import costs ``mbmem list`` 0.2 s;
+    tests/test_hostile_round2.py checks that both read the same documents the same way."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = set()
+        for key_node, _ in node.value:
+            if key_node.tag != yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG:
+                continue
+            if key_node.value in keys:
+                raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                        f"found duplicate key {key_node.value}", key_node.start_mark)
+            keys.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+_OmegaConfReading.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+     [-+]?[0-9]+(?:_[0-9]+)*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?:[eE][-+]?[0-9]+)
+    |\.[0-9]+(?:_[0-9]+)*(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9]+(?:_[0-9]+)*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+_OmegaConfReading.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in _OmegaConfReading.yaml_implicit_resolvers.items()}
+
+
+class _BoundedLoader(_Bounds, _OmegaConfReading):
+    pass
 
 
 def load(text: str, *, max_nodes: int = MAX_NODES, max_aliases: int = MAX_ALIASES, max_depth: int = MAX_DEPTH) -> Any:
@@ -84,7 +112,7 @@ def load(text: str, *, max_nodes: int = MAX_NODES, max_aliases: int = MAX_ALIASE
 
     Raises ``YamlRefused`` for a bound, ``yaml.YAMLError`` for a syntax error, and ``ValueError`` for a scalar
     Python cannot hold (an integer over the int-digit limit)."""
-    loader = _loader_class()(text)
+    loader = _BoundedLoader(text)
     loader._start(max_nodes, max_aliases, max_depth)
     try:
         return loader.get_single_data()
