@@ -158,7 +158,8 @@ keys = st.sampled_from(["train.train_iters", "model.tensor_model_parallel_size",
                         "mem.cpu_offload.num_layers", "mem.selective_recompute.modules", "mem.nope.x", "optimizer.lr"])
 bad_sets = st.builds(lambda k, v: f"{k}={v}", keys, st.one_of(huge_numbers, interpolations, deep_or_long,
                                                              st.builds(lambda c: f"a{c}b", controls)))
-PATH_KINDS = ("new", "existing", "link", "dangling link", "fifo", "folder", "missing folder", "device")
+PATH_KINDS = ("new", "existing", "link", "dangling link", "fifo", "folder", "missing folder", "device", "too long",
+              "below a file")
 
 
 def make_path(root: Path, kind: str, suffix: str) -> str:
@@ -179,6 +180,11 @@ def make_path(root: Path, kind: str, suffix: str) -> str:
         return str(root / "no" / f"out{suffix}")
     elif kind == "device":
         return "/dev/null"
+    elif kind == "too long":                          # ENAMETOOLONG from every call on it
+        return str(root / ("a" * 300) / f"out{suffix}")
+    elif kind == "below a file":                      # ENOTDIR
+        (root / "plain").write_bytes(b"keep")
+        return str(root / "plain" / f"out{suffix}")
     return str(target)
 
 

@@ -589,3 +589,17 @@ def test_the_loader_reads_as_hydras_omegaconf_loader_does(text):
     ours = read(lambda: safeyaml.load(text))
     theirs = read(lambda: yaml.load(text, Loader=get_yaml_loader()))
     assert repr(ours) == repr(theirs)   # repr: nan == nan is False
+
+
+@pytest.mark.parametrize("env, fragment", [({"RANK": "9" * 5000}, "is not a process rank"),
+                                           ({"MBMEM_RUNS_DIR": "/tmp/" + "a" * 5000}, "File name too long")])
+def test_train_environment_values_are_bounded_too(env, fragment, tmp_path):
+    out = train("recipe=llama3_8b_pretrain", "run.json=true", env={"MBMEM_RUNS_DIR": str(tmp_path), **env})
+    assert out.returncode == EXIT_USAGE and fragment in json.loads(out.stdout)["error"], out.stderr[-1500:]
+    no_traceback(out)
+
+
+def test_an_output_path_too_long_for_the_filesystem_is_a_usage_error(tmp_path):
+    out = cli("plan", "--recipe", "llama3_8b_pretrain", "--world-size", "8", "--plot",
+              str(tmp_path / ("a" * 300) / "p.png"), "--json")
+    assert out.returncode == EXIT_USAGE and "File name too long" in json.loads(out.stdout)["error"]

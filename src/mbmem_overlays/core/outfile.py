@@ -37,11 +37,11 @@ def output_problems(path: str | None, option: str, *, force: bool = False, suffi
                          f"end the file name with one of {', '.join(suffixes)}", who)]
     folder = target.parent
     try:
-        folder_ok = folder.is_dir()
-    except OSError:
-        folder_ok = False
+        folder_ok, folder_exists = folder.is_dir(), folder.exists()
+    except OSError as exc:  # a name too long for the filesystem, a loop of links
+        return [_problem(option, path, f"cannot inspect its folder: {exc.strerror}", "choose another path", who)]
     if not folder_ok:
-        return [_problem(option, path, f"the folder {str(folder)!r} does not exist" if not folder.exists()
+        return [_problem(option, path, f"the folder {str(folder)!r} does not exist" if not folder_exists
                          else f"{str(folder)!r} is not a folder",
                          f"create it first (mkdir -p {shlex.quote(str(folder))}) or choose another path", who)]
     try:

@@ -40,7 +40,7 @@ from ..core.report import (
     SCHEMA_VERSION,
 )
 from ..core.text import shown
-from ..core.values import text_problem, value_fix, value_problem
+from ..core.values import MAX_WORLD_SIZE, parse_count, text_problem, value_fix, value_problem
 
 HYDRA_KEYS = ("recipe", "mem", "run", "hydra", "bridge")
 RUNS_DIR_ENV = "MBMEM_RUNS_DIR"
@@ -126,7 +126,12 @@ def runs_dir_problem(environ: dict[str, str] | os._Environ = os.environ) -> Prob
     if not raw:
         return None
     path = Path(raw)
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    try:
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    except OSError as exc:  # a name too long for the filesystem, a path through an unreadable folder
+        return Problem(("run",), RUNS_DIR_ENV, raw, f"cannot use it for run records: {exc.strerror}",
+                       f"point {RUNS_DIR_ENV} at a directory (export {RUNS_DIR_ENV}=$HOME/mbmem-runs) or unset it",
+                       check="runs_dir")
     if existing is not None and not existing.is_dir():
         return Problem(("run",), RUNS_DIR_ENV, raw, f"{existing} is not a directory, so run records cannot go under it",
                        f"point {RUNS_DIR_ENV} at a directory (export {RUNS_DIR_ENV}=$HOME/mbmem-runs) or unset it",
@@ -140,10 +145,10 @@ def runs_dir_problem(environ: dict[str, str] | os._Environ = os.environ) -> Prob
 def rank_of(environ) -> tuple[int, Problem | None]:
     """This process's rank from ``RANK`` (torchrun sets it); a non-integer is a clear error, not a traceback."""
     raw = environ.get("RANK", "0")
-    text = str(raw).strip()
-    if text.isascii() and text.isdigit():
-        return int(text), None
-    return 0, Problem(("run",), "RANK", raw, f"RANK={raw!r} in the environment is not a process rank",
+    rank, why = parse_count(str(raw), minimum=0, maximum=MAX_WORLD_SIZE - 1)  # never int() 5,000 digits
+    if why is None:
+        return rank, None
+    return 0, Problem(("run",), "RANK", raw, f"RANK={short_repr(raw)} in the environment is not a process rank",
                       "unset RANK (torchrun sets it for each process) or export RANK=0", check="rank")
 
 
