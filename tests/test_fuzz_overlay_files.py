@@ -91,8 +91,8 @@ def catalogue_of(files: dict[str, str]) -> Catalog:
     """The catalogue with ``files`` as one user directory (read at once; the folder is then removed)."""
     with tempfile.TemporaryDirectory(prefix="mbmem-fuzz-") as tmp:
         (Path(tmp) / "mem").mkdir()
-        for name, text in files.items():
-            (Path(tmp) / "mem" / f"{name}.yaml").write_text(text, encoding="utf-8")
+        for name, text in files.items():  # Hydra's header first, so the checks after it are what is fuzzed
+            (Path(tmp) / "mem" / f"{name}.yaml").write_text(f"# @package mem.{name}\n{text}", encoding="utf-8")
         return Catalog([tmp])
 
 
