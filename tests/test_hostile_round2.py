@@ -394,11 +394,11 @@ def test_the_plot_is_rendered_in_memory_then_written_by_the_one_writer(tmp_path)
     from mbmem_overlays.cli.plan import write_plot
     from mbmem_overlays.cli.common import UsageError
     from mbmem_overlays.memory.model import Breakdown
-    from mbmem_overlays.memory.steps import plot_bars
+    from mbmem_overlays.memory.steps import draw_bars
     rows = [("baseline", Breakdown(parameters=2**30, gradients=2**30, optimizer=2**30, activations=2**30, other=0))]
 
-    def draw(buffer):
-        plot_bars(rows, buffer, title="t", capacity=80 * 2**30, margin=0.05)
+    def draw():
+        return draw_bars(rows, title="t", capacity=80 * 2**30, margin=0.05)
     target = tmp_path / "plan.svg"
     write_plot(SimpleNamespace(plot=str(target), force=False), draw)
     assert target.read_bytes().lstrip().startswith(b"<?xml")          # the format follows the name

@@ -94,7 +94,8 @@ def test_usage_errors_come_before_the_bridge_import_and_as_json():
 
 # ----------------------------------------------------------------------------- the plot
 def test_plot_labels_never_overlap_and_show_capacity_and_fit(tmp_path):
-    from mbmem_overlays.memory.steps import draw_bars, plot_bars
+    from mbmem_overlays.core.outfile import figure_bytes
+    from mbmem_overlays.memory.steps import draw_bars
     gib = 2**30
     rows = [(f"step {i}: a long layout name TP{2**i} PP4 VPP5 CP2 DP2 [selective_recompute, dist_optimizer]",
              P.Breakdown(8 * gib, 12 * gib, (20 - 2 * i) * gib, (40 - 6 * i) * gib, 0.4 * gib)) for i in range(6)]
@@ -114,9 +115,8 @@ def test_plot_labels_never_overlap_and_show_capacity_and_fit(tmp_path):
     assert any(v.endswith("does not fit") for v in verdicts) and any(v.endswith(" fits") for v in verdicts)
     colors = {p.get_facecolor() for p in ax.patches if p.get_height() > 0 and p.get_fill()}
     assert len(colors) >= 5  # one colour per component
-    png = tmp_path / "bars.png"
-    plot_bars(rows, str(png), title="test", capacity=80 * gib, margin=0.05)
-    assert png.read_bytes()[:4] == b"\x89PNG"
+    png = figure_bytes(draw_bars(rows, title="test", capacity=80 * gib, margin=0.05), "bars.png")
+    assert png[:4] == b"\x89PNG"
 
 
 # ----------------------------------------------------------------------------- the ladder

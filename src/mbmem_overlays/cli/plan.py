@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -60,21 +59,15 @@ def plot_problems(args) -> list[Problem]:
     return output_problems(args.plot, "--plot", force=args.force, suffixes=PLOT_SUFFIXES)
 
 
-def write_plot(args, draw) -> None:
-    """Render the plot in memory (``draw(buffer)``, in the format the file name says), then write the bytes
+def write_plot(args, figure) -> None:
+    """Render ``figure()`` (a matplotlib figure) in memory, in the format the file name says, then write the bytes
     through core/outfile.py: never through a link, a device or a fifo (issue 22 #5: savefig(path) followed a
     link and overwrote its target). A path refused at the moment of writing is a usage error."""
-    import io
-
-    import matplotlib
-
-    from ..core.outfile import write_output
+    from ..core.outfile import figure_bytes, write_output
     from ..memory.steps import PLOT_SUFFIXES
-    buffer = io.BytesIO()
-    with matplotlib.rc_context({"savefig.format": os.path.splitext(args.plot)[1].lower().lstrip(".")}):
-        draw(buffer)  # matplotlib writes to a file object in rcParams["savefig.format"]
+    data = figure_bytes(figure(), args.plot)
     try:
-        write_output(args.plot, buffer.getvalue(), "--plot", force=args.force, suffixes=PLOT_SUFFIXES)
+        write_output(args.plot, data, "--plot", force=args.force, suffixes=PLOT_SUFFIXES)
     except OverlayError as exc:
         raise UsageError(exc.problems) from None
 
@@ -186,12 +179,12 @@ def run(args) -> int:
 
 
 def run_plan(args, cfg, start, checked) -> int:
-    from ..memory.steps import build_plan, plot_plan, render_plan
+    from ..memory.steps import build_plan, plan_figure, render_plan
     plan = build_plan(cfg, list(start.overlays), world=checked["world"], recipe=args.recipe, params=start.params,
                       capacity=checked["capacity"], margin=checked["margin"], locked=start.locked,
                       catalog=checked["catalog"])
     if args.plot:
-        write_plot(args, lambda buffer: plot_plan(plan, buffer))
+        write_plot(args, lambda: plan_figure(plan))
     if args.json:
         emit(args, {**plan.as_dict(), "plot": args.plot})
     else:
@@ -204,7 +197,7 @@ def run_plan(args, cfg, start, checked) -> int:
 def run_search(args, cfg, start, checked) -> int:
     from ..bridge.stack import progress
     from ..memory.search import search_validated
-    from ..memory.steps import Rejected, plot_bars
+    from ..memory.steps import Rejected, draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     try:
         with progress("searching layouts and validating the cheapest with Bridge"):
@@ -214,8 +207,8 @@ def run_search(args, cfg, start, checked) -> int:
                                                 "drop or change the overlay named above")]), EXIT_REJECTED)
     results = found["results"]
     if args.plot and results:
-        write_plot(args, lambda buffer: plot_bars(
-            [(_layout_name(r), r["breakdown"]) for r in results], buffer,
+        write_plot(args, lambda: draw_bars(
+            [(_layout_name(r), r["breakdown"]) for r in results],
             title=f"{args.recipe}, world size {world}: the {len(results)} cheapest validated layouts",
             capacity=capacity, margin=margin))
     if args.json:

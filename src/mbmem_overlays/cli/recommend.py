@@ -33,14 +33,14 @@ def run(args) -> int:
 def recommend_and_print(args, cfg, start, checked) -> int:
     from ..bridge.stack import progress
     from ..memory.ladder import recommend, render_recommendation
-    from ..memory.steps import plot_bars
+    from ..memory.steps import draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     with progress("walking the memory ladder, each step validated with Bridge"):
         rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"])
     taken = [r for r in rec["steps"] if "breakdown" in r]
     if args.plot and taken:
-        write_plot(args, lambda buffer: plot_bars(
-            [(r["step"], r["breakdown"]) for r in taken], buffer,
+        write_plot(args, lambda: draw_bars(
+            [(r["step"], r["breakdown"]) for r in taken],
             title=f"{args.recipe}, world size {world}: the memory ladder, step by step",
             capacity=capacity, margin=margin))
     if args.json:

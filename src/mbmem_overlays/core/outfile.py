@@ -65,6 +65,21 @@ def output_problems(path: str | None, option: str, *, force: bool = False, suffi
     return []
 
 
+def figure_bytes(fig, path: str, dpi: int = 120) -> bytes:
+    """A matplotlib figure rendered in memory, in the format ``path``'s suffix names (.png, .pdf, .svg), and
+    closed: pictures reach a file only through :func:`write_output`, never through ``savefig(path)``, which
+    follows links (issue 22 #5)."""
+    import io
+
+    import matplotlib.pyplot as plt
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format=Path(path).suffix.lstrip(".").lower(), dpi=dpi)
+    finally:
+        plt.close(fig)
+    return buffer.getvalue()
+
+
 def _link_new(tmp: str, target: Path, payload: bytes, mode: int) -> None:
     """Give the finished temporary file the name ``target`` only if nobody holds it: a hard link fails with
     FileExistsError otherwise. Where the filesystem has no hard links, create the name exclusively

@@ -7,7 +7,6 @@ Rendered to bytes in memory; the command writes them through core/outfile.py."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 from ..core.text import shown
@@ -82,13 +81,6 @@ def draw_run(run: dict[str, Any], title: str):
 def render(run: dict[str, Any], title: str, suffix: str) -> bytes | None:
     """The picture as bytes in the format of ``suffix`` (.png, .pdf, .svg), drawn in memory so that nothing is
     written before the whole picture exists; None when no rank has figures."""
-    import matplotlib.pyplot as plt
+    from ..core.outfile import figure_bytes
     fig = draw_run(run, title)
-    if fig is None:
-        return None
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format=suffix.lstrip(".").lower(), dpi=120)
-    finally:
-        plt.close(fig)
-    return buf.getvalue()
+    return None if fig is None else figure_bytes(fig, f"plot{suffix}")

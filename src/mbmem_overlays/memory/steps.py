@@ -296,15 +296,6 @@ COMPONENTS = (("parameters", "#1f77b4", ""), ("gradients", "#ff7f0e", "//"), ("o
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
-def plot_bars(rows: list[tuple[str, P.Breakdown]], path: str, *, title: str, capacity: float | None,
-              margin: float) -> None:
-    """Draw the bars (``draw_bars``) into ``path``; the format follows the suffix (PLOT_SUFFIXES)."""
-    import matplotlib.pyplot as plt
-    fig = draw_bars(rows, title=title, capacity=capacity, margin=margin)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def draw_bars(rows: list[tuple[str, P.Breakdown]], *, title: str, capacity: float | None, margin: float):
     """Horizontal stacked bars, one per row: names on the y axis (long ones wrapped, so they never overlap),
     each bar's total and verdict at its end, the capacity and the margin line in the legend. Returns the figure."""
@@ -351,8 +342,8 @@ def draw_bars(rows: list[tuple[str, P.Breakdown]], *, title: str, capacity: floa
     return fig
 
 
-def plot_plan(plan: P.Plan, path: str) -> None:
-    """The plan's steps as bars: baseline, then each overlay."""
+def plan_figure(plan: P.Plan):
+    """The plan's steps as bars (``draw_bars``): baseline, then each overlay. Returns the figure."""
     rows = [(("+ " if i else "") + s.name, s.breakdown) for i, s in enumerate(plan.steps)]
-    plot_bars(rows, path, title=f"{plan.recipe}: {layout_text(plan.layout)}, world size {plan.world}",
-              capacity=plan.capacity, margin=plan.margin)
+    return draw_bars(rows, title=f"{plan.recipe}: {layout_text(plan.layout)}, world size {plan.world}",
+                     capacity=plan.capacity, margin=plan.margin)
