@@ -80,6 +80,18 @@ def test_validated_by_bridge_on_a_real_recipe_with_the_path_in_the_run_folder(br
 
 
 @pytest.mark.bridge
+def test_the_launching_process_creates_the_snapshot_folder(bridge, recipe, clean_env, tmp_path):
+    """Bridge opens <base>_oom_rank-<R>.pickle without creating its folder: train.py and the GPU harness create it
+    before training (launch/process.py), so an OOM never loses its snapshot."""
+    from mbmem_overlays.launch.process import prepare_snapshot_folder
+    cfg = recipe(L8)
+    base = tmp_path / "run" / "snapshots" / "mem.pickle"
+    assert prepare_snapshot_folder(cfg) is None and not base.parent.exists()   # nothing recorded: nothing made
+    apply_overlay(cfg, "memory_snapshot", env=clean_env, world_size=8, params={"memory_snapshot.path": str(base)})
+    assert prepare_snapshot_folder(cfg) == base.parent and base.parent.is_dir()
+
+
+@pytest.mark.bridge
 def test_ranks_and_dump_step_on_a_pipelined_recipe(bridge, recipe, clean_env):
     cfg = recipe(L70)   # TP4 PP4 CP2: at 32 GPUs stage 3 starts at rank 24
     report = apply_overlay(cfg, "memory_snapshot", env=clean_env, world_size=32, validate=True,

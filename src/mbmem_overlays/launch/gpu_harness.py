@@ -206,13 +206,11 @@ def launch(job: Job) -> int:
     """Train ``job`` with Bridge's pretrain (needs CUDA); returns 0 when training ended."""
     import logging
 
-    from .hydra_entry import export_environment
+    from .process import export_environment, prepare_snapshot_folder
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg, report = build_job(job, world)
     export_environment(report, cfg)  # before CUDA allocates: the allocator reads PYTORCH_CUDA_ALLOC_CONF once
-    profiling = getattr(cfg, "profiling", None)
-    if profiling is not None and getattr(profiling, "record_memory_history", False):
-        Path(profiling.memory_snapshot_path).parent.mkdir(parents=True, exist_ok=True)  # Bridge does not create it
+    prepare_snapshot_folder(cfg)
     # A job log as a job launched by Bridge's own scripts shows it: INFO lines (the OOM observer's "[OOM] rank R
     # saved memory snapshot" is logger.info), which prepare() had quietened for planning.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -41,12 +40,10 @@ from ..core.report import (
 )
 from ..core.text import shown
 from ..core.values import MAX_WORLD_SIZE, parse_count, text_problem, value_fix, value_problem
+from .process import env_name_problems, export_environment, prepare_snapshot_folder
 
 HYDRA_KEYS = ("recipe", "mem", "run", "hydra", "bridge")
 RUNS_DIR_ENV = "MBMEM_RUNS_DIR"
-# A POSIX shell variable name; anything else must never reach an `export` line or os.environ
-# (issue 15 #2: `X=1; touch /tmp/pwned #` as a name).
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class UsageError(OverlayError):
@@ -602,6 +599,7 @@ def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, par
                                   f"Bridge's finetune() cannot start without a checkpoint: {needs}",
                                   "add checkpoint.pretrained_checkpoint=/path/to/megatron/checkpoint")])
     export_environment(report, bcfg)
+    prepare_snapshot_folder(bcfg)
     return _launch(bcfg, mode)
 
 
@@ -614,27 +612,6 @@ def _next_step(code: int, dry: bool, opts: RunOptions, entry: str, why: str) -> 
     if dry:
         return f"dry run ({reason}); under torchrun on a GPU node train.py calls {entry} (chosen by {why})"
     return f"launching {entry} (chosen by {why})"
-
-
-def env_name_problems(report, bcfg=None) -> list[Problem]:
-    """Names that may not be exported: not ``[A-Za-z_][A-Za-z0-9_]*`` (issue 15 #2). Checked before
-    anything is printed as an ``export`` line or written to ``os.environ``."""
-    from ..core.paths import read
-    env_vars = read(bcfg, "env_vars", None) if bcfg is not None else None
-    names = list(report.env_to_export) + list(env_vars if isinstance(env_vars, dict) else {})
-    return [Problem(("environment",), str(n), report.env_to_export.get(n),
-                    f"{n!r} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
-                    "fix the variable name in the overlay file or the recipe's env_vars", check="env_name")
-            for n in dict.fromkeys(names) if not (isinstance(n, str) and ENV_NAME.fullmatch(n))]
-
-
-def export_environment(report, bcfg) -> None:
-    """Export the overlays' environment into this process, before CUDA is initialized; nothing is
-    exported unless every name is valid."""
-    problems = env_name_problems(report, bcfg)
-    if problems:
-        raise OverlayError(problems)
-    os.environ.update(report.env_to_export)
 
 
 def _print_error(exc: OverlayError, as_json: bool, code: int = EXIT_USAGE) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..core import allocconf
-from ..core.catalog import USER_DIRS_ENV, Catalog, data_dir, recipe_file, recipe_spec, train_recipe_arg
+from ..core.catalog import ENV_NAME, USER_DIRS_ENV, Catalog, data_dir, recipe_file, recipe_spec, train_recipe_arg
 from ..core.errors import OverlayError, Problem
 from ..core.outfile import write_output
 from ..core.text import unsafe_character
@@ -37,8 +37,6 @@ TEMPLATE = data_dir("recipes") / "slurm" / "sbatch.sh.j2"
 CHECKOUT = Path(__file__).resolve().parents[3]  # where train.py lives when running from a clone
 # What sbatch reads verbatim from an "#SBATCH --flag=value" line: no spaces, quotes, '$', ';', newlines.
 SBATCH_SAFE = re.compile(r"[A-Za-z0-9_.:,@%/+=\-]+")
-# POSIX portable names (IEEE Std 1003.1, Base Definitions 8.1); anything else cannot follow `export`.
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A recipes/ name or a dotted Python function path (what train.py's recipe= / recipe.function= take).
 RECIPE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 SCRIPT_MODE = 0o755
