@@ -47,7 +47,7 @@ def test_explain_states_the_cost_and_where_the_files_land(capsys):
 
 def test_the_slurm_script_carries_the_overlay_and_its_parameters():
     out = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--overlay", "memory_snapshot,expandable_segments",
-                "--set", "mem.memory_snapshot.dump_step=5", "--set", "mem.memory_snapshot.ranks='0,8'",
+                "--set", "mem.memory_snapshot.dump_step=5", "--set", "mem.memory_snapshot.ranks=[0,8]",
                 "--nodes", "2", "--gpus-per-node", "8", "--no-validate", timeout=120)
     assert out.returncode == 0, out.stderr
     script = out.stdout
@@ -147,9 +147,9 @@ def test_a_dump_step_before_a_pinned_start_is_rejected_by_us_and_by_bridge(bridg
 def test_stricter_than_bridge_where_the_job_would_silently_record_nothing(bridge, recipe, tmp_path):
     cfg = recipe(L8)
     assert "profile_ranks_in_world" in failing_checks(cfg, ["memory_snapshot"], world_size=8,
-                                                      params={"memory_snapshot.ranks": "0,8"})
-    assert "profile_ranks_in_world" in failing_checks(cfg, ["memory_snapshot"], world_size=8,
-                                                      params={"memory_snapshot.ranks": "first"})
+                                                      params={"memory_snapshot.ranks": [0, 8]})
+    with pytest.raises(OverlayError, match=r"must be one of \['auto', 'pipeline_ends', 'all'\], a whole number"):
+        plan_overlays(cfg, ["memory_snapshot"], env={}, world_size=8, params={"memory_snapshot.ranks": "first"})
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     assert "memory_snapshot_folder" in failing_checks(cfg, ["memory_snapshot"], world_size=8,
@@ -206,7 +206,7 @@ def test_train_py_composes_the_overlay_with_hydra_parameters(tmp_path, capsys):
     from mbmem_overlays.launch.hydra_entry import run
     with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base="1.3"):
         cfg = compose("train", overrides=["recipe=llama3_8b_pretrain", "+mem=[memory_snapshot,expandable_segments]",
-                                          "mem.memory_snapshot.ranks='0,1'", "mem.memory_snapshot.dump_step=3",
+                                          "mem.memory_snapshot.ranks=[0,1]", "mem.memory_snapshot.dump_step=3",
                                           "run.dry_run=true", "run.world_size=8", f"+run.record_dir={tmp_path}"])
     assert run(cfg) == 0
     out = capsys.readouterr().out

@@ -7,7 +7,7 @@ File format (``overlays/mem/<name>.yaml``; a Hydra option of config group ``mem`
     overlay:
       summary: one line
       aliases: [short names]
-      params: {<param>: {type: int|float|bool|str|labels, help: ..., min/max/choices: ...}}
+      params: {<param>: {type: int|float|bool|str|labels|ints, help: ..., min/max/choices: ...}}
       set: {<dotted ConfigContainer path>: <value or "@param">}
       env: {<VAR>: <value> | {<allocator key>: <value>}}   # mapping = key-wise merge
       sources: [shared/reference file, section]
@@ -36,7 +36,8 @@ from .values import INTERPOLATION, INTERPOLATION_FIX, scalar_problem
 
 RESERVED_KEY = "overlay"
 USER_DIRS_ENV = "MBMEM_OVERLAY_DIRS"
-PARAM_TYPES = ("int", "float", "bool", "str", "labels")
+# ints: a whole number or a list of them (rank numbers), or one of the ``choices`` words (e.g. auto).
+PARAM_TYPES = ("int", "float", "bool", "str", "labels", "ints")
 DECL_KEYS = ("summary", "aliases", "params", "set", "env", "sources", "effect")
 PARAM_KEYS = ("type", "help", "choices", "min", "max")
 
@@ -130,6 +131,22 @@ def coerce_param(p: ParamSpec, value: Any) -> tuple[Any, str | None]:
             return value, f"must be 'auto' or a list of labels, got {short_repr(value)}"
         if isinstance(value, tuple):
             value = list(value)
+    if t == "ints":
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                return value, f"must be whole numbers, got {short_repr(value)}"
+            value = list(value)
+            low = [v for v in value if p.min is not None and v < p.min]
+            high = [v for v in value if p.max is not None and v > p.max]
+            if low or high:
+                return value, (f"each must be >= {p.min}" if low else f"each must be <= {p.max}") + \
+                    f", got {short_repr(value)}"
+            return value, None
+        if not (isinstance(value, str) and p.choices and value in p.choices):
+            words = f"one of {list(p.choices)}, " if p.choices else ""
+            return value, f"must be {words}a whole number or a list of them, got {short_repr(value)}"
     if p.choices is not None and not any(_same(value, c) for c in p.choices):
         return value, f"must be one of {list(p.choices)}, got {short_repr(value)}"
     if p.min is not None and isinstance(value, (int, float)) and value < p.min:
