@@ -138,3 +138,13 @@ def test_wheel_carries_the_repository_overlays_and_recipes(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")})
     assert run.stdout.strip() == "OK", run.stderr
+
+
+def test_ints_parameters_take_a_number_a_list_or_a_declared_word():
+    from mbmem_overlays.core.catalog import coerce_param
+    ranks = Catalog().specs["memory_snapshot"].params["ranks"]
+    assert coerce_param(ranks, 8) == ([8], None) and coerce_param(ranks, [0, 24]) == ([0, 24], None)
+    assert coerce_param(ranks, "pipeline_ends") == ("pipeline_ends", None)
+    for bad, why in ((["0"], "whole numbers"), ([True], "whole numbers"), ([-1], ">= 0"), ("first", "one of"),
+                     (2.5, "a whole number or a list")):
+        assert why in coerce_param(ranks, bad)[1], bad
