@@ -306,9 +306,12 @@ def test_bridge_resets_are_classified_as_silent():
     assert "local and full_iteration graphs it is the skill's rule" in by_id["expandable_segments_cuda_graphs"].source
 
 
-def test_readme_rules_table_is_the_code():
-    from conftest import ROOT
-    text = (ROOT / "README.md").read_text()
-    table = text.split("<!-- rules-table -->\n", 1)[1].split("\n<!-- /rules-table -->", 1)[0]
-    assert table == rules.markdown_table(), ("README's rules table differs from the checks; regenerate it with "
-                                             "mbmem_overlays.core.rules.markdown_table()")
+@pytest.mark.bridge
+def test_dist_optimizer_at_dp1_is_a_warning_unless_optimizer_offload_needs_it(recipe):
+    from mbmem_overlays import plan_overlays
+    cfg = recipe("llama3_8b_pretrain_config", "model.context_parallel_size=1")   # one GPU: DP*CP = 1
+    alone = plan_overlays(cfg, ["dist_optimizer"], env={}, world_size=1)[0]
+    assert any("saves no memory at this layout" in w for w in alone.warnings), alone.warnings
+    both = plan_overlays(cfg, ["dist_optimizer", "optimizer_offload"], env={}, world_size=1)[0]
+    assert not any("saves no memory" in w for w in both.warnings), both.warnings
+    assert any("optimizer_offload needs it" in n for n in both.notes), both.notes

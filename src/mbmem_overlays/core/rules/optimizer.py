@@ -42,8 +42,10 @@ def dist_optimizer_needs_dp(view, c):
     cp = view.get("model.context_parallel_size") or 1
     dp = view.world_size // max(1, tp * pp * cp)
     if dp * cp <= 1 and "dist_optimizer" in view.selected:
-        yield (f"dist_optimizer: data-parallel size is {dp} (world {view.world_size} / TP{tp}*PP{pp}*CP{cp}), so there is "
+        why = (f"dist_optimizer: data-parallel size is {dp} (world {view.world_size} / TP{tp}*PP{pp}*CP{cp}), so there is "
                "nothing to shard across; it saves no memory at this layout")
+        # optimizer_offload needs the distributed optimizer (offload.py optimizer_offload_dist_opt), so there it is a prerequisite, not a waste.
+        yield (f"note: {why}, but optimizer_offload needs it" if "optimizer_offload" in view.selected else why)
 
 
 @check(enforced_by="runtime",
