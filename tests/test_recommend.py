@@ -182,6 +182,14 @@ def test_search_pins_the_layout_fields_the_user_set(bridge, capsys):
         assert tp_words == ["model.tensor_model_parallel_size=2"]  # the user's word, and no second one
 
 
+@pytest.mark.bridge
+def test_search_text_prints_each_results_saving(bridge, capsys):
+    from mbmem_overlays.cli import main
+    assert main(["plan", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80GiB", "--search", "--top", "2"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if " GiB  saves " in ln]
+    assert len(rows) == 2 and all("cost ~" in ln for ln in rows), rows
+
+
 # ----------------------------------------------------------------------------- paste what was printed
 @pytest.mark.bridge
 def test_printed_commands_run_as_pasted(bridge, capsys):

@@ -241,6 +241,10 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
         return "\n".join(lines)
     lines.append(f"{len(results)} validated, cheapest first (cost: documented throughput cost, costs.py):")
     for r in results:
-        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB  cost ~{r['cost']:.0%}  {_layout_name(r)}")
+        saving = r.get("saving_bytes")
+        saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
+        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  cost ~{r['cost']:.0%}  {_layout_name(r)}")
+        if r.get("fits_unless"):
+            lines.append(f"    {r['fit_verdict']}")
         lines.append(f"    {r['command']}")
     return "\n".join(lines)
