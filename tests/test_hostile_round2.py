@@ -272,6 +272,11 @@ HUGE = "9" * 4301
     ["slurm", "--recipe", "llama3_8b_pretrain", "--nodes", str(10**6), "--gpus-per-node", "8", "--no-validate"],
     ["slurm", "--recipe", "llama3_8b_pretrain", "--nodes", "1", "--gpus-per-node", "8", "--cpus-per-task", HUGE,
      "--no-validate"],
+    ["doctor", "tests/fixtures/snapshots/unwound_oom.pickle", "--top", HUGE],
+    ["doctor", "tests/fixtures/snapshots/unwound_oom.pickle", "--world-size", HUGE],
+    ["doctor", "tests/fixtures/snapshots/unwound_oom.pickle", "--margin", "1e999"],
+    ["doctor", "tests/fixtures/runs/bridge_llama3_8b_tp2_pp2.log", "--world-size", HUGE],
+    ["doctor", "tests/fixtures/runs/bridge_llama3_8b_tp2_pp2.log", "--gpu-memory", HUGE],
 ], ids=lambda argv: " ".join(a[:20] for a in argv))
 def test_every_numeric_option_is_bounded_and_a_usage_error(argv):
     for as_json in (False, True):

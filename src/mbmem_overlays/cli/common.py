@@ -7,7 +7,7 @@ import argparse
 import shlex
 from typing import Any
 
-from ..core.errors import OverlayError, Problem
+from ..core.errors import OverlayError, Problem, short_repr
 from ..core.values import MAX_WORLD_SIZE, parse_count
 
 # Exit codes of mbmem apply/slurm/plan/recommend and train.py (README, "Exit codes"); defined in core.report
@@ -27,6 +27,43 @@ def positive_int(text: str, maximum: int = MAX_WORLD_SIZE) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer (e.g. 8) of at most {maximum}: "
                                          f"{why.rpartition(', ')[2]}")
     return number
+
+
+def usage_problem(option: str, value: Any, message: str, fix: str) -> Problem:
+    """A problem with a command-line option (exit 2, before anything is read or imported)."""
+    return Problem(("argument",), option, value, message, fix, check="usage")
+
+
+def count_option(option: str, text: Any, maximum: int = MAX_WORLD_SIZE) -> tuple[int | None, Problem | None]:
+    """(number, None) or (None, problem) for a count given as text: --world-size, --top ... (bounded, never int()
+    on thousands of digits)."""
+    try:
+        return positive_int(text, maximum), None
+    except argparse.ArgumentTypeError as exc:
+        return None, usage_problem(option, text, f"{option} {exc}", f"pass a positive integer, e.g. {option} 8")
+
+
+def margin_option(text: Any) -> tuple[float | None, Problem | None]:
+    """--margin: the headroom kept free, a fraction of the capacity in [0, 1)."""
+    try:
+        margin = float(text) if isinstance(text, str) and len(text) <= 64 else float("nan")
+    except ValueError:
+        margin = float("nan")
+    if 0 <= margin < 1:
+        return margin, None
+    return None, usage_problem("--margin", text, f"--margin must be a fraction in [0, 1), got {short_repr(text)}",
+                               "e.g. --margin 0.05 keeps 5% of the GPU free")
+
+
+def capacity_option(text: str | None) -> tuple[float | None, Problem | None]:
+    """--gpu-memory (None when not given): a size as people write it (core/sizes.py)."""
+    if text is None:
+        return None, None
+    from ..core.sizes import parse_size
+    try:
+        return parse_size(text), None
+    except ValueError as exc:
+        return None, usage_problem("--gpu-memory", text, str(exc), "e.g. --gpu-memory 80GiB")
 
 
 def count_arg(maximum: int):

@@ -20,14 +20,13 @@ import sys
 from typing import Any
 
 from ..core.errors import OverlayError, Problem
-from .common import UsageError
+from .common import UsageError, capacity_option, count_option, margin_option, usage_problem
 
 EPILOG = ("exit codes: 0 diagnosed or reported (an OOM diagnosis, or a run report from the memory lines: healthy, "
           "at_risk, fragmenting, over_provisioned); 2 usage error or unreadable input (binary, damaged gzip, missing, a "
           "fifo/device/folder, closed stdin, refused snapshot or --plot path) when nothing was found in the rest; 3 "
           "no OOM, known error or memory line found; 4 unsure (something says out of memory, but the numbers needed "
           "for a verdict are not in the input)")
-MAX_WORLD = 1 << 20
 
 
 def register(sub) -> None:
@@ -56,16 +55,13 @@ def register(sub) -> None:
     p.set_defaults(fn=run)
 
 
-def _problem(option: str, value: Any, message: str, fix: str) -> Problem:
-    return Problem(("argument",), option, value, message, fix, check="usage")
-
+_problem = usage_problem  # the name this module's checks use
 
 def checked_options(args) -> dict[str, Any]:
     """Every problem with the log half's options at once, before any input is read (exit 2)."""
     from ..bridge.overrides import syntax_problem
     from ..bridge.recipes import recipe_name_problem
     from ..core.outfile import output_problems
-    from ..core.sizes import parse_size
     problems: list[Problem] = []
     out: dict[str, Any] = {"capacity": None, "world": None, "margin": 0.05}
     if args.recipe is not None and (p := recipe_name_problem(args.recipe)):
@@ -73,25 +69,11 @@ def checked_options(args) -> dict[str, Any]:
     for s in args.set:
         if p := syntax_problem(s):
             problems.append(p)
-    if args.gpu_memory is not None:
-        try:
-            out["capacity"] = parse_size(args.gpu_memory)
-        except ValueError as exc:
-            problems.append(_problem("--gpu-memory", args.gpu_memory, str(exc), "e.g. --gpu-memory 80GiB"))
-    try:
-        out["margin"] = float(args.margin)
-        if not 0 <= out["margin"] < 1:
-            raise ValueError
-    except ValueError:
-        problems.append(_problem("--margin", args.margin, f"--margin must be a fraction in [0, 1), got {args.margin!r}",
-                                 "e.g. --margin 0.05 keeps 5% of the GPU free"))
+    found = {"capacity": capacity_option(args.gpu_memory), "margin": margin_option(args.margin)}
     if args.world_size is not None:
-        text = args.world_size.strip()
-        if not (text.isascii() and text.isdigit() and len(text) <= 8 and 1 <= int(text) <= MAX_WORLD):
-            problems.append(_problem("--world-size", args.world_size, f"--world-size must be a whole number of GPUs "
-                                     f"from 1 to {MAX_WORLD}, got {args.world_size!r}", "e.g. --world-size 32"))
-        else:
-            out["world"] = int(text)
+        found["world"] = count_option("--world-size", args.world_size)
+    out.update({key: value for key, (value, problem) in found.items() if not problem})
+    problems += [problem for _, problem in found.values() if problem]
     if args.plot is not None:
         from ..doctor.plot import PLOT_SUFFIXES
         problems += output_problems(args.plot, "--plot", force=args.force, suffixes=PLOT_SUFFIXES)

@@ -47,28 +47,14 @@ def _usage(args, message: str) -> Outcome:
 def _options(args, paths: list[str]) -> Options | str:
     """Every option checked before any file is read; a message (exit 2) for the first bad one."""
     from ..core.outfile import output_problems
-    from ..core.sizes import parse_size
-    top_text = str(args.top).strip()
-    if not (top_text.isascii() and top_text.isdigit() and 1 <= int(top_text) <= MAX_TOP):
-        return f"--top must be a whole number from 1 to {MAX_TOP}, got {args.top!r}"
-    capacity = None
-    if args.gpu_memory is not None:
-        try:
-            capacity = parse_size(args.gpu_memory)
-        except ValueError as exc:
-            return f"--gpu-memory: {exc}"
-    try:
-        margin = float(args.margin)
-        if not 0 <= margin < 1:
-            raise ValueError
-    except (TypeError, ValueError):
-        return f"--margin must be a fraction in [0, 1), got {args.margin!r}"
-    world = None
-    if args.world_size is not None:
-        text = str(args.world_size).strip()
-        if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 1 << 20):
-            return f"--world-size must be a positive integer (the number of GPUs), got {args.world_size!r}"
-        world = int(text)
+    from .common import capacity_option, count_option, margin_option
+    (top, bad_top), (capacity, bad_capacity) = count_option("--top", str(args.top), MAX_TOP), \
+        capacity_option(args.gpu_memory)
+    margin, bad_margin = margin_option(args.margin)
+    world, bad_world = count_option("--world-size", args.world_size) if args.world_size is not None else (None, None)
+    for problem in (bad_top, bad_capacity, bad_margin, bad_world):
+        if problem:
+            return f"{problem.message}; {problem.fix}"
     if args.plan and not args.recipe:
         return "--plan needs --recipe R (a snapshot does not name its recipe), e.g. --plan --recipe llama3_8b_pretrain"
     if args.recipe is not None:
@@ -103,7 +89,7 @@ def _options(args, paths: list[str]) -> Options | str:
     if args.against and len(paths) != 1:
         return (f"--against compares one snapshot with another: give exactly one snapshot beside it "
                 f"(got {len(paths)})")
-    return Options(int(top_text), capacity, margin, world, tuple(overrides), params)
+    return Options(top, capacity, margin, world, tuple(overrides), params)
 
 
 @dataclass
@@ -241,7 +227,6 @@ def _rank(r: _Read) -> tuple:
 
 def _compare(args, path: str, opts: Options) -> Outcome:
     from ..core.report import error_dict
-    from ..core.text import shown
     from ..doctor.snapshot.analyze import compare
     from ..doctor.snapshot.render import comparison_json, render_comparison
     if not os.path.exists(args.against) and not os.path.islink(args.against):

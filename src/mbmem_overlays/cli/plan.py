@@ -8,16 +8,14 @@ envelope (``schema_version``, and an ``error`` object instead of an empty stdout
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
 from ..core.errors import OverlayError, Problem
 from ..core.text import shown
-from ..core.values import MAX_WORLD_SIZE
-from .common import (EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, catalog_for, csv_list, positive_int,
-                     preflight, split_sets)
+from .common import (EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, capacity_option, catalog_for,
+                     count_option, csv_list, margin_option, preflight, split_sets, usage_problem)
 
 
 def register(sub) -> None:
@@ -47,8 +45,7 @@ def add_memory_options(p, *, capacity_help: str) -> None:
 MAX_TOP = 100  # --top: results are each validated with Bridge (seconds apiece); more is a typo
 
 # ----------------------------------------------------------------------------- checks before Bridge
-def _problem(option: str, value: Any, message: str, fix: str) -> Problem:
-    return Problem(("argument",), option, value, message, fix, check="usage")
+_problem = usage_problem  # the name this module's checks use
 
 
 def plot_problems(args) -> list[Problem]:
@@ -72,41 +69,20 @@ def write_plot(args, figure) -> None:
         raise UsageError(exc.problems) from None
 
 
-def _count(option: str, text: str, maximum: int = MAX_WORLD_SIZE) -> tuple[int | None, Problem | None]:
-    try:
-        return positive_int(text, maximum), None
-    except argparse.ArgumentTypeError as exc:
-        return None, _problem(option, text, f"{option} {exc}", f"pass a positive integer, e.g. {option} 8")
-
-
 def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
     """Every argument problem at once, before anything imports Bridge; raises UsageError (exit 2).
 
     ``capacity_required``: why --gpu-memory is needed here (None: it is optional)."""
-    from ..core.sizes import parse_size
-    problems: list[Problem] = []
     out: dict[str, Any] = {}
-    out["world"], p = _count("--world-size", args.world_size)
-    problems += [p] if p else []
+    found = {"world": count_option("--world-size", args.world_size), "capacity": capacity_option(args.gpu_memory),
+             "margin": margin_option(args.margin)}
     if getattr(args, "top", None) is not None:
-        out["top"], p = _count("--top", args.top, MAX_TOP)
-        problems += [p] if p else []
-    out["capacity"] = None
-    if args.gpu_memory is not None:
-        try:
-            out["capacity"] = parse_size(args.gpu_memory)
-        except ValueError as exc:
-            problems.append(_problem("--gpu-memory", args.gpu_memory, str(exc), "e.g. --gpu-memory 80GiB"))
-    elif capacity_required:
+        found["top"] = count_option("--top", args.top, MAX_TOP)
+    out.update({key: value for key, (value, _) in found.items()})
+    problems: list[Problem] = [p for _, p in found.values() if p]
+    if args.gpu_memory is None and capacity_required:
         problems.append(_problem("--gpu-memory", None, f"--gpu-memory is required {capacity_required}",
                                  "add the memory of one GPU, e.g. --gpu-memory 80GiB (or 80GB, 80G, bytes)"))
-    try:
-        out["margin"] = float(args.margin)
-        if not 0 <= out["margin"] < 1:
-            raise ValueError
-    except ValueError:
-        problems.append(_problem("--margin", args.margin, f"--margin must be a fraction in [0, 1), got {args.margin!r}",
-                                 "e.g. --margin 0.05 keeps 5% of the GPU free"))
     problems += plot_problems(args)
     overrides, flat_params = split_sets(args.set)
     try:
