@@ -90,7 +90,10 @@ def in_process(entry, argv: list[str], *, timeout=300, env=None, cwd=ROOT, input
     stdin/stdout/stderr and environment (``{**os.environ, **env}``), all restored afterwards. SystemExit is the
     exit code; an uncaught exception is a traceback on stderr and exit 1, as in a real process. The Bridge
     import is paid once per test session instead of once per call (issue 21)."""
+    import logging
     saved = (dict(os.environ), os.getcwd(), sys.argv, sys.stdin, sys.stdout, sys.stderr)
+    # Hydra (train.py) configures the root logger with a handler on this call's stdout, which is gone afterwards.
+    root_logging = (logging.root.handlers[:], logging.root.level)
     data = input.encode() if isinstance(input, str) else (input or b"")
     out, err = _stream(), _stream()
     code = 0
@@ -124,6 +127,8 @@ def in_process(entry, argv: list[str], *, timeout=300, env=None, cwd=ROOT, input
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous_handler)
         env_before, cwd_before, sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
+        logging.root.handlers[:] = root_logging[0]
+        logging.root.setLevel(root_logging[1])
         os.chdir(cwd_before)
         if dict(os.environ) != env_before:
             os.environ.clear()
