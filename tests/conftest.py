@@ -79,9 +79,25 @@ class Completed:
     stderr: str
 
 
-def _stream(data: bytes = b"") -> io.TextIOWrapper:
-    """A text stream with a ``.buffer``, like sys.stdout/stdin of a real process (UTF-8, as here)."""
-    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", write_through=True)
+class _Stream(io.TextIOWrapper):
+    """A text stream with a ``.buffer``, like sys.stdout/stdin of a real process (UTF-8, as here), that never
+    closes: a library that kept a reference to the call's stdout or stderr (a logging handler, a console made
+    at import) may still write after the call, and must find a stream, not a closed file."""
+
+    def close(self) -> None:
+        self.flush()
+
+    def __del__(self) -> None:
+        pass
+
+
+_STREAMS: list[_Stream] = []  # kept alive for the same reason (a TextIOWrapper closes itself when collected)
+
+
+def _stream(data: bytes = b"") -> _Stream:
+    stream = _Stream(io.BytesIO(data), encoding="utf-8", write_through=True)
+    _STREAMS.append(stream)
+    return stream
 
 
 def in_process(entry, argv: list[str], *, timeout=300, env=None, cwd=ROOT, input: str | bytes | None = None,
@@ -92,8 +108,13 @@ def in_process(entry, argv: list[str], *, timeout=300, env=None, cwd=ROOT, input
     import is paid once per test session instead of once per call (issue 21)."""
     import logging
     saved = (dict(os.environ), os.getcwd(), sys.argv, sys.stdin, sys.stdout, sys.stderr)
-    # Hydra (train.py) configures the root logger with a handler on this call's stdout, which is gone afterwards.
+    # Hydra (train.py) configures logging with dictConfig, which flushes and *closes* every handler that exists
+    # (logging.config._clearExistingHandlers), pytest's capture handlers included, and leaves the root logger
+    # writing to this call's stdout. So the handlers that exist now are hidden from that sweep, and the root
+    # logger is put back afterwards.
     root_logging = (logging.root.handlers[:], logging.root.level)
+    handler_refs, named_handlers = logging._handlerList[:], dict(logging._handlers)
+    logging._handlerList[:] = []
     data = input.encode() if isinstance(input, str) else (input or b"")
     out, err = _stream(), _stream()
     code = 0
@@ -129,12 +150,22 @@ def in_process(entry, argv: list[str], *, timeout=300, env=None, cwd=ROOT, input
         env_before, cwd_before, sys.argv, sys.stdin, sys.stdout, sys.stderr = saved
         logging.root.handlers[:] = root_logging[0]
         logging.root.setLevel(root_logging[1])
+        logging._handlerList[:] = handler_refs + logging._handlerList
+        logging._handlers.update(named_handlers)
         os.chdir(cwd_before)
         if dict(os.environ) != env_before:
             os.environ.clear()
             os.environ.update(env_before)
-    read = lambda s: (s.flush(), s.buffer.getvalue().decode("utf-8", "replace"))[1]  # noqa: E731
-    return Completed([argv0, *argv], code, read(out), read(err))
+    return Completed([argv0, *argv], code, _drain(out), _drain(err))
+
+
+def _drain(stream: _Stream) -> str:
+    """What was written to ``stream``; its buffer is emptied, since the stream itself stays alive."""
+    stream.flush()
+    text = stream.buffer.getvalue().decode("utf-8", "replace")
+    stream.buffer.seek(0)
+    stream.buffer.truncate()
+    return text
 
 
 def _mbmem_main(argv: list[str]) -> int:

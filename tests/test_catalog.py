@@ -1,12 +1,10 @@
 """The catalogue and the commands that must not import Megatron Bridge."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from mbmem_overlays import OverlayError
 from mbmem_overlays.core.catalog import Catalog, builtin_overlay_dir

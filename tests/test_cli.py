@@ -1,11 +1,9 @@
 """The acceptance commands of `mbmem apply`, as a user types them."""
 
-import json
-import re
 import shlex
 
 import pytest
-from conftest import ROOT, mbmem, paste
+from conftest import mbmem, paste
 
 pytestmark = pytest.mark.bridge
 
@@ -32,26 +30,6 @@ def test_apply_unknown_recipe_and_unknown_field():
     assert out.returncode != 0 and "did you mean" in out.stderr and "llama3_8b_pretrain_config" in out.stderr
     out = mbmem("apply", "--recipe", "llama3_8b_pretrain_config", "--set", "model.num_layers=abc")
     assert out.returncode != 0 and "expects int" in out.stderr
-
-
-README_APPLY = re.compile(r"^(mbmem apply .*?)(?:\s+# exit (\d))?$", re.MULTILINE)
-
-
-def readme_apply_commands():
-    return README_APPLY.findall((ROOT / "README.md").read_text())
-
-
-@pytest.mark.parametrize("command,expected", readme_apply_commands())
-def test_readme_apply_examples_run_as_written(bridge, command, expected, capsys):
-    """Each `mbmem apply` line of the README, as a user pastes it: the exit code it is annotated with
-    (none means 0), a complete answer, no traceback."""
-    from mbmem_overlays.cli import main
-    code = main(shlex.split(command)[1:])
-    captured = capsys.readouterr()
-    assert code == int(expected or 0), captured.err[-3000:]
-    assert "Traceback" not in captured.err
-    if "--json" in command:
-        assert json.loads(captured.out)["schema_version"] == 1
 
 
 def test_apply_prints_a_train_command_that_runs_as_printed(bridge, capsys, tmp_path):

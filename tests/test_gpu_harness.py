@@ -4,7 +4,6 @@ The sample records in tests/data/gpu_runs follow the recorder's format; they wer
 
 import dataclasses
 import json
-import math
 
 import pytest
 

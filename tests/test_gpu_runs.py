@@ -67,7 +67,8 @@ def need(run: Path, rel: str) -> Path:
     summary = json.loads((run / "summary.json").read_text())
     step = rel.split("/")[0].removesuffix(".json").removesuffix(".xml")
     status = {s["name"]: f"{s['status']} ({s.get('detail') or 'no detail'})" for s in summary.get("steps", [])}
-    pytest.skip(f"{run.name}: {rel} is not in this run; step statuses: {status}")
+    pytest.skip(f"{run.name}: {rel} is not in this run (step {step}: {status.get(step, 'not run')}); "
+                f"step statuses: {status}")
 
 
 class PlainOnly(pickle.Unpickler):

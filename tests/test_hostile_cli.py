@@ -9,13 +9,11 @@ is imported run as real subprocesses and must answer in seconds; the others shar
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import sys
 import time
 
 import pytest
-from conftest import ROOT, mbmem, run_cmd, snapshot, train
+from conftest import ROOT, mbmem, snapshot, train
 
 from mbmem_overlays.bridge.recipes import (
     RECIPE_MODULES_ENV,
@@ -444,25 +442,3 @@ def test_sweep_runs_every_job_from_the_starting_environment(tmp_path):
     assert out.stdout.count("[leaky] $MBMEM_TEST_LEAK: None -> '1'") == 2, out.stdout[-3000:]
     reports = sorted((tmp_path / "runs").glob("multirun/*/*/mbmem_report.json"))
     assert len(reports) == 2  # the job our rules rejected planned nothing
-
-
-README_TRAIN = re.compile(r"^(python train\.py .*)$", re.MULTILINE)
-
-
-def readme_train_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return sorted(set(README_TRAIN.findall(text)))
-
-
-@pytest.mark.bridge
-@pytest.mark.parametrize("command", readme_train_commands())
-def test_readme_train_commands_run_as_written(command, tmp_path):
-    """Every `python train.py ...` line of the README, pasted into a shell on this CPU host (a dry run)."""
-    argv = shlex.split(command)
-    assert argv[:2] == ["python", "train.py"]
-    # No GPU visible: `run.dry_run=auto` plans, as on the CPU host the README describes (never trains here).
-    out = run_cmd([sys.executable, *argv[1:]], env={"MBMEM_RUNS_DIR": str(tmp_path), "MBMEM_QUIET": "1",
-                                                     "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
-    assert out.returncode == EXIT_OK, out.stderr[-3000:]
-    assert "validation: PASSED" in out.stdout and "dry run" in out.stdout
-    no_traceback(out)

@@ -327,7 +327,7 @@ def test_bridge_rejection_rolls_back_cfg_and_os_environ(bridge, monkeypatch):
             continue  # our rules catch this one before Bridge
         break
     else:
-        pytest.fail(f"every candidate in BRIDGE_ONLY is now caught by our rules; add one only Bridge rejects")
+        pytest.fail("every candidate in BRIDGE_ONLY is now caught by our rules; add one only Bridge rejects")
     before_cfg, before_env = snapshot(cfg), dict(os.environ)
     with pytest.raises(ValidationRejected) as exc:
         apply_overlay(cfg, overlays, env=os.environ, world_size=2, validate=True)

@@ -120,3 +120,19 @@ def test_example_refuses_before_submitting(bridge, tmp_path):
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "not launched" in out.stderr and "cpu_offload" in out.stderr and "Traceback" not in out.stderr
     assert "MBMEM_PLAN" not in out.stdout
+
+
+def test_offline_configs_are_found_when_nemo_run_was_imported_first(monkeypatch):
+    """``import nemo_run`` imports huggingface_hub, which reads HF_HOME/HF_HUB_OFFLINE once: activating the offline
+    configs afterwards re-points the imported hub, so the import order no longer matters."""
+    import huggingface_hub.constants as hub
+    from mbmem_overlays.bridge import hf_offline
+    for name in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE"):
+        monkeypatch.setattr(hub, name, getattr(hub, name))  # put back afterwards
+    for var in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", "/nonexistent/huggingface/hub")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    home = hf_offline.activate()
+    assert hub.HF_HUB_CACHE == str(home / "hub") and hub.HF_HUB_OFFLINE is True and hub.HF_HOME == str(home)
+    assert any((home / "hub").glob("models--*/snapshots/*/config.json"))

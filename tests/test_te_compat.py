@@ -1,4 +1,3 @@
-import importlib.util
 import subprocess
 import sys
 

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -87,9 +88,27 @@ def build_cache(root: Path | None = None) -> Path:
 
 
 def activate() -> Path:
-    """Point this process at the offline cache. Call before transformers/huggingface_hub import."""
+    """Point this process at the offline cache: the environment for what is imported later, and
+    huggingface_hub's constants when it is imported already (``import nemo_run`` imports it), since the hub
+    reads HF_HOME and HF_HUB_OFFLINE once, at its import (huggingface_hub/constants.py)."""
     home = build_cache()
     os.environ["HF_HOME"] = str(home)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    repoint_imported_hub(home)
     return home
+
+
+def repoint_imported_hub(home: Path) -> None:
+    """Give an already imported huggingface_hub the values it would have read from the environment above. Every
+    download path reads them as ``constants.HF_HUB_CACHE`` / ``constants.HF_HUB_OFFLINE`` when it runs
+    (file_download.py, transformers/utils/hub.py); the cache scanner took its own copy at import."""
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is None:
+        return
+    hub_cache = str(home / "hub")
+    constants.HF_HOME, constants.HF_HUB_CACHE, constants.HUGGINGFACE_HUB_CACHE = str(home), hub_cache, hub_cache
+    constants.HF_HUB_OFFLINE = True
+    scanner = sys.modules.get("huggingface_hub.utils._cache_manager")
+    if scanner is not None and hasattr(scanner, "HF_HUB_CACHE"):
+        scanner.HF_HUB_CACHE = hub_cache
