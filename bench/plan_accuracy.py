@@ -7,11 +7,14 @@ Rows: Llama3-70B SFT FP8 (current scaling) on 32 H100, TP4 PP4 VPP5 DP2 and its 
 with input re-gather (memory-tuning skill). "GB" in the skills is 10^9 bytes: Bridge's memory report
 divides torch's byte counters by 1e9 and rounds to five significant digits (47.545).
 "before" is the plan with every term of memory/model.py ADDED_TERMS switched off (Settings.without), which is
-the model as it was before issue 25; "after" is the plan. The "range" column is the plan's own uncertainty
+the model as it was before issue 25 (both read the vocabulary Bridge sets up: memory/model.py model_vocab);
+"after" is the plan. The "range" column is the plan's own uncertainty
 (memory/ranges.py) on the most-loaded GPU's footprint, the figure the fit is judged on (allocated memory, plus
 with CUDA graphs the pool the allocator keeps in replay); "before"/"after" are allocated peaks over every pipeline
-rank (max_memory_allocated), which is what the measured rows report. Goal: every peak within +-5%. Last line:
-`worst peak error: X% (before: Y%; Bridge estimator: Z%)`.
+rank (max_memory_allocated), which is what the measured rows report. Goal: every peak within +-5%. Then each
+term's change per row, and every phase of every pipeline rank: the two every iteration goes through (steady 1F1B,
+optimizer step: the plan's peak) and the one-time ones before training (eager warm-up, CUDA graph capture: the
+high end of the range). Last line: `worst peak error: X% (before: Y%; Bridge estimator: Z%)`.
 
 Each row is rebuilt from the configuration that was measured, not from a look-alike:
 - The Llama3-70B numbers come from Bridge's performance harness (golden 709.93 TFLOP/s, FP8-CS, TP4 PP4
@@ -80,10 +83,11 @@ prepare()
 print(f"{'configuration':<44}{'measured':>9}{'before':>8}{'err':>8}{'after':>8}{'err':>8}{'Bridge':>8}{'err':>9}"
       f"   {'footprint [range]':<20} allocated peak (after)   (GB = 1e9 bytes)")
 errors = {"before": [], "after": [], "bridge": []}
-planned, per_term = {}, {}
+planned, per_term, layouts = {}, {}, {}
 for label, recipe, overrides, overlays, params, world, measured in ROWS:
     cfg = build(recipe, overrides, overlays, params, world)
     shape, lay, st = P.from_config(cfg, world)
+    layouts[label] = (shape, lay, st)
     after, before = allocated_peak(shape, lay, st), allocated_peak(shape, lay, replace(st, without=OFF))
     theirs = bridge_estimate(cfg, world)
     plan = P.estimate(shape, lay, st)   # what the fit is judged on: allocated, plus the graph pool in replay
@@ -114,6 +118,14 @@ print("  (a term that lowers one phase can leave the peak to another phase or ra
 for label, (b, a, _) in per_term.items():
     if (b.rank, b.phase) != (a.rank, a.phase):
         print(f"  {label.strip()}: the peak moved from rank {b.rank}, {b.phase} to rank {a.rank}, {a.phase}")
+print("\nevery phase of every pipeline rank (allocated, GB; * the plan's peak on that rank):")
+print(f"  {'configuration':<44}{'rank':>5}" + "".join(f"{name:>20}" for name in P.PHASES))
+for label, recipe, overrides, overlays, params, world, measured in ROWS:
+    shape, lay, st = layouts[label]
+    for rank in range(lay.pp):
+        phases, peak = P.phase_breakdowns(shape, lay, st, rank), P.stage_peak(shape, lay, st, rank).phase
+        print(f"  {label if rank == 0 else '':<44}{rank:>5}" + "".join(
+            f"{phases[name].total / GB:>19.2f}{'*' if name == peak else ' '}" for name in P.PHASES))
 (o0, b0, m0), (o1, b1, m1) = planned[ROWS[4][0]], planned[ROWS[5][0]]
 saving_measured, saving_ours, saving_bridge = m0 - m1, (o0 - o1) / GB, ((b0 or 0) - (b1 or 0)) / GB
 print(f"re-gather saving: measured {saving_measured:.2f} GB, ours {saving_ours:.2f} GB "

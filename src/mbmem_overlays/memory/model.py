@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 BF16 = 2            # bytes per bf16/fp16 element
@@ -29,21 +29,35 @@ MOE_BALANCE = (
     "every token of the expert-parallel group routed to this GPU's experts; with "
     "moe_pad_expert_input_to_capacity the load is the capacity itself")
 VOCAB_FROM_TOKENIZER = (
-    "a vocabulary the recipe leaves to the tokenizer (model.vocab_size None) is the tokenizer's vocab_size, or for "
-    "a Hugging Face tokenizer the model's shipped config.json vocab_size (Bridge sets it from the tokenizer at "
-    "setup); when neither is known the embedding, output layer and logits are not counted and the range says how "
-    "large a vocabulary still fits")
+    "the vocabulary is the one Bridge sets at setup (training/setup.py:293-299, _validate_and_set_vocab_size): "
+    "the tokenizer's, padded to make_vocab_size_divisible_by x TP, when tokenizer.use_tokenizer_vocab_size is set "
+    "(the pretrain recipes' NullTokenizer) or model.vocab_size is None; else model.vocab_size as it is. The "
+    "tokenizer's is tokenizer.vocab_size, or for a Hugging Face tokenizer the model's shipped config.json "
+    "vocab_size (the padded embedding size, which can exceed the tokenizer's own by a few hundred tokens); when "
+    "neither is known (and the recipe presets none) the embedding, output layer and logits are not counted and "
+    "the range says how large a vocabulary still fits")
 FP8_TRANSPOSE = (
     "FP8 weights keep a transposed FP8 copy (Hopper GEMMs take only the TN layout: TE v2.17.1 tensor/utils.py "
     "post_all_gather_processing _create_transpose); on a GPU with non-TN FP8 GEMMs (Blackwell) that byte per "
     "layer weight is not kept: the low end of the parameters' range")
 GRAPH_WARMUP = (
-    "with TE CUDA graphs the first cuda_graph_warmup_steps iterations run eagerly (Bridge training/train.py:429-438 "
-    "captures when step == cuda_graph_warmup_steps), so every activation is allocated in them; and the capture "
-    "itself runs before the next iteration's zero_grad (train.py:866-869; megatron-core zeroes them only after "
-    "capture, cuda_graphs.py:2671 _reset_after_capture), with the previous step's fp32 gradient copies still "
-    "allocated. The headline plan is training after capture (replay, optimizer step, the capture's "
-    "activations); these two transient phases are the high end of the activations' range")
+    "with TE CUDA graphs the first cuda_graph_warmup_steps (W) iterations run eagerly and the graphs are captured "
+    "at the start of iteration W + 1 (Bridge training/train.py:429-438), before that iteration's zero_grad "
+    "(train.py:866-869; megatron-core zeroes the gradients only after capture, cuda_graphs.py:2671-2681 "
+    "_reset_after_capture). With W >= 1 the capture therefore runs beside the Adam moments and the W-th step's "
+    "fp32 gradient copies; with W = 0 it runs before the first step, when FusedAdam has not created its moments "
+    "yet (TE v2.17.1 optimizers/fused_adam.py:615-616 initialize_state on first use). The eager iterations hold "
+    "every activation (beside the moments from the second on). These one-time phases come before training and "
+    "are the high end of the activations' range; the headline plan is training after capture: graph replay and "
+    "the optimizer step")
+PRECISION_AWARE_PATH = (
+    "use_precision_aware_optimizer keeps the gradients in bf16 at the step (decoupled_grad) and gives the "
+    "master weights to FusedAdam only where megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8 holds "
+    "(optimizer_config.py:404-411: main params not fp32, an fp8_recipe of None or delayed, or CPU offload). "
+    "Bridge's mixed-precision setup copies mixed_precision.fp8_recipe (default 'tensorwise', also without FP8) "
+    "into the optimizer config (mixed_precision.py setup) before finalize computes it, so with fp32 main params "
+    "the step takes the regular path: DistributedOptimizer's fp32 masters and fp32 gradient copies "
+    "(distrib_optimizer.py:2782), with the moments in exp_avg_dtype")
 
 ASSUMPTIONS = (
     "allocated memory only (torch's max_memory_allocated, what Bridge reports as mem-max-allocated): allocator "
@@ -54,10 +68,12 @@ ASSUMPTIONS = (
     "CUDA context, NCCL communicators, TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
     "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) and cuBLAS/TE workspaces are outside torch's allocated "
     "memory and not counted",
-    "the peak is the largest of three phases on the first and last pipeline ranks (and any middle rank whose "
-    "layers differ): the 1F1B steady state (most microbatches in flight, plus the last stage's loss, deferred "
-    "output-layer gradients and megatron-core's global memory buffer), CUDA graph capture and the optimizer step "
-    "(fp32 copies of bf16 gradients, plus the graphs' static inputs)",
+    "the headline peak is the larger of the two phases every training iteration goes through, on the first and "
+    "last pipeline ranks (and any middle rank whose layers differ): the 1F1B steady state (most microbatches in "
+    "flight, plus the last stage's loss, deferred output-layer gradients and megatron-core's global memory "
+    "buffer) and the optimizer step (fp32 copies of bf16 gradients, the params-dtype casts of FP8 master "
+    "weights, and the CUDA graphs' static inputs). The one-time phases before training, eager warm-up "
+    "iterations and CUDA graph capture, are planned per rank too and bound the activations' range",
     "per-layer CUDA graphs (cuda_graph_modules, or the deprecated cuda_graph_scope; none: the whole layer) follow "
     "megatron-core's TECudaGraphHelper (transformer/cuda_graphs.py) and TE v2.17.1's make_graphed_callables "
     "(pytorch/graph.py): one graph per graphable layer (_layer_is_graphable: attn, mlp, moe/moe_router, mamba by "
@@ -71,6 +87,7 @@ ASSUMPTIONS = (
     "shape; the previous graph's weak-referenced) are not counted. The local implementation is modelled the same "
     "way",
     GRAPH_WARMUP,
+    PRECISION_AWARE_PATH,
     "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept beside q, "
     "k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or adapter-read copy "
     "for linear_proj stays); an unfused backend would keep the s x s scores",
@@ -154,6 +171,33 @@ ADDED_TERMS = {
         "(full sequence x hidden, bf16), kept for the job; the deferred-wgrad drain keeps a second one",
         "megatron/core/tensor_parallel/layers.py:570 (get_global_memory_buffer().get_tensor(dim_size, input.dtype, "
         "\"mpu\")); megatron/core/utils.py:1259 (drain_embedding_wgrad_compute: \"mpu_0\")"),
+    "fp8_master_cast_copies": (
+        "FP8 primary weights with the distributed optimizer: at the step TE first casts every fp32 master shard of a "
+        "quantized weight to the params dtype and holds all the casts in a list until it has quantized them into "
+        "the FP8 weights, beside the step's fp32 gradient copies: 2 bytes per quantized weight element of this "
+        "rank's optimizer shard (bf16 params)",
+        "megatron/core/optimizer/optimizer.py:786,808 (optimizer.step(), then _copy_main_params_to_model_params); "
+        "optimizer/distrib_optimizer.py:2815,2837 (fp8_param_gather: quantize_param_shard); fp8_utils.py:415 "
+        "(cast_master_weights_to_fp8); TE v2.17.1 transformer_engine/pytorch/tensor/utils.py:139-144 "
+        "(master_weight = master_weight.to(model_weight.dtype)), :148-167 (appended to the per-recipe lists), "
+        ":171-181 (cast after the loop)"),
+    "precision_aware_grad_upcast": (
+        "use_precision_aware_optimizer with fp32 main params and an fp8_recipe other than delayed (Bridge's default "
+        "'tensorwise', also without FP8) and no CPU offload takes megatron-core's regular path: the step makes "
+        "fp32 gradient copies (the plan said bf16 decoupled gradients)",
+        "megatron/core/optimizer/optimizer_config.py:404-411 (use_precision_aware_optimizer_no_fp8_or_ds_fp8); "
+        "optimizer/distrib_optimizer.py:2774-2782 (decoupled_grad only under that flag, else .float()); "
+        "megatron/bridge/training/mixed_precision.py:130-131 (setup copies fp8_recipe into the optimizer config), "
+        "megatron/bridge/training/config.py:136-142 (OptimizerConfig.finalize runs the post-init after that)"),
+    "graph_capture_after_warmup": (
+        "the CUDA graph capture as Bridge runs it, once, before training: with cuda_graph_warmup_steps >= 1 beside "
+        "the last warm-up step's fp32 gradient copies, with 0 before the Adam moments exist; a one-time phase "
+        "like the eager warm-up, so it bounds the range and the headline is replay and the optimizer step (before: "
+        "the capture's activations beside the full state, in the headline)",
+        "megatron/bridge/training/train.py:429-438 (create_cudagraphs when step - start == "
+        "cuda_graph_warmup_steps, before train_step), :866-869 (train_step: optimizer.zero_grad); "
+        "megatron/core/transformer/cuda_graphs.py:2671-2681 (_reset_after_capture zeroes after capture); TE "
+        "v2.17.1 transformer_engine/pytorch/optimizers/fused_adam.py:615-616 (moments created at the first step)"),
 }
 
 # ----------------------------------------------------------------------------- inputs
@@ -238,7 +282,12 @@ class Settings:
     graph_scopes: tuple[str, ...] = ()        # per-layer CUDA graph scopes (see GRAPH_SCOPE_TERMS)
     logits_bytes: int = BF16 + FP32           # per logit element at the loss (see loss_bytes)
     cross_entropy_impl: str = "unfused"       # "te", "native" (fused) or "unfused" (see loss_bytes)
-    step_upcasts_grads: bool = True           # the optimizer step copies bf16 grads to fp32 (not precision-aware)
+    # the optimizer step copies bf16 grads to fp32: megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    # is false (see PRECISION_AWARE_PATH)
+    step_upcasts_grads: bool = True
+    # Bytes per quantized weight element of the optimizer shard that the step casts the fp32 master to before
+    # quantizing it into an FP8 primary weight (fp8_master_cast_copies): the params dtype's, 0 without FP8 params
+    fp8_cast_copy_bytes: int = 0
     precision_aware: bool = False             # optimizer.use_precision_aware_optimizer (see optimizer_gpu_bytes)
     optimizer_instances: int = 1              # ddp.num_distributed_optimizer_instances (see data_parallel_shards)
     fsdp: str | None = None                   # Megatron FSDP on: ddp.data_parallel_sharding_strategy
@@ -433,16 +482,23 @@ def optimizer_gpu_bytes(st: Settings) -> float:
     pinned CPU memory, steps them there, and copies the result back into the GPU parameter
     (param_copy_back_gpu_hook). Which GPU tensor that parameter is decides what leaves the GPU.
     """
+    return sum(optimizer_gpu_parts(st))
+
+
+def optimizer_gpu_parts(st: Settings) -> tuple[float, float]:
+    """(master weights, Adam moments) of optimizer_gpu_bytes. The masters exist from the optimizer's
+    construction; the moments only from the first step (TE v2.17.1 optimizers/fused_adam.py:615-616, torch's
+    Adam alike: state is created when a parameter is first stepped)."""
     f = st.optimizer_offload
     if not f:
-        return st.master_bytes + ADAM_MOMENTS * st.state_bytes
+        return float(st.master_bytes), float(ADAM_MOMENTS * st.state_bytes)
     if st.precision_aware:
         # Offload makes use_precision_aware_optimizer_no_fp8_or_ds_fp8 true (optimizer_config.py __post_init__):
         # the distributed optimizer keeps no master (shard_main_param = None, distrib_optimizer.py
         # _build_model_and_main_param_groups) and hands bf16 shards to the hybrid optimizer, whose
         # param_update_in_fp32 makes fp32 masters: on the CPU for the offloaded part, on the GPU for the rest.
         # Its GPU Adam is built without exp_avg_dtype (optimizer/__init__.py optimizer_defaults): fp32 moments.
-        return (1.0 - f) * (FP32 + ADAM_MOMENTS * FP32)
+        return (1.0 - f) * FP32, (1.0 - f) * ADAM_MOMENTS * FP32
     # The parameters the hybrid optimizer receives are the fp32 master shards the distributed optimizer made on
     # the GPU (shard_fp32_from_float16_groups): the offloaded ones are cloned to the CPU, the GPU masters stay
     # (Bridge's sync_hybrid_device_optimizer_fp32_master_copies calls them level 1). Only moments leave.
@@ -451,7 +507,7 @@ def optimizer_gpu_bytes(st: Settings) -> float:
         # Float16OptimizerWithFloat16Params makes its fp32 masters after the hybrid optimizer was built from the
         # bf16 parameters, which already made fp32 copies of its GPU part (param_update_in_fp32; optimizer.py)
         master += (1.0 - f) * FP32
-    return master + (1.0 - f) * ADAM_MOMENTS * st.state_bytes
+    return master, (1.0 - f) * ADAM_MOMENTS * st.state_bytes
 
 
 def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
@@ -840,12 +896,16 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
 def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
                            rank: int | None = None) -> float:
     """fp32 gradient copies the distributed optimizer makes at its step when gradients are kept in bf16
-    (distrib_optimizer.py _copy_model_grads_to_main_grads: shard_main_param.grad = shard_model_grad.float())."""
+    (distrib_optimizer.py _copy_model_grads_to_main_grads: shard_main_param.grad = shard_model_grad.float()).
+    They stay allocated until the next iteration's zero_grad (Bridge train.py:866-869)."""
     if st.grad_bytes >= FP32 or not st.master_bytes or st.lora_rank:
         return 0.0  # fp32 gradients are used in place (.float() is a no-op); adapters only: negligible
     if st.fsdp is not None:
         return 0.0  # Megatron FSDP owns its main-grad buffers: _copy_model_grads_to_main_grads returns early
-    if st.precision_aware or not st.step_upcasts_grads:
+    upcasts = st.step_upcasts_grads
+    if "precision_aware_grad_upcast" in st.without:
+        upcasts = upcasts and not st.precision_aware
+    if not upcasts:
         # decoupled_grad is the bf16 shard itself; under CPU offload the hybrid optimizer upcasts the GPU part
         # for its fp32 masters (fp32_param.grad = grad.to(fp32), hybrid_optimizer.py _set_sub_optimizer_grads)
         fraction = 1.0 - st.optimizer_offload if st.optimizer_offload else 0.0
@@ -858,6 +918,23 @@ def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, las
     layer_params, embed, expert = stage_params(s, lay, first, last, rank)
     shards, expert_shards = optimizer_shards(lay, st)
     return FP32 * ((layer_params + embed) / shards + expert / expert_shards) * fraction
+
+
+def fp8_master_cast_copies(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
+                           rank: int | None = None) -> float:
+    """The params-dtype casts of the FP8 weights' fp32 master shards, alive together at the end of the step.
+
+    With FP8 primary weights (fp8_param_gather) the distributed optimizer's step ends in quantize_param_shard
+    (distrib_optimizer.py:2815,2837), TE's quantize_master_weights, which first casts each master shard to the
+    weight's nominal dtype and appends it to a per-recipe list (TE v2.17.1 tensor/utils.py:139-167), and only
+    after the loop quantizes the list into the FP8 weights (:171-181). The step's fp32 gradient copies are still
+    allocated then (optimizer.py:786,808: the inner step, then the copy to the model params). Only the layer
+    GEMM weights are FP8 (embeddings and the output layer stay bf16: stage_params' embed)."""
+    if not st.fp8_cast_copy_bytes or st.lora_rank or "fp8_master_cast_copies" in st.without:
+        return 0.0
+    layer_params, _, expert = stage_params(s, lay, first, last, rank)
+    shards, expert_shards = optimizer_shards(lay, st)
+    return st.fp8_cast_copy_bytes * (layer_params / shards + expert / expert_shards)
 
 
 def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
@@ -898,34 +975,83 @@ def global_memory_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> floa
     return full * (2 if st.deferred_wgrad_microbatches else 1)
 
 
-PHASES = ("steady 1F1B", "CUDA graph capture", "optimizer step")
+PHASES = ("steady 1F1B", "CUDA graph capture", "optimizer step", "eager warm-up")
+# The phases every training iteration goes through (the headline peak); the others happen once, before training
+# (GRAPH_WARMUP), and bound the activations' range (memory/ranges.py).
+HEADLINE_PHASES = ("steady 1F1B", "optimizer step")
+ONE_TIME_PHASES = ("eager warm-up", "CUDA graph capture")
+
+
+def _graphed(st: Settings) -> bool:
+    """Whether per-layer CUDA graphs are captured and replayed (as stage_activations models them)."""
+    return bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
 
 
 def phase_breakdowns(s: Shape, lay: Layout, st: Settings, rank: int) -> dict[str, Breakdown]:
-    """Pipeline rank ``rank`` in each phase (PHASES), every component on one GPU: parameters, gradients and
-    optimizer state throughout; activations in the 1F1B steady state (the last stage's loss buffers included)
-    or while CUDA graphs are captured; at the optimizer step only the allocations that outlive the backward
-    (graph static inputs) beside the fp32 gradient copies."""
+    """Pipeline rank ``rank`` in each phase (PHASES), every component on one GPU.
+
+    Every iteration: the 1F1B steady state (the last stage's loss buffers included) and the optimizer step (only
+    the allocations that outlive the backward, the graphs' static inputs, beside the fp32 gradient copies and the
+    FP8 master casts). Once, before training, with CUDA graphs (GRAPH_WARMUP): the eager warm-up iterations (every
+    activation allocated; the Adam moments only from the second iteration on) and the capture (the graphed scopes'
+    activations for every in-flight microbatch, beside the last warm-up step's fp32 gradient copies, or before any
+    step without the moments). Without graphs the one-time phases hold the model state only."""
+    return _phases(s, lay, st, rank, one_time=True)
+
+
+def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> dict[str, Breakdown]:
+    """phase_breakdowns; without ``one_time`` the eager warm-up is not re-planned (the headline needs only
+    HEADLINE_PHASES, and the search plans thousands of layouts)."""
     first, last = rank == 0, rank == lay.pp - 1
     p, g, o = model_state(s, lay, st, first=first, last=last, rank=rank)
     acts = stage_activations(s, lay, st, rank)
     other = communication_buffers(s, lay, st, rank, p)
     step = optimizer_step_buffers(s, lay, st, first, last, rank)
+    casts = fp8_master_cast_copies(s, lay, st, first, last, rank)
     detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
+    if casts:
+        detail += (("FP8 master weights cast to the params dtype at the optimizer step", casts),)
     if st.fsdp is not None and other:
         detail += (("Megatron FSDP gathered parameters and unsharded gradients", other),)
     elif (gathered := global_memory_buffer(s, lay, st, rank)):
         detail += (("megatron-core global memory buffer (output layer SP gather)", gathered),)
     resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
-    values = {"steady 1F1B": (acts.steady, other), "CUDA graph capture": (acts.capture, other),
-              "optimizer step": (acts.persistent, other + step)}
-    return {phase: Breakdown(p, g, o, a, x, detail, rank, phase, resident) for phase, (a, x) in values.items()}
+    master, moments = optimizer_gpu_parts(st)
+    o_no_moments = o * master / (master + moments) if master + moments else o   # before the first step
+    values = {"steady 1F1B": (o, acts.steady, other), "optimizer step": (o, acts.persistent, other + step + casts),
+              "CUDA graph capture": (o, 0.0, other), "eager warm-up": (o, 0.0, other)}
+    warmup = st.graph_warmup_steps
+    if _graphed(st) and "graph_capture_after_warmup" in st.without:
+        values["CUDA graph capture"] = (o, acts.capture, other)
+    elif _graphed(st):
+        # captured before iteration W + 1's zero_grad: the W-th step's fp32 gradient copies are still allocated;
+        # with W = 0 before the first step, when the moments do not exist yet
+        values["CUDA graph capture"] = (o, acts.capture, other + step) if warmup else (o_no_moments, acts.capture,
+                                                                                          other)
+        if warmup and one_time:
+            eager = stage_activations(s, lay, replace(st, graph_scopes=()), rank).steady
+            values["eager warm-up"] = (o if warmup > 1 else o_no_moments, eager, other)
+    return {phase: Breakdown(p, g, opt, a, x, detail, rank, phase, resident)
+            for phase, (opt, a, x) in values.items()}
 
 
 def stage_peak(s: Shape, lay: Layout, st: Settings, rank: int) -> Breakdown:
-    """Pipeline rank ``rank`` at its peak: the phase whose allocated total is largest."""
-    phases = phase_breakdowns(s, lay, st, rank)
-    return max(phases.values(), key=lambda b: b.total)
+    """Pipeline rank ``rank`` at its peak in training: the HEADLINE_PHASES phase whose allocated total is largest
+    (with graph_capture_after_warmup switched off, the capture counts too, as before that term)."""
+    phases = _phases(s, lay, st, rank, one_time=False)
+    names = HEADLINE_PHASES
+    if "graph_capture_after_warmup" in st.without:
+        names = ("steady 1F1B", "CUDA graph capture", "optimizer step")
+    return max((phases[n] for n in names), key=lambda b: b.total)
+
+
+def one_time_peak(s: Shape, lay: Layout, st: Settings) -> Breakdown | None:
+    """The largest one-time phase before training (ONE_TIME_PHASES) over every pipeline rank; None without CUDA
+    graphs (then there is none beyond the steady state)."""
+    if not _graphed(st):
+        return None
+    return max((phase_breakdowns(s, lay, st, r)[n] for r in range(lay.pp) for n in ONE_TIME_PHASES),
+               key=lambda b: b.total)
 
 
 def stage_breakdowns(s: Shape, lay: Layout, st: Settings) -> tuple[Breakdown, ...]:
@@ -945,8 +1071,9 @@ def _candidate_ranks(s: Shape, lay: Layout) -> list[int]:
 
 def estimate(s: Shape, lay: Layout, st: Settings) -> Breakdown:
     """The most-loaded GPU at its peak: over the pipeline ranks that can be the most loaded (_candidate_ranks),
-    the largest of the steady 1F1B state, CUDA graph capture and the optimizer step (each on top of parameters,
-    gradients, optimizer); judged on the footprint (with CUDA graphs, allocated tensors plus the pool)."""
+    the larger of the steady 1F1B state and the optimizer step (each on top of parameters, gradients, optimizer;
+    the one-time phases before training are one_time_peak's); judged on the footprint (with CUDA graphs,
+    allocated tensors plus the pool)."""
     best: Breakdown | None = None
     for rank in _candidate_ranks(s, lay):
         b = stage_peak(s, lay, st, rank)
@@ -1054,14 +1181,48 @@ def _dtype_bytes(dtype: Any, default: int) -> int:
     return {"torch.float32": FP32, "torch.bfloat16": BF16, "torch.float16": BF16, "torch.uint8": FP8}.get(name, default)
 
 
+def fp8_cast_copy_bytes(cfg: Any, fp8_params: bool, decoupled_grads: bool, fsdp_on: bool, mp: Any) -> int:
+    """Settings.fp8_cast_copy_bytes: the params dtype's bytes when the step quantizes fp32 masters into FP8
+    primary weights through TE's quantize_master_weights (fp8_master_cast_copies), else 0. That is the
+    distributed optimizer's regular path with ddp.fp8_param_gather (distrib_optimizer.py:2815); not Megatron
+    FSDP (its own copy_main_weights_to_model_weights), not the precision-aware path that lets FusedAdam own the
+    masters (:2812-2813 returns first), not MXFP8 weights gathered through the gradient buffer
+    (reuse_grad_buf_for_mxfp8_param_ag: the masters go to the param buffer instead, optimizer.py:800-806).
+    fp32 params cast to themselves (Tensor.to of the same dtype returns the tensor)."""
+    from ..core.paths import read
+    dist = bool(getattr(cfg.optimizer, "use_distributed_optimizer", False) or read(cfg, "ddp.use_distributed_optimizer",
+                                                                                   False))
+    reuse = any(bool(getattr(c, "reuse_grad_buf_for_mxfp8_param_ag", False))
+                for c in (mp, cfg.optimizer, getattr(cfg, "ddp", None)) if c is not None)
+    if not fp8_params or not dist or fsdp_on or decoupled_grads or reuse:
+        return 0
+    dtype = getattr(mp, "params_dtype", None) if mp is not None else None
+    dtype = dtype or getattr(cfg.model, "params_dtype", None)
+    return 0 if _dtype_bytes(dtype, BF16) == FP32 else BF16
+
+
 def vocab_size(cfg: Any) -> int:
-    """model.vocab_size, or, when the recipe leaves it to the tokenizer (Nemotron-3-Nano pretrain: None), what
-    the tokenizer will give: Bridge sets the model's vocab from the tokenizer at setup. For a Hugging Face
-    tokenizer we read vocab_size from the model's shipped config.json (bridge/hf_configs), 0 if we have none."""
-    vocab = getattr(cfg.model, "vocab_size", None)
-    if vocab:
-        return int(vocab)
+    """The model's unpadded vocabulary as Bridge sets it at setup (training/setup.py:293-299,
+    _validate_and_set_vocab_size :702): the tokenizer's when ``tokenizer.use_tokenizer_vocab_size`` is set or
+    ``model.vocab_size`` is unset, else ``model.vocab_size``. The tokenizer's is ``tokenizer.vocab_size`` (a
+    NullTokenizer's whole vocabulary, megatron-core null_tokenizer.py), or for a Hugging Face tokenizer the
+    model's shipped config.json vocab_size (bridge/hf_configs); 0 if we have neither (and the recipe sets none)."""
+    return model_vocab(cfg)[0]
+
+
+def model_vocab(cfg: Any) -> tuple[int, bool]:
+    """(unpadded vocabulary, whether Bridge pads it): setup pads a vocabulary that came from the tokenizer and
+    leaves a preset model.vocab_size as it is (setup.py:702-721 returns should_pad_vocab True / False, which the
+    model provider obeys: gpt_provider.py:265-270)."""
+    preset = getattr(cfg.model, "vocab_size", None)
     tok = getattr(cfg, "tokenizer", None)
+    if preset and not getattr(tok, "use_tokenizer_vocab_size", False):
+        return int(preset), False
+    return (_tokenizer_vocab(tok) or int(preset or 0)), True
+
+
+def _tokenizer_vocab(tok: Any) -> int:
+    """The tokenizer's vocabulary size without building it, 0 when not readable here."""
     if getattr(tok, "vocab_size", None):
         return int(tok.vocab_size)
     hub_id = getattr(tok, "tokenizer_model", None)
@@ -1098,9 +1259,9 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
             is_moe = [bool(int(x)) for x in freq]
         kinds = tuple("attn+moe" if x else "attn+mlp" for x in is_moe)
     moe_layers = sum(1 for k in kinds if "moe" in k)
-    vocab = vocab_size(cfg)
+    vocab, pad = model_vocab(cfg)
     div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
-    vocab = int(math.ceil(vocab / div) * div) if vocab else 0
+    vocab = int(math.ceil(vocab / div) * div) if vocab and pad else vocab   # calculate_padded_vocab_size
     shape = Shape(
         layers=layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size or 4 * m.hidden_size, heads=m.num_attention_heads,
         groups=m.num_query_groups or m.num_attention_heads, head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
@@ -1127,6 +1288,12 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
     opt = cfg.optimizer
     precision_aware = bool(getattr(opt, "use_precision_aware_optimizer", False))
+    # megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8 (optimizer_config.py:404-411), with the
+    # fp8_recipe Bridge's mixed-precision setup copies into the optimizer config (PRECISION_AWARE_PATH)
+    fp8_recipe = getattr(mp, "fp8_recipe", None) if mp is not None else getattr(opt, "fp8_recipe", None)
+    decoupled_grads = precision_aware and (
+        _dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) != FP32 or fp8_recipe in (None, "delayed")
+        or bool(getattr(opt, "optimizer_cpu_offload", False)))
     peft = getattr(cfg, "peft", None)
     fp8 = bool(getattr(mp, "fp8", None) or getattr(m, "fp8", None))
     fp8_params = bool(getattr(m, "fp8_param", False) or getattr(mp, "fp8_param_gather", False))
@@ -1172,7 +1339,8 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         graph_scopes=scopes,
         logits_bytes=loss_bytes(m),
         cross_entropy_impl=cross_entropy_impl(m),
-        step_upcasts_grads=not precision_aware,
+        step_upcasts_grads=not decoupled_grads,
+        fp8_cast_copy_bytes=fp8_cast_copy_bytes(cfg, fp8_params, decoupled_grads, fsdp_on, mp),
         deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
         if defer and lay.pp > 1 else 0,
         state_bytes=_dtype_bytes(getattr(opt, "exp_avg_dtype", None), FP32) if precision_aware else FP32,

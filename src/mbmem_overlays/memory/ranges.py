@@ -1,8 +1,8 @@
 """How far the plan's peak could move where its own assumptions leave it unsure, from the configuration.
 
 Each :class:`Range` re-plans the most-loaded GPU with one assumption pushed to the end the configuration allows
-(a worst-case expert load at the capacity factor, the GPU generation's FP8 weight layout, the eager warm-up
-before CUDA graph capture, an unknown vocabulary) and says which plan assumption it qualifies
+(a worst-case expert load at the capacity factor, the GPU generation's FP8 weight layout, the one-time eager
+warm-up and CUDA graph capture before training, an unknown vocabulary) and says which plan assumption it qualifies
 (``model.MOE_BALANCE`` ...), so the plan's assumptions always list every component that has a range. The fit
 verdict then reads "fits unless ..." instead of a bare yes (``verdict``). Pure functions over the model's frozen
 dataclasses, like model.py.
@@ -54,18 +54,6 @@ def moe_worst_load(s: P.Shape, lay: P.Layout, st: P.Settings) -> float:
     return max(1.0, lay.ep * min(s.topk, local) / s.topk)
 
 
-def _capture_after_step(s: P.Shape, lay: P.Layout, st: P.Settings) -> float:
-    """The CUDA graph capture with the previous step's fp32 gradient copies still allocated (Bridge train.py
-    captures before train_step's optimizer.zero_grad; megatron-core zeroes them only after capture,
-    cuda_graphs.py _reset_after_capture)."""
-    best = 0.0
-    for rank in range(lay.pp):
-        phases = P.phase_breakdowns(s, lay, st, rank)
-        step = P.optimizer_step_buffers(s, lay, st, rank == 0, rank == lay.pp - 1, rank)
-        best = max(best, phases["CUDA graph capture"].total + step)
-    return best
-
-
 def uncertainty(s: P.Shape, lay: P.Layout, st: P.Settings, base: P.Breakdown | None = None) -> tuple[Range, ...]:
     """The ranges that apply to this configuration (empty when the plan is sure of every component)."""
     base = base or P.estimate(s, lay, st)
@@ -88,15 +76,16 @@ def uncertainty(s: P.Shape, lay: P.Layout, st: P.Settings, base: P.Breakdown | N
         out.append(Range("parameters (FP8 transposed copies)", "GPU generation: Hopper keeps a transposed FP8 copy "
                          "of every layer weight, Blackwell does not", P.FP8_TRANSPOSE, "", low, mid,
                          if_low="it would on a GPU with non-TN FP8 GEMMs (Blackwell)"))
-    if st.graph_scopes and st.graph_warmup_steps > 0 and st.recompute != "full" and not st.cpu_offload_layers:
-        eager = P.estimate(s, lay, replace(st, graph_scopes=())).footprint
-        high = max(eager, _capture_after_step(s, lay, st))
-        if high > mid:
-            which = "eager warm-up" if eager >= high else "CUDA graph capture after a step"
-            out.append(Range("activations (before CUDA graphs replay)",
-                             f"{st.graph_warmup_steps} eager warm-up iterations hold every activation; the capture "
-                             "runs with the previous step's fp32 gradient copies allocated", P.GRAPH_WARMUP,
-                             f"the {which} counts", mid, high))
+    once = P.one_time_peak(s, lay, st)
+    if once is not None and once.total > mid:
+        warmup = st.graph_warmup_steps
+        if warmup:
+            why = (f"{warmup} eager warm-up iteration{'s' if warmup > 1 else ''} hold every activation; the capture "
+                   "runs beside the last warm-up step's fp32 gradient copies")
+        else:
+            why = "the capture holds every in-flight microbatch's graphed activations (before the first step)"
+        out.append(Range("activations (before CUDA graphs replay)", why, P.GRAPH_WARMUP,
+                         f"the one-time {once.phase} (pipeline rank {once.rank}) counts", mid, once.total))
     if not s.vocab:
         per_token = _per_vocab_token(s, lay, st)
         out.append(Range("embedding, output layer and logits", "vocabulary unknown (model.vocab_size unset and the "
