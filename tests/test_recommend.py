@@ -195,8 +195,10 @@ def test_search_text_prints_each_results_saving(bridge, capsys):
 def test_printed_commands_run_as_pasted(bridge, capsys):
     """The recommendation and the cheapest search result, each pasted into a shell: train.py dry-runs it,
     our rules and Bridge's validation pass, exit 0. (Each paste imports Bridge anew: ~40 s.)"""
+    # the recipe's own 128256-token vocabulary, not its NullTokenizer's 32000 (Bridge's setup would use the
+    # tokenizer's): the larger logits make the ladder need a recompute step with a parameter
     rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80G",
-                       "--set", "train.train_iters=20")
+                       "--set", "train.train_iters=20", "--set", "tokenizer.use_tokenizer_vocab_size=false")
     assert rc == 0 and rec["fits"]
     assert "'mem.selective_recompute.modules=[core_attn,mlp]'" in rec["command"]  # a parameter the ladder chose
     rc, found = cli_json(capsys, "plan", "--recipe", "llama3_8b_peft", "--world-size", "8", "--gpu-memory", "30GiB",
@@ -239,7 +241,8 @@ def test_a_rung_that_saves_nothing_is_listed_apart_never_printed_as_a_step(bridg
 def test_full_recompute_block_is_a_step_when_it_saves(bridge, recipe):
     """README's ladder: full recompute `block` over the fewest layers that fit comes before `uniform`/1."""
     from mbmem_overlays.memory.ladder import recommend
-    rec = recommend(recipe("llama3_8b_pretrain_config"), 8, parse_size("40GiB"), recipe=L8)
+    rec = recommend(recipe("llama3_8b_pretrain_config", "tokenizer.use_tokenizer_vocab_size=false"), 8,
+                    parse_size("40GiB"), recipe=L8)
     block = next(s for s in rec["steps"] if s["step"].startswith("full_recompute method=block"))
     assert "skipped" not in block and block["saving_bytes"] > 0 and block["fits"]
     assert {"target": "model.recompute_method", "old": None, "new": "block"} in block["changes"]
