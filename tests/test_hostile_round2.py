@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, train, train_process
+from conftest import ROOT, paste, train, train_process
 
 from mbmem_overlays import OverlayError, apply_overlay
 from mbmem_overlays.core.catalog import Catalog
@@ -155,9 +155,10 @@ def test_slurm_container_mounts_the_user_overlay_dirs(tmp_path):
 
 
 @pytest.mark.bridge
-def test_apply_next_line_pasted_into_a_shell_finds_the_user_overlay(bridge, tmp_path, capsys):
+def test_apply_next_line_pasted_into_a_shell_finds_the_user_overlay(bridge, tmp_path, capsys, monkeypatch):
     """`mbmem apply --overlay-dir D`'s next: line, pasted as it is into bash (no MBMEM_OVERLAY_DIRS in the
-    shell), runs: the command itself says where the overlay lives (issue 22 #2a)."""
+    shell), runs: the command itself says where the overlay lives (issue 22 #2a). A real bash parses it;
+    the train.py it starts runs in this process (conftest.paste)."""
     from mbmem_overlays.cli import main
     overlay_file(tmp_path / "mine", "small_batch", SMALL_BATCH)
     code = main(["--overlay-dir", str(tmp_path / "mine"), "apply", "--recipe", "llama3_8b_pretrain", "-O",
@@ -165,10 +166,8 @@ def test_apply_next_line_pasted_into_a_shell_finds_the_user_overlay(bridge, tmp_
     out = capsys.readouterr().out
     assert code == EXIT_OK, out[-2000:]
     line = out.split("next: ", 1)[1].splitlines()[0]
-    env = {k: v for k, v in os.environ.items() if k != "MBMEM_OVERLAY_DIRS"}
-    env.update(PATH=f"{VENV_BIN}:{env['PATH']}", MBMEM_RUNS_DIR=str(tmp_path / "runs"), MBMEM_QUIET="1")
-    done = subprocess.run(["bash", "-c", f"{line} run.dry_run=true"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    monkeypatch.delenv("MBMEM_OVERLAY_DIRS", raising=False)
+    done = paste(f"{line} run.dry_run=true", env={"MBMEM_RUNS_DIR": str(tmp_path / "runs"), "MBMEM_QUIET": "1"})
     assert done.returncode == EXIT_OK, done.stderr[-3000:]
     assert "[small_batch] train.micro_batch_size: 1 -> 2" in done.stdout
 

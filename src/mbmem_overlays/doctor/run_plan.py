@@ -195,8 +195,9 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
     from ..core.catalog import Catalog
     from ..core.errors import OverlayError
     from ..core.paths import MISSING, read
+    from ..core.values import hydra_text
     from ..memory import model as M
-    from ..memory.steps import Candidate, Rejected, Start, hydra_value, realize
+    from ..memory.steps import Candidate, Rejected, Start, realize
     prepare()
     catalog = Catalog(overlay_dirs)
     cfg = load_recipe(name)
@@ -228,7 +229,7 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
                 continue
             if isinstance(current, bool) != isinstance(value, bool):
                 continue
-            word = f"{path}={hydra_value(value)}"
+            word = f"{path}={hydra_text(value)}"
             more, bad = check_overrides(cfg, [word])
             if bad:
                 continue

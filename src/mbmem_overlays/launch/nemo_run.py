@@ -28,10 +28,9 @@ def hydra_word(path: str, value: Any) -> str:
     The plain form (``[a,b]``, ``true``, ``null``) is tried first; a text Hydra would read as something else
     (``1e-4``, ``a:b``) is single-quoted. The round trip is checked with Hydra's own parser."""
     from ..bridge.overrides import parse_override
-    from ..core.values import plain
-    from ..memory.steps import hydra_value
+    from ..core.values import hydra_text, plain
     key = f"++{path[2:]}" if path.startswith("++") else path
-    for text in (hydra_value(value), _quoted(value)):
+    for text in (hydra_text(value), _quoted(value)):
         if text is None:
             continue
         word = f"{key}={text}"

@@ -20,6 +20,7 @@ from ..core.catalog import Catalog, train_recipe_arg
 from ..core.engine import apply_overlay
 from ..core.errors import OverlayError
 from ..core.paths import read
+from ..core.values import hydra_text
 from . import model as P
 from .costs import LADDER
 from .ranges import uncertainty
@@ -133,12 +134,12 @@ def explain_rejection(cfg: Any, start: Start, cand: Candidate, world: int, exc: 
                 cache[key] = True
         return cache[key]
 
-    causes = [f"{k}={hydra_value(v)}" for k, v in cand.sets.items() if rejected(Candidate(sets={k: v}))]
+    causes = [f"{k}={hydra_text(v)}" for k, v in cand.sets.items() if rejected(Candidate(sets={k: v}))]
     if not causes:
         added = [o for o in cand.overlays if o not in start.overlays]
         causes = [f"+mem={o}" for o in added if not rejected(cand.plus(drop=(o,)))]
     if not causes:
-        causes = [f"{k}={hydra_value(v)}" for k, v in cand.sets.items()] or [f"+mem={o}" for o in cand.overlays]
+        causes = [f"{k}={hydra_text(v)}" for k, v in cand.sets.items()] or [f"+mem={o}" for o in cand.overlays]
     return f"{' with '.join(causes)}: {why}" if causes else why
 
 
@@ -165,27 +166,16 @@ def toggles(cfg: Any, before: dict[str, Any], after: dict[str, Any]) -> list[tup
     return out
 
 
-def hydra_value(value: Any) -> str:
-    """A Python value as Hydra's override grammar reads it back (train.py parses overrides with Hydra)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    return str(value)
-
-
 def train_command(start: Start, cand: Candidate, world: int) -> str:
     """The ``train.py`` command (README "train.py (Hydra)") that builds exactly what ``realize`` checked:
     the user's recipe and --set words first, verbatim, then the candidate; a dry run, so pasting it
     validates again before anything launches (drop ``run.dry_run=true`` to train)."""
     names = list(dict.fromkeys([*start.overlays, *cand.overlays]))
     words = ["python", "train.py", train_recipe_arg(start.recipe), *start.words,
-             *(f"{path}={hydra_value(v)}" for path, v in cand.sets.items())]
+             *(f"{path}={hydra_text(v)}" for path, v in cand.sets.items())]
     if names:
         words.append(f"+mem=[{','.join(names)}]")
-    words += [f"mem.{o}.{p}={hydra_value(v)}" for o, ps in cand.params.items() if o in names for p, v in ps.items()]
+    words += [f"mem.{o}.{p}={hydra_text(v)}" for o, ps in cand.params.items() if o in names for p, v in ps.items()]
     words += [f"run.world_size={world}", "run.dry_run=true"]
     command = " ".join(shlex.quote(w) for w in words)
     if start.overlay_dirs:
