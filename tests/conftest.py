@@ -316,10 +316,11 @@ def snapshot(cfg) -> str:
     return json.dumps(cfg.to_dict(), sort_keys=True, default=repr)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    """A real one-node Slurm (tests/slurm_cluster.py) for the module's tests; stopped when the module ends, so
-    the next module's cluster can take the same ports. Fails in CI when it cannot start, skips elsewhere."""
+    """A real one-node Slurm (tests/slurm_cluster.py), started once for every test that submits a job (its
+    start is the slow part) and stopped at the end of the session. Fails in CI when it cannot start, skips
+    elsewhere."""
     from slurm_cluster import Cluster, available
     reason = available()
     if reason:

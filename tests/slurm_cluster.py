@@ -32,6 +32,10 @@ class Cluster:
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.pidfiles = [root / "slurmd.pid", root / "slurmctld.pid", root / "munged.pid"]
+        # Each pytest-xdist worker (`make test` runs two) starts its own cluster: its own pair of ports.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        offset = 2 * int(worker) if worker.isdigit() and len(worker) < 4 else 0
+        self.ports = (6817 + offset, 6818 + offset)
 
     def start(self) -> None:
         r = self.root
@@ -50,7 +54,8 @@ class Cluster:
         node = " ".join(p for p in node.split() if not p.startswith("UpTime")) + " NodeAddr=127.0.0.1"
         self.conf.write_text("\n".join([
             "ClusterName=mbmem", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
-            "SlurmctldPort=6817", "SlurmdPort=6818", "AuthType=auth/munge", "CredType=cred/munge",
+            f"SlurmctldPort={self.ports[0]}", f"SlurmdPort={self.ports[1]}", "AuthType=auth/munge",
+            "CredType=cred/munge",
             f"AuthInfo=socket={sock}", f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'slurmctld.log'}", f"SlurmdLogFile={r / 'slurmd.log'}", "MailProg=/bin/true",
