@@ -584,3 +584,22 @@ def test_memory_line_fuzz_never_raises_and_keeps_bounds():
             if not r.unreadable:
                 assert all(0 <= v <= ML.MAX_BYTES or k in ML.COUNT_FIELDS for k, v in r.values.items())
     check()
+
+
+def test_the_substring_prefilter_never_hides_an_out_of_memory_line():
+    """parse._oom_like skips the regexes when patterns.may_say_out_of_memory says the line cannot match them."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mbmem_overlays.doctor import patterns as P
+    words = ["out", "of", "memory", "Out", "OF", "Memory", "OOM", "oom", "room", "_", "-", " ", "cannot", "allocate",
+             "Allocation", "failed", "Unable", "to", "enough", "GPU", "insufficient", "resource", "Resources", "OutOf",
+             "CUresult", "error", ":", "2", "cudaError", "_t", "_ALLOC_FAILED", "MemoryAllocation", "could not",
+             "alloc", "GiB", "1.0", "x"]
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(st.lists(st.sampled_from(words), max_size=12).map("".join))
+    def check(text):
+        matches = P.OOM_WORDS.search(text) or (P.ALLOC_WORDS.search(text) and P.MEMORY_WORDS.search(text))
+        assert not matches or P.may_say_out_of_memory(text.lower())
+    check()

@@ -157,6 +157,23 @@ OOM_WORDS = re.compile(r"((?i:out[ _-]?of[ _-]?memory|cannot allocate memory|(?:
 ALLOC_WORDS = re.compile(r"(?i:(?:failed|unable|could not|cannot) to allocate|(?:failed|unable|could not|cannot) allocate|"
                          r"alloc(?:ation)? (?:failed|failure|error))")
 MEMORY_WORDS = re.compile(r"(?i:memory|bytes|\d\s?[KMGT]i?B\b|cuda|gpu|device|calloc|malloc|workspace|buffer|tensor|hbm|vram)")
+# What every match of OOM_WORDS or ALLOC_WORDS contains, as lower-case substrings: a line without any of them is
+# passed over before the (case-insensitive, so slower) regexes run; 1 MB lines of allocator clauses are mostly such.
+_OOM_LITERALS = ("oom", "out of resource", "outofresources", "memoryallocation", "_alloc_failed", "curesult",
+                 "cudaerror")
+_OUT_OF_MEMORY_WORDS = ("out", "cannot allocate", "enough", "insufficient")
+_ALLOC_FAILURE_WORDS = ("fail", "unable", "could not", "cannot", "error")
+
+
+def may_say_out_of_memory(low: str) -> bool:
+    """False only when ``low`` (a line, lower-cased) cannot match OOM_WORDS or ALLOC_WORDS."""
+    if any(w in low for w in _OOM_LITERALS):
+        return True
+    if "memory" in low and any(w in low for w in _OUT_OF_MEMORY_WORDS):
+        return True
+    return "alloc" in low and any(w in low for w in _ALLOC_FAILURE_WORDS)
+
+
 # Words before the match that make it a mention, not a report ("to avoid OOM", "may run out of memory").
 MENTION = re.compile(r"(?i:\b(?:avoid(?:s|ing)?|prevent(?:s|ing)?|reduc(?:e|es|ing)|risk|may|might|could|would|if|"
                      r"whether|in case|help(?:s)?|without|fewer|less likely|to save|suggest|recommend|tip|hint|"
