@@ -207,6 +207,16 @@ def test_graphed_attention_recompute_with_dropout(bridge, recipe):
     both_reject(bridge, cfg, "recompute_graphed_randomness", 2)
 
 
+def test_graphed_moe_recompute_through_the_deprecated_flag_with_dropout(bridge, recipe):
+    """moe_layer_recompute=True is selective 'moe' recompute to megatron-core (C:1835-1846), also when
+    recompute_granularity is unset: under full-iteration graphs hidden dropout is refused (found by bench/agreement.py)."""
+    cfg = with_fields(recipe(MOE), {"model.cuda_graph_impl": "full_iteration", "model.cuda_graph_modules": [],
+                                    "model.cuda_graph_scope": None, "model.recompute_granularity": None,
+                                    "model.moe_layer_recompute": True, "model.hidden_dropout": 0.1,
+                                    "rerun_state_machine.check_for_nan_in_loss": False})
+    both_reject(bridge, cfg, "recompute_graphed_randomness", 8)
+
+
 def test_selective_recompute_with_num_layers(bridge, recipe):
     cfg = recipe(L8, "model.recompute_granularity=selective", "model.recompute_num_layers=2")
     both_reject(bridge, cfg, "recompute_settings", 2)

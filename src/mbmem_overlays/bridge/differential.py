@@ -152,6 +152,12 @@ def generate(rng: random.Random, catalog: Catalog | None = None) -> Case:
     if rng.random() < 0.08:
         o["ddp.use_megatron_fsdp"] = True
         o["ddp.data_parallel_sharding_strategy"] = rng.choice(("optim", "optim_grads", "optim_grads_params"))
+    if rng.random() < 0.04:  # Bridge's ProfilingConfig.finalize: the two profilers, the profiling window
+        o["profiling.use_pytorch_profiler"] = True
+        o["profiling.use_nsys_profiler"] = rng.random() < 0.5
+    if rng.random() < 0.04:
+        o["profiling.profile_step_start"] = rng.choice((5, 20))
+        o["profiling.profile_step_end"] = rng.choice((3, 12))
     names = catalog.names()
     overlays = tuple(sorted(rng.sample(names, rng.choice((0, 1, 1, 2, 2, 3)))))
     params: list[tuple[str, Any]] = []
@@ -167,6 +173,10 @@ def generate(rng: random.Random, catalog: Catalog | None = None) -> Case:
             o["optimizer.decoupled_weight_decay"] = False
     if "dist_optimizer" in overlays and rng.random() < 0.4:
         params.append(("dist_optimizer.instances", rng.choice((2, 3, 4))))
+    if "memory_snapshot" in overlays and rng.random() < 0.6:
+        params.append(("memory_snapshot.ranks", rng.choice(("auto", "pipeline_ends", "all", [0, world]))))
+        if rng.random() < 0.5:
+            params.append(("memory_snapshot.dump_step", rng.choice((5, 100_000))))
     env = rng.choice(PROCESS_ENVS)
     return Case(recipe, world, tuple(o.items()), overlays, tuple(params), tuple(sorted(env.items())))
 

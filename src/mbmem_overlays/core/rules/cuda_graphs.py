@@ -72,8 +72,8 @@ def recompute_moe_router_graph(view, c):
 def recompute_graphed_randomness(view, c):
     """Graphed recompute regions cannot use attention/hidden dropout or MoE input jitter."""
     impl = view.get("model.cuda_graph_impl")
-    mods = selective_modules(view)
-    if impl in NO_GRAPHS or view.get("model.recompute_granularity") != "selective" or not mods:
+    mods = selective_modules(view)  # empty unless selective, the deprecated moe_layer_recompute included (C:1835)
+    if impl in NO_GRAPHS or not mods:
         return
     scopes = graph_modules(view)
     whole = impl == "full_iteration" or not scopes
