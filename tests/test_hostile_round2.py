@@ -607,3 +607,30 @@ def test_an_output_path_too_long_for_the_filesystem_is_a_usage_error(tmp_path):
     out = cli("plan", "--recipe", "llama3_8b_pretrain", "--world-size", "8", "--plot",
               str(tmp_path / ("a" * 300) / "p.png"), "--json")
     assert out.returncode == EXIT_USAGE and "File name too long" in json.loads(out.stdout)["error"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["apply", "--recipe", "llama3_8b_pretrian", "--overlay", "expandable_segments"],
+    ["plan", "--recipe", "llama3_8b_pretrian", "--world-size", "8"],
+    ["slurm", "--recipe", "llama3_8b_pretrian", "--nodes", "1", "--gpus-per-node", "8"],
+    ["doctor", str(ROOT / "tests" / "fixtures" / "runs" / "megatron_lm_tp4_pp2.log"), "--recipe", "not_a_recipe"],
+    ["recommend", "--recipe", "megatron.bridge.recipes.llama.llama3_8b_pretrian_config", "--world-size", "8",
+     "--gpu-memory", "80GB"],
+])
+def test_a_recipe_no_bridge_module_defines_is_a_usage_error_before_the_import(argv):
+    # read from the installed sources' text (a few ms); typed wrong, it fails here, not after the 30 s import or
+    # in a queued Slurm job
+    from conftest import imports_of, mbmem
+    with imports_of("megatron") as imported:
+        out = mbmem(*argv, "--json")
+    assert out.returncode == EXIT_USAGE and not imported, (out.stdout, imported[:3])
+    data = json.loads(out.stdout)
+    text = json.dumps(data)
+    assert "no Bridge recipe function or train.py recipe named" in text
+    if "pretrian" in argv[2]:
+        assert "did you mean llama3_8b_pretrain" in text
+
+
+def test_train_py_refuses_an_unknown_recipe_function_before_the_import():
+    out = train("recipe=tiny_llama", "recipe.function=llama3_8b_pretrian_config", "run.dry_run=true")
+    assert out.returncode == EXIT_USAGE and "no Bridge recipe function or train.py recipe named" in out.stderr

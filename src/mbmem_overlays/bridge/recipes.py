@@ -14,6 +14,8 @@ import importlib
 import inspect
 import os
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 from ..core.catalog import data_dir, recipe_file, recipe_spec
@@ -55,7 +57,9 @@ def _recipe_problem(name: Any, message: str) -> Problem:
 
 
 def recipe_name_problem(name: Any) -> Problem | None:
-    """Why ``name`` may not be used as a recipe function, decided from the text alone (nothing imported)."""
+    """Why ``name`` may not be used as a recipe function, decided from the text alone (nothing imported): its
+    form, the allowed modules, and, where Bridge's sources are installed, whether any Bridge recipe module
+    defines a function of that name (so a typo fails here, not after the Bridge import or on the cluster)."""
     if not isinstance(name, str) or not _DOTTED.fullmatch(name) or "__" in name:
         return _recipe_problem(name, f"{name!r} is not a recipe function name")
     if name.rpartition(".")[2].startswith("_"):
@@ -63,7 +67,42 @@ def recipe_name_problem(name: Any) -> Problem | None:
     if "." in name and not _within(name.rpartition(".")[0], allowed_modules()):
         return _recipe_problem(name, f"{name!r} is outside the recipe modules ({', '.join(allowed_modules())}); "
                                      "only recipe functions are run")
-    return None
+    if "." in name and not _within(name.rpartition(".")[0], list(BRIDGE_RECIPE_PACKAGES)):
+        return None   # the user's own module (MBMEM_RECIPE_MODULES): only importing it can tell
+    defined = bridge_recipe_functions()
+    leaf = name.rpartition(".")[2]
+    if defined is None or name in shipped_recipes() or leaf in defined or ("." not in name and f"{leaf}_config" in defined):
+        return None
+    known = sorted({*(n for n in defined if n.endswith("_config")), *shipped_recipes()})
+    close = difflib.get_close_matches(leaf, known, n=3) or difflib.get_close_matches(f"{leaf}_config", known, n=3)
+    return _recipe_problem(name, f"no Bridge recipe function or train.py recipe named {name!r}"
+                                 + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
+# What a recipe module can make importable under a name: a def, an assignment, an "import x as name" re-export,
+# an __all__ entry. A superset of the recipe functions is enough: the check only refuses names defined nowhere.
+_DEF = re.compile(r"^(?:def ([A-Za-z]\w*)\(|([A-Za-z]\w*)\s*=)|\bas ([A-Za-z]\w*)|[\"']([A-Za-z]\w*)[\"']", re.M)
+_recipe_defs: dict[tuple[str, ...], frozenset[str] | None] = {}
+
+
+def bridge_recipe_functions() -> frozenset[str] | None:
+    """The public top-level functions of Bridge's recipe packages, read from their installed source text
+    (a few ms, nothing imported: ``import megatron.bridge`` takes 20-30 s); None when the sources are not on
+    sys.path (the doctor and the Slurm renderer run without Bridge)."""
+    key = tuple(sys.path)
+    if key not in _recipe_defs:
+        roots = [Path(entry, *package.split(".")) for package in BRIDGE_RECIPE_PACKAGES for entry in sys.path if entry]
+        found = [r for r in roots if r.is_dir()]
+        names: set[str] = set()
+        for root in found:
+            for py in sorted(root.rglob("*.py"))[:5000]:
+                try:
+                    text = py.read_text(encoding="utf-8", errors="replace")[:2_000_000]
+                    names.update(n for groups in _DEF.findall(text) for n in groups if n)
+                except OSError:
+                    continue
+        _recipe_defs[key] = frozenset(n for n in names if not n.startswith("_")) if found else None
+    return _recipe_defs[key]
 
 
 def _recipe_function(name: str):
