@@ -92,6 +92,36 @@ def test_message_variants(tmp_path, template, ru):
         assert f.ooms[0].device == "HIP"
 
 
+def test_the_oldest_cached_figure_is_already_reserved_minus_allocated(tmp_path):
+    # torch <= 1.3: "X cached)" printed amount_cached - amount_allocated (THCCachingAllocator), so it can be far
+    # below "already allocated"; here 2.56 MiB free + 300 MiB cached serves the 20 MiB request: fragmentation
+    line = ("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 10.73 GiB total capacity; 9.59 GiB "
+            "already allocated; 2.56 MiB free; 300.00 MiB cached)")
+    f = scan([log(tmp_path, "old.log", [line])])
+    assert f.ooms[0].reserved_unallocated == 300 * 2**20
+    d = diagnose(f)
+    assert d.kind == "fragmentation"
+    assert any("torch <= 1.3 (from the message format)" in r for r in d.reasons)
+    f = scan([log(tmp_path, "old2.log", ["[rank1]: " + oom(OLD)])])
+    assert any("torch <= 2.0 (from the message format)" in r for r in diagnose(f).reasons)
+    f = scan([log(tmp_path, "new.log", ["[rank1]: " + oom()])])
+    assert any("torch >= 2.1 (from the message format)" in r for r in diagnose(f).reasons)
+
+
+def test_a_cut_message_whose_request_exceeds_the_gpu_is_capacity(tmp_path):
+    line = ("OOM: Ran out of memory with exception: CUDA out of memory. Tried to allocate 93.75 GiB (GPU 4; 79.17 GiB "
+            "total capacity; 1.52 GiB already allocated; 74.14 GiB free; 1.54 GiB reser")
+    d = diagnose(scan([log(tmp_path, "cut.log", [line])]))
+    assert (d.kind, d.verdict) == ("capacity", "diagnosed")
+    assert any("more than the GPU's whole 79.17 GiB capacity" in r for r in d.reasons)
+    # cut right after "reserved in total": the figure is there
+    f = scan([log(tmp_path, "cut2.log", [line.replace("1.54 GiB reser", "1.54 GiB reserved in total")])])
+    assert f.ooms[0].reserved_unallocated == int(1.54 * 2**30) - int(1.52 * 2**30)
+    # a smaller request with the numbers cut stays unsure
+    d = diagnose(scan([log(tmp_path, "cut3.log", [line.replace("93.75 GiB (GPU", "9.75 GiB (GPU")])]))
+    assert d.verdict == "unsure"
+
+
 def test_interleaved_ranks_truncation_and_bad_bytes(tmp_path):
     truncated = ("[rank5]: " + oom())[:140]  # cut mid-message
     lines = noise(16, 200) + [truncated] + noise(16, 50) + ["[rank2]: " + oom(gpu=2, ru="30.00 GiB")]

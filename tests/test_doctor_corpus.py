@@ -68,6 +68,9 @@ CASES = [
      "--pipeline-model-parallel-size 1 --micro-batch-size 2 --global-batch-size 64"), 0),
     ("allocator/torch1_cached.log", "capacity", "diagnosed", "high", ["selective_recompute"],
      "python train_gpt.py --micro-batch-size 8 --recompute-activations", 0),
+    # torch <= 1.3's "X cached" is already reserved minus allocated: 2.56 MiB free + 300 MiB covers 20 MiB
+    ("allocator/torch1_cached_fragmentation.log", "fragmentation", "diagnosed", "high", ["upgrade_torch"],
+     "pip install 'torch>=2.1'", 0),
     ("allocator/typo21_allowed.log", "fragmentation", "diagnosed", "high", ["expandable_segments"],
      "python train.py 'recipe=<recipe>' +mem=expandable_segments", 0),
     ("allocator/hip_fragmentation.log", "fragmentation", "diagnosed", "high", ["expandable_segments"],

@@ -106,6 +106,9 @@ def test_the_text_table_prints_each_figure_as_the_log_does():
      "0.0012346 | mem-alloc-retires: 3", 7, 2, "allocated", round(1.2345e-05 * 1e9)),
     ("(after 20 iterations) memory (MB) | allocated: 10.5 | max allocated: 20.25", None, 20, "max_allocated",
      round(20.25 * 2**20)),
+    # Megatron-LM before the parentheses (report_memory('after {} iterations'.format(iteration)))
+    ("after 5 iterations memory (MB) | allocated: 10250.5693359375 | max allocated: 12606.06201171875 | "
+     "reserved: 17482.0 | max reserved: 17482.0", None, 5, "max_allocated", round(12606.06201171875 * 2**20)),
 ])
 def test_memory_line_formats(line, rank, iteration, field, expect):
     (r,) = ML.parse_reports(line, "x.log:1", None)
@@ -603,3 +606,33 @@ def test_the_substring_prefilter_never_hides_an_out_of_memory_line():
         matches = P.OOM_WORDS.search(text) or (P.ALLOC_WORDS.search(text) and P.MEMORY_WORDS.search(text))
         assert not matches or P.may_say_out_of_memory(text.lower())
     check()
+
+
+def test_device_memory_used_counts_what_the_allocator_does_not_hold(tmp_path):
+    # Megatron-LM --log-device-memory-used: torch.cuda.device_memory_used() (NVML, the whole device) at the report
+    p = tmp_path / "dev.log"
+    p.write_text("[Rank 0] (after 10 iterations) memory (MB) | allocated: 60000.00 | max allocated: 70000.00 | "
+                 "reserved: 72000.00 | max reserved: 74000.00 | total device memory used: 76000.00\n")
+    code, data = doctor_json(str(p), "--gpu-memory", "80GiB")
+    (row,) = data["run"]["ranks"]
+    assert row["device_used_bytes"] == 76000 * 2**20 and row["outside_torch_bytes"] == 4000 * 2**20
+    assert row["headroom_bytes"] == 80 * GiB - 74000 * 2**20 - 4000 * 2**20
+    assert data["run"]["verdict"] == "at_risk"          # 2.1 GiB left is under 5% of 80 GiB; without it, 7.7 GiB
+    assert any("outside PyTorch's allocator" in x["text"] for x in data["run"]["findings"])
+    p.write_text(p.read_text().replace(" | total device memory used: 76000.00", ""))
+    code, data = doctor_json(str(p), "--gpu-memory", "80GiB")
+    assert data["run"]["ranks"][0]["headroom_bytes"] == 80 * GiB - 74000 * 2**20
+    assert data["run"]["verdict"] == "healthy"
+
+
+def test_json_ranks_are_integers_or_null_with_a_label(tmp_path):
+    p = tmp_path / "old.log"
+    p.write_text("after 5 iterations memory (MB) | allocated: 10250.5693359375 | max allocated: 12606.06201171875 | "
+                 "reserved: 17482.0 | max reserved: 17482.0\n")
+    code, data = doctor_json(str(p))
+    (row,) = data["run"]["ranks"]
+    assert row["rank"] is None and row["label"] == f"? ({p})" and row["iteration"] == 5
+    assert data["run"]["hot_rank"] is None and data["run"]["hot_label"] == f"? ({p})"
+    assert all(x["rank"] is None for x in data["run"]["findings"])
+    code, data = doctor_json(str(RUNS / "megatron_lm_tp4_pp2.log"))
+    assert all(isinstance(r["rank"], int) and r["label"] == str(r["rank"]) for r in data["run"]["ranks"])

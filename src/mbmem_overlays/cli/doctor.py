@@ -173,7 +173,7 @@ def _plot(args, d, code: int, text: str, payload: dict) -> tuple[int, str, dict]
     if not d.run:
         payload["plot"] = None
         return code, text + "\nplot: not written (no readable per-rank memory lines in the input)", payload
-    title = f"per-rank memory: {d.kind}" + (f", hot rank {d.run['hot_rank']}" if d.run.get("hot_rank") is not None else "")
+    title = f"per-rank memory: {d.kind}" + (f", hot rank {d.run['hot_label']}" if d.run.get("hot_label") is not None else "")
     image = render(d.run, title, Path(args.plot).suffix)
     try:
         write_output(args.plot, image, "--plot", force=args.force, suffixes=PLOT_SUFFIXES)

@@ -95,7 +95,7 @@ class Context:
     """What the log says about the job, with where it says it."""
     torch: tuple[int, int] | None
     torch_where: str
-    torch_from_format: bool
+    torch_from_format: str        # "" (the log prints the version), or the range the OOM wording dates: "<= 2.0"
     expandable: bool
     expandable_source: str
     overlays: list[str]
@@ -139,16 +139,18 @@ def _context(f: Findings, recipe: str | None, catalog) -> Context:
     if recipe and launch.kind == "template":
         launch = C.parse_launch(None, "", recipe)
     overlays = [catalog.aliases.get(o, o) if catalog else o for o in C.overlays_in(launch)]  # canonical names
-    torch, torch_where, from_format = None, "", False
+    torch, torch_where, from_format = None, "", ""
     if f.torch_version:
         torch, torch_where = f.torch_version.value, f.torch_version.where
     else:  # the message format itself dates the torch release (ecosystem-notes.md, the PyTorch OOM message)
+        # from_format: the release range the wording dates ("<= 2.0", ">= 2.1"), not one release
         for o in f.ooms:
             if o.format.startswith("torch <="):
-                torch, torch_where, from_format = (2, 0), o.where, True
+                torch, torch_where = (2, 0), o.where
+                from_format = "<= 1.3" if "cached" in o.format else "<= 2.0"
                 break
             if o.format.startswith("torch 2.1") or o.format == "torch >= 2.1":
-                torch, torch_where, from_format = (2, 1), o.where, True
+                torch, torch_where, from_format = (2, 1), o.where, ">= 2.1"
     conf = {var: s for var, s in f.alloc_conf.items()}
     expandable, source = False, ""
     for var, seen in conf.items():
@@ -194,6 +196,10 @@ def assess(o: OOM, expandable: bool) -> tuple[str, list[str], list[str]]:
     others, how = other_processes(o)
     if o.allowed is not None:
         reasons.append(f"{who}: the process was limited to {gib(o.allowed)} by set_per_process_memory_fraction {where}")
+    if missing and o.requested is not None and o.capacity and o.requested > o.capacity:
+        # whatever the cut-off numbers were, no allocator state serves a request above the whole GPU
+        return "capacity", reasons + [f"{who}: the {gib(o.requested)} request is more than the GPU's whole "
+                                      f"{gib(o.capacity)} capacity {where}"], []
     if missing:
         return "unknown", [f"{who}: the message does not show {', '.join(missing)} {where}"
                            + (" (truncated)" if o.partial else "")] + reasons, missing
@@ -659,6 +665,13 @@ def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     return d
 
 
+def _fill_in(ctx: Context) -> str:
+    """The words that tell the user to complete a train.py template the log gave no recipe for."""
+    if ctx.launch.kind == "template" and "recipe=<recipe>" in ctx.launch.args:
+        return "recipe not seen in the log: fill in <recipe>; "
+    return ""
+
+
 def _next_command(ctx: Context, remedy: C.Remedy, catalog, catalog_error, f: Findings, validator,
                   dirs: list[str] | None = None) -> tuple[str, str]:
     tokens, overlays = C.apply_remedy(ctx.launch, remedy, catalog)
@@ -672,8 +685,7 @@ def _next_command(ctx: Context, remedy: C.Remedy, catalog, catalog_error, f: Fin
     if ctx.launch.kind == "other":
         return text, "not validated: the launch command is not train.py, so only environment remedies are applied"
     if not remedy.overlay and not remedy.remove_overlays and not remedy.overrides:
-        prefix = "" if ctx.launch.kind == "train.py" else "recipe not seen in the log: fill in <recipe>; "
-        return text, prefix + "environment change only: no overlay to validate"
+        return text, _fill_in(ctx) + "environment change only: no overlay to validate"
     params = {k: v for k, v in C.params_in(C.parse_launch(text)).items()}
     problems = C.check_catalog(overlays, params, f.layout, catalog) if catalog else [catalog_error or "no catalogue"]
     if problems:
@@ -681,7 +693,7 @@ def _next_command(ctx: Context, remedy: C.Remedy, catalog, catalog_error, f: Fin
     if validator is not None:
         status = validator(overlays, params, text)
         return text, status
-    where = "" if ctx.launch.kind == "train.py" else "recipe not seen in the log: fill in <recipe>; "
+    where = _fill_in(ctx)
     sets = "".join(f"; the override {k}={C._text(v)} is not checked without Bridge" for k, v in remedy.overrides.items())
     return text, (where + "checked against the overlay catalogue (names, parameters, no two overlays writing one "
                   f"field, the layout rules the log shows){sets}; not validated on the recipe's config: add --plan "
@@ -790,8 +802,8 @@ def _allocator(f: Findings, ctx: Context, done, victims) -> Diagnosis:
     complete = not unknown
     also = _also(f, "allocator")
     if ctx.expandable_exists is not None:
-        reasons.append(f"torch {ctx.torch[0]}.{ctx.torch[1]}{'+' if ctx.torch_from_format else ''} "
-                       f"{'(from the message format) ' if ctx.torch_from_format else ''}{at(ctx.torch_where)}")
+        reasons.append(f"torch {ctx.torch_from_format + ' (from the message format)' if ctx.torch_from_format else
+                                f'{ctx.torch[0]}.{ctx.torch[1]}'} {at(ctx.torch_where)}")
     if kind == "fragmentation":
         remedy = defrag_remedy(ctx, f)
         remedies = [remedy] + capacity_remedies(f, ctx)

@@ -43,7 +43,8 @@ TOLERANCE = 1e-3               # relative: printed values are rounded (5 signifi
 # the literal is found first (str.find), then what precedes it is matched backwards on a bounded window.
 ANCHOR = "memory ("
 UNITS_SEEN = ("MB)", "GB)")
-BEFORE = re.compile(r"(?:\[Rank (\d{1,9})\]\s{0,4})?(?:\(after (\d{1,12}) iterations?\)\s{0,4})?\Z")
+# Older Megatron-LM wrote the iteration without parentheses ("after 5 iterations memory (MB)").
+BEFORE = re.compile(r"(?:\[Rank (\d{1,9})\]\s{0,4})?(?:\(?after (\d{1,12}) iterations?\)?\s{0,4})?\Z")
 BEFORE_WINDOW = 64
 VALUE = re.compile(r"\s{0,8}(-?(?:\d{1,24}(?:\.\d{0,24})?|\.\d{1,24})(?:[eE][+-]?\d{1,4})?|-?(?i:nan|inf))(?![\w.])")
 _PLAIN = frozenset("0123456789.")

@@ -63,7 +63,7 @@ RESERVED_UNALLOC = re.compile(r"and " + SIZE + r" is reserved by PyTorch but una
 TOTAL_OLD = re.compile(r"\(GPU (\d{1,4}); " + SIZE + r" total capacity")
 ALLOC_OLD = re.compile(SIZE + r" already allocated")
 FREE_OLD = re.compile(SIZE + r" free;")
-RESERVED_OLD = re.compile(SIZE + r" reserved in total by PyTorch")
+RESERVED_OLD = re.compile(SIZE + r" reserved in total(?: by PyTorch|\s{0,8}\Z)")   # a cut line may end at "total"
 CACHED_OLD = re.compile(SIZE + r" cached\)")
 
 
@@ -94,12 +94,17 @@ def torch_oom_fields(text: str) -> dict:
         out["free"] = _size(FREE_OLD, text)
         out["allocated"] = _size(ALLOC_OLD, text)
         reserved = _size(RESERVED_OLD, text)
+        # torch <= 1.3 printed "X cached)" as the cache's amount minus the allocated one (THCCachingAllocator:
+        # format_size(stats.amount_cached - stats.amount_allocated), "memory held by the allocator but not used
+        # by the program"): already the reserved-but-unallocated figure; 1.4 to 2.0 print the reserved total.
         cached = _size(CACHED_OLD, text) if reserved is None else None
         out["format"] = "torch <= 1.3 (cached)" if cached is not None else "torch <= 2.0"
-        total = reserved if reserved is not None else cached
-        out["reserved_unallocated"] = (max(0, total - out["allocated"])
-                                       if total is not None and out["allocated"] is not None else None)
-        out["complete"] = total is not None
+        if cached is not None:
+            out["reserved_unallocated"] = cached
+        else:
+            out["reserved_unallocated"] = (max(0, reserved - out["allocated"])
+                                           if reserved is not None and out["allocated"] is not None else None)
+        out["complete"] = reserved is not None or cached is not None
     else:
         out["format"] = "unknown (truncated before the numbers)"
         out["complete"] = False

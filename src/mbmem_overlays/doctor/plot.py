@@ -41,12 +41,12 @@ def draw_run(run: dict[str, Any], title: str):
     if not rows:
         return None
     n = len(rows)
-    planned = {p["rank"]: p.get("planned_peak_bytes") for p in run.get("planned") or []}
+    planned = {p["label"]: p.get("planned_peak_bytes") for p in run.get("planned") or []}
     cap, margin = run.get("capacity_bytes"), run.get("margin", 0.05)
     limit = cap * (1 - margin) if cap else None
     reserved = [(r["max_reserved_bytes"] or 0) / GiB for r in rows]
     allocated = [(r["max_allocated_bytes"] or r["allocated_bytes"] or 0) / GiB for r in rows]
-    marks = [planned.get(r["rank"]) for r in rows]
+    marks = [planned.get(r["label"]) for r in rows]
     right = max(reserved + allocated + [(m or 0) / GiB for m in marks] + [cap / GiB if cap else 0.0]) * 1.3 or 1.0
     fig, ax = plt.subplots(figsize=(10, 1.9 + 0.42 * n), layout="constrained")
     ys = list(range(n))[::-1]  # the first rank on top
@@ -67,8 +67,8 @@ def draw_run(run: dict[str, Any], title: str):
         # a white box, so the capacity lines never run through the text
         ax.text(peak + right * 0.012, y, text, va="center", ha="left", fontsize=8, color=color, zorder=3,
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.2})
-    labels = [f"rank {shown(r['rank'])[:24]}" + ("" if r["stage"] is None else f" (PP {r['stage']})")
-              + (" hot" if r["rank"] == run.get("hot_rank") else "") for r in rows]
+    labels = [f"rank {shown(r['label'])[:24]}" + ("" if r["stage"] is None else f" (PP {r['stage']})")
+              + (" hot" if r["label"] == run.get("hot_label") else "") for r in rows]
     ax.set_yticks(ys, labels, fontsize=8)
     ax.set_xlim(0, right)
     ax.set_ylim(-0.6, n - 0.4)

@@ -266,7 +266,7 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
         err = None if not got else (b.total - got) / got * 100
         if err is not None:
             errors.append(abs(err))
-        planned.append({"rank": row.rank if row.rank is not None else str(row.key), "stage": row.stage,
+        planned.append({"rank": row.rank, "label": str(row.key), "stage": row.stage,
                         "planned_peak_bytes": int(b.total), "planned_footprint_bytes": int(b.footprint),
                         "phase": b.phase, "measured_max_allocated_bytes": got,
                         "error_percent": None if err is None else round(err, 1)})

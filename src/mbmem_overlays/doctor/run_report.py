@@ -53,6 +53,7 @@ class RankRow:
     where: str
     unit: str
     headroom: int | None          # capacity - max reserved (max allocated when reserved is not printed)
+    #                               - what the device holds outside PyTorch's allocator (outside_torch)
 
     @property
     def early(self) -> bool:
@@ -70,6 +71,25 @@ class RankRow:
     @property
     def peak(self) -> int | None:
         return ML.peak_of(self.values)
+
+    @property
+    def outside_torch(self) -> int | None:
+        """Device memory PyTorch's allocator does not hold (CUDA context, NCCL and cuBLAS buffers, other processes):
+        Megatron-LM's ``total device memory used`` (--log-device-memory-used: torch.cuda.device_memory_used(), NVML's
+        figure for the whole device, common_utils.py report_memory) minus reserved, both read at the same moment."""
+        used, reserved = self.values.get("device_used"), self.values.get("reserved")
+        return None if used is None or reserved is None else max(0, used - reserved)
+
+
+def headroom(capacity: int | None, values: dict[str, int]) -> int | None:
+    """What is left on the GPU at the allocator's peak: capacity - peak - the memory outside the allocator (when the
+    line prints the device's total use), else capacity - peak."""
+    peak = ML.peak_of(values)
+    if capacity is None or peak is None:
+        return None
+    used, reserved = values.get("device_used"), values.get("reserved")
+    outside = max(0, used - reserved) if used is not None and reserved is not None else 0
+    return capacity - peak - outside
 
 
 @dataclass(frozen=True)
@@ -197,9 +217,8 @@ def build(f, capacity: float | None = None, margin: float = 0.05) -> RunReport |
     rows = []
     for key, series in _one_process(f).items():
         r = series.latest
-        peak = r.peak_used
         rows.append(RankRow(key, r.rank, stages.stage(r.rank), r.iteration, series.first_iteration, series.reports,
-                            dict(r.values), r.where, r.unit, None if cap is None or peak is None else cap - peak))
+                            dict(r.values), r.where, r.unit, headroom(cap, r.values)))
     rows.sort(key=lambda row: (row.rank is None, row.rank if row.rank is not None else 0, str(row.key)))
     unit = "GB" if all(row.unit == "GB" for row in rows) else "GiB"
     report = RunReport(rows, cap, source, margin, stages, unit, unreadable=unreadable,
@@ -236,8 +255,10 @@ def _judge(rep: RunReport, f) -> None:
         limit = rep.margin * cap
         for r in rep.rows:
             if r.headroom is not None and r.headroom < limit:
-                out.append(Finding("at_risk", f"{who(r)}: {s(r.peak)} {_peak_name(r)} of {s(cap)} leaves {s(r.headroom)} "
-                                   f"({r.headroom / cap:.1%}) free, under the {rep.margin:.0%} margin [{r.where}]", r.key))
+                outside = f" and {s(r.outside_torch)} outside PyTorch's allocator" if r.outside_torch else ""
+                out.append(Finding("at_risk", f"{who(r)}: {s(r.peak)} {_peak_name(r)}{outside} of {s(cap)} leaves "
+                                   f"{s(r.headroom)} ({r.headroom / cap:.1%}) free, under the {rep.margin:.0%} margin "
+                                   f"[{r.where}]", r.key))
     for r in rep.rows:
         retries, gap, inactive, reserved = r.get("alloc_retries"), r.gap, r.get("max_inactive"), r.get("max_reserved")
         if retries:
@@ -304,6 +325,16 @@ def _notes(rep: RunReport, f) -> None:
     if later:
         notes.append(f"figures are each rank's latest report (e.g. {who(later[0])} after iteration {later[0].iteration}, "
                      f"first reported after {later[0].first_iteration}): peaks only grow")
+    outside = [r for r in rep.rows if r.outside_torch is not None]
+    if outside:
+        big = max(outside, key=lambda r: r.outside_torch)
+        notes.append(f"the lines print the device's total use (--log-device-memory-used): up to {rep.size(big.outside_torch)} "
+                     f"outside PyTorch's allocator ({who(big)}: CUDA context, NCCL and library buffers, other "
+                     "processes), counted against the headroom")
+    elif not any("device_used" in r.values for r in rep.rows):
+        unknown.append("memory outside PyTorch's allocator (CUDA context, NCCL and library buffers): the headroom "
+                       "counts only what the allocator reserved; Megatron-LM's --log-device-memory-used prints the "
+                       "device's total use")
     if not any("max_reserved" in r.values for r in rep.rows):
         notes.append("no reserved figures were printed: headroom is measured from max allocated, which hides "
                      "fragmentation")
@@ -351,20 +382,23 @@ def run_json(rep: RunReport) -> dict[str, Any]:
     """The ``run`` object of ``--json`` (schema in docs/doctor.md): every figure in bytes."""
     hot = rep.hot
     return {
-        "ranks": [{"rank": r.rank if r.rank is not None else str(r.key), "stage": r.stage, "iteration": r.iteration,
+        # rank: an int, or null for a line that names none; label: how the text names the row ("? (file)")
+        "ranks": [{"rank": r.rank, "label": str(r.key), "stage": r.stage, "iteration": r.iteration,
                    "allocated_bytes": r.get("allocated"), "max_allocated_bytes": r.get("max_allocated"),
                    "reserved_bytes": r.get("reserved"), "max_reserved_bytes": r.get("max_reserved"),
                    "max_inactive_bytes": r.get("max_inactive"), "alloc_retries": r.get("alloc_retries"),
+                   "device_used_bytes": r.get("device_used"), "outside_torch_bytes": r.outside_torch,
                    "headroom_bytes": r.headroom, "where": r.where} for r in rep.rows],
-        "hot_rank": None if hot is None else (hot.rank if hot.rank is not None else str(hot.key)),
+        "hot_rank": None if hot is None else hot.rank,
+        "hot_label": None if hot is None else str(hot.key),
         "capacity_bytes": rep.capacity,
         "capacity_source": rep.capacity_source,
         "margin": rep.margin,
         "display_unit": rep.unit,
         "verdict": rep.kind,
         "confidence": rep.confidence,
-        "findings": [{"kind": x.kind, "rank": x.rank if isinstance(x.rank, int) or x.rank is None else str(x.rank),
-                      "text": x.text} for x in rep.findings],
+        "findings": [{"kind": x.kind, "rank": x.rank if isinstance(x.rank, int) else None,
+                      "label": None if x.rank is None else str(x.rank), "text": x.text} for x in rep.findings],
         "pipeline_stages": rep.stages.pp,
         "stage_order": rep.stages.order,
         "theoretical": [{"where": t.where, **{f"{k}_bytes": v for k, v in t.parts.items()}} for t in rep.theoretical],
@@ -376,7 +410,7 @@ def run_json(rep: RunReport) -> dict[str, Any]:
 
 def table(rep: RunReport) -> list[str]:
     """Per rank (or per PP stage when more than TABLE_RANKS ranks report), in the log's own unit family."""
-    planned = {p["rank"]: p for p in rep.planned}
+    planned = {p["label"]: p for p in rep.planned}
     units = {r.unit for r in rep.rows}
     # The log's own unit and precision, so each figure reads as the log prints it: Bridge's GB (10^9 bytes, 5
     # significant digits), Megatron-LM's MB (MiB, 2 decimals); GiB when a run mixes the two.
@@ -414,7 +448,7 @@ def table(rep: RunReport) -> list[str]:
                 f"{num(r.get('max_allocated')):>{width}} {num(r.get('max_reserved')):>{width}} {num(r.gap):>{width}} "
                 f"{num(r.get('max_inactive')):>{width}} {'-' if retries is None else retries:>7} "
                 f"{num(r.headroom):>{width}}")
-        p = planned.get(r.rank if r.rank is not None else str(r.key))
+        p = planned.get(str(r.key))
         if planned:
             line += (f" {num(p['planned_peak_bytes']):>{width}} {p['error_percent']:>+6.1f}%"
                      if p and p.get("error_percent") is not None else f" {'-':>{width}} {'-':>7}")
