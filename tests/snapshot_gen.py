@@ -6,7 +6,7 @@ The model follows c10/cuda/CUDACachingAllocator.cpp where the reader depends on 
 small pool (requests <= 1 MiB, 2 MiB segments) and the large pool (20 MiB segments below 10 MiB, else rounded to
 2 MiB), best fit within the stream's pool, ``should_split`` (small or expandable: remainder >= 512 B; large:
 remainder > 1 MiB), ``free`` then ``free_block`` with neighbour merging, ``release_cached_blocks`` before an OOM,
-and expandable segments that map 2 MiB pages at their end. Trace entries carry the requested size, as torch's do.
+and expandable segments that map granules of 2 MiB (small pool) or 20 MiB (large pool) at their end. Trace entries carry the requested size, as torch's do.
 
     python tests/snapshot_gen.py tests/fixtures/snapshots     # rewrite the committed fixtures
 
@@ -24,7 +24,11 @@ from pathlib import Path
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER, LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE = 512, MiB, 2 * MiB, 20 * MiB, \
     10 * MiB, 2 * MiB
-PAGE = 2 * MiB
+# expandable segments map granules of the pool's segment size: 2 MiB (small pool), 20 MiB (large pool)
+def granule(small: bool) -> int:
+    return SMALL_BUFFER if small else LARGE_BUFFER
+
+
 T0 = 1_764_000_000_000_000   # time_us of the first entry (2025-11-24)
 
 
@@ -216,7 +220,8 @@ class Allocator:
             self.segs.append(seg)
         tail = seg.blocks[-1] if seg.blocks and seg.blocks[-1].state == "inactive" else None
         need = r - (tail.size if tail else 0)
-        pages = PAGE * ((need + PAGE - 1) // PAGE)
+        page = granule(small)
+        pages = page * ((need + page - 1) // page)
         if pages > self.device_free:
             return None
         start = seg.addr + seg.size
@@ -251,8 +256,9 @@ class Allocator:
         for s in list(self.segs):
             if s.expandable:
                 tail = s.blocks[-1] if s.blocks and s.blocks[-1].state == "inactive" else None
-                if tail and tail.size >= PAGE:
-                    pages = PAGE * (tail.size // PAGE)
+                page = granule(s.small)
+                if tail and tail.size >= page:
+                    pages = page * (tail.size // page)
                     tail.size -= pages
                     s.size -= pages
                     self._entry("segment_unmap", s.addr + s.size, pages, s.stream, None)

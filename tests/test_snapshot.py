@@ -540,3 +540,85 @@ def test_the_docs_show_what_the_commands_print():
     for cmd, shown_output in blocks:
         out = mbmem(*shlex.split(cmd)[1:], timeout=120)
         assert out.stdout.rstrip() == shown_output.rstrip(), f"docs/snapshots.md is out of date for: {cmd}"
+
+
+# ----------------------------------------------------------------------------- hand-built traces (torch's schema)
+def _blk(addr, size, state="active_allocated"):
+    return {"address": addr, "size": size, "requested_size": size, "state": state, "frames": []}
+
+
+def _seg(addr, blocks, pool=(0, 0), expandable=False, kind=None):
+    total = sum(b["size"] for b in blocks)
+    return {"device": 0, "address": addr, "total_size": total, "stream": 0, "segment_pool_id": pool,
+            "segment_type": kind or ("small" if total == 2 * MiB and not expandable else "large"),
+            "is_expandable": expandable, "frames": [], "blocks": blocks,
+            "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+            "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive")}
+
+
+def _trace(*entries):
+    out = []
+    for i, (action, where, size, *pool) in enumerate(entries):
+        out.append({"action": action, ("device_free" if action == "oom" else "addr"): where, "size": size,
+                    "stream": 0, "time_us": G.T0 + i, "pool_id": pool[0] if pool else (0, 0)})
+    return out
+
+
+def test_a_trace_recorded_without_free_requested_replays_frees_as_allocated():
+    # _record_memory_history(skip_actions=["free_requested"]) (torch/cuda/memory.py's own example): undoing a
+    # free_completed that nothing announced gives back an allocated block, not one awaiting other streams
+    A, B = 0x7F0000000000, 0x7F0000800000
+    segs = [_seg(A, [_blk(A, 8 * MiB), _blk(B, 8 * MiB, "inactive"), _blk(B + 8 * MiB, 4 * MiB, "inactive")])]
+    full = _trace(("segment_alloc", A, 20 * MiB), ("alloc", A, 8 * MiB), ("alloc", B, 8 * MiB),
+                  ("oom", MiB, 10 * MiB), ("free_requested", B, 8 * MiB), ("free_completed", B, 8 * MiB))
+    skipped = [e for e in full if e["action"] != "free_requested"]
+    for trace in (full, skipped):
+        r = report_of({"segments": segs, "device_traces": [trace]})
+        t = r.moment.totals
+        assert (t.allocated, t.active, r.lead_device.inconsistent) == (16 * MiB, 16 * MiB, 0), trace
+        assert r.kind == "capacity"
+
+
+def test_an_oom_in_a_private_pool_is_judged_on_that_pool_only():
+    # during CUDA graph capture the request comes from the capture's private pool (the oom entry's pool_id), and
+    # the default pool's cached 16 MiB cannot be released for it: 1 + 2 MiB < 10 MiB is capacity
+    D, P = 0x7FC000000000, 0x7FC002000000
+    segs = [_seg(D, [_blk(D, 4 * MiB), _blk(D + 4 * MiB, 16 * MiB, "inactive")]),
+            _seg(P, [_blk(P, 18 * MiB), _blk(P + 18 * MiB, 2 * MiB, "inactive")], pool=(1, 0))]
+    trace = _trace(("segment_alloc", D, 20 * MiB), ("alloc", D, 4 * MiB), ("segment_alloc", P, 20 * MiB, (1, 0)),
+                   ("alloc", P, 18 * MiB, (1, 0)), ("oom", MiB, 10 * MiB, (1, 0)))
+    r = report_of({"segments": segs, "device_traces": [trace]})
+    assert r.kind == "capacity" and r.oom.usable_free == 2 * MiB
+    assert any("private pool (1, 0)" in x for x in r.oom.reasons)
+    trace[-1]["pool_id"] = (0, 0)   # the same request in the default pool: its 16 MiB block serves it
+    assert report_of({"segments": segs, "device_traces": [trace]}).kind == "fragmentation"
+
+
+def test_expandable_large_pool_maps_20_mib_granules():
+    # the large pool's expandable segment maps kLargeBuffer (20 MiB) at a time: 19 MiB free on the device is no
+    # whole granule, so only the 7 MiB free tail could grow an 18 MiB block
+    E = 0x7F0000000000
+    segs = [_seg(E, [_blk(E, 30 * MiB), _blk(E + 30 * MiB, 8 * MiB, "inactive"), _blk(E + 38 * MiB, 15 * MiB),
+                     _blk(E + 53 * MiB, 7 * MiB, "inactive")], expandable=True)]
+    trace = _trace(("segment_map", E, 40 * MiB), ("alloc", E, 30 * MiB), ("alloc", E + 30 * MiB, 8 * MiB),
+                   ("segment_map", E + 40 * MiB, 20 * MiB), ("alloc", E + 38 * MiB, 15 * MiB),
+                   ("free_requested", E + 30 * MiB, 8 * MiB), ("free_completed", E + 30 * MiB, 8 * MiB),
+                   ("oom", 19 * MiB, 18 * MiB))
+    r = report_of({"segments": segs, "device_traces": [trace]})
+    assert r.kind == "capacity" and r.oom.mapping_could_give == 7 * MiB
+    trace[-1]["device_free"] = 21 * MiB   # one whole granule free: mapping could give 27 MiB
+    assert report_of({"segments": segs, "device_traces": [trace]}).oom.mapping_could_give == 27 * MiB
+
+
+def test_an_expandable_range_the_replay_recreates_takes_its_pool_from_its_blocks():
+    # a large-pool range unmapped before the dump, beside a small-pool segment at a lower address: a 50 MiB
+    # block can only be the large pool's (get_pool: requests over kSmallSize)
+    ES, EL = 0x7FA000000000, 0x7FB000000000
+    segs = [_seg(ES, [_blk(ES, 512 * 1024), _blk(ES + 512 * 1024, 1536 * 1024, "inactive")], expandable=True,
+                 kind="small")]
+    trace = _trace(("segment_map", ES, 2 * MiB), ("alloc", ES, 512 * 1024), ("segment_map", EL, 60 * MiB),
+                   ("alloc", EL, 50 * MiB), ("oom", 5 * MiB, 40 * MiB), ("free_requested", EL, 50 * MiB),
+                   ("free_completed", EL, 50 * MiB), ("segment_unmap", EL, 60 * MiB))
+    r = report_of({"segments": segs, "device_traces": [trace]})
+    (large,) = [s for s in r.moment.segments if s.address == EL]
+    assert large.kind == "large" and r.oom.usable_free == 10 * MiB and r.oom.mapping_could_give == 10 * MiB

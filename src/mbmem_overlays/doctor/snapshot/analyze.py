@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import model as M
-from .replay import PAGE, SMALL_SIZE, Replayer, Rounding, State
+from .replay import LARGE_GRANULE, SMALL_GRANULE, SMALL_SIZE, Replayer, Rounding, State
 from .sites import Attributor, plan_component
 
 GiB = 1 << 30
@@ -211,6 +211,23 @@ def _kinds(segments: list[M.Segment]) -> tuple[dict[int, str], list[tuple[int, i
     return plain, exp
 
 
+def _expandable_kind(start: int, size: int, stream: int, exp_kinds: list[tuple[int, int, str]], state: State,
+                     block_addrs: list[int]) -> str:
+    """The pool (small | large) of a mapped range of an expandable segment. Each pool and stream has its own
+    segment, a virtual range of its own; the dump names the kind of the ranges it shows. A range the replay
+    re-created (unmapped by the dump) is judged by its blocks, as get_pool routes them: a block over kSmallSize
+    can only be the large pool's, one at most kSmallSize only the small pool's (round_size keeps it there);
+    else by the granule: the small pool maps 2 MiB at a time, the large 20 MiB."""
+    end = start + size
+    for a, st, k in exp_kinds:   # a dump range inside this one (the replay only merges ranges of one segment)
+        if st == stream and start <= a < end:
+            return k
+    i = bisect.bisect_left(block_addrs, start)
+    while i < len(block_addrs) and block_addrs[i] < end:
+        return "large" if state.blocks[block_addrs[i]].size > SMALL_SIZE else "small"
+    return "large" if size % LARGE_GRANULE == 0 or size % SMALL_GRANULE else "small"
+
+
 def moment_of(snap_segments: list[M.Segment], trace: M.Trace, state: State, kind: str, device: int,
               attributor: Attributor) -> Moment:
     """Totals, segment layout, sites and categories of one captured state."""
@@ -219,9 +236,10 @@ def moment_of(snap_segments: list[M.Segment], trace: M.Trace, state: State, kind
     for addr, (size, stream, pool) in state.segments.items():
         segs.append((addr, size, stream, plain_kinds.get(addr, "small" if size == M.SMALL_SEGMENT else "large"),
                      pool, False))
+    block_addrs = sorted(state.blocks)
     for start, size, stream in state.mapped.ranges():
-        below = [k for a, st, k in exp_kinds if a <= start and st == stream]
-        segs.append((start, size, stream, below[-1] if below else "large", None, True))
+        segs.append((start, size, stream, _expandable_kind(start, size, stream, exp_kinds, state, block_addrs),
+                     None, True))
     segs.sort()
     starts = [s[0] for s in segs]
     per_segment: list[list[tuple[int, Any]]] = [[] for _ in segs]
@@ -281,19 +299,29 @@ def oom_finding(moment: Moment, trace: M.Trace, entry: int, count: int, dump_all
     request, device_free, stream = trace.size[entry], trace.addr[entry], trace.stream[entry]
     small = request <= SMALL_SIZE
     pool_kind = "small" if small else "large"
+    # The pool the request was served from (the oom entry's pool_id, newer torch): a private pool while a CUDA
+    # graph is captured (get_pool), whose failing malloc may not release the default pool's cached blocks
+    # (release_cached_blocks only when captures_underway is empty): only that pool's free blocks could serve it.
+    request_pool = trace.pool[entry] if entry < len(trace.pool) else None
+    private = request_pool is not None and request_pool != (0, 0)
     usable = [s for s in moment.segments if s.kind == pool_kind and s.stream == stream
-              and (s.pool is None or s.pool == (0, 0))]
+              and (s.pool == request_pool if private else (s.pool is None or s.pool == (0, 0)))]
     usable_free = sum(size for s in usable for _, size, st, _ in s.blocks if st == "free")
     largest_usable = max((s.largest_free for s in usable), default=0)
     t = moment.totals
     reasons: list[str] = []
     where = f"device {moment.device}, trace entry {entry + 1} of {len(trace)}"
-    reasons.append(f"{where}: the allocator could not find {gib(request)} ({request:,} bytes, {pool_kind} pool, "
+    pool_words = f"private pool {request_pool} (CUDA graph capture)" if private else f"{pool_kind} pool"
+    reasons.append(f"{where}: the allocator could not find {gib(request)} ({request:,} bytes, {pool_words}, "
                    f"stream {stream}); CUDA reported {gib(device_free)} free")
     reasons.append(f"at that moment PyTorch had {gib(t.allocated)} allocated and {gib(t.reserved)} reserved "
                    f"({gib(t.reserved - t.allocated)} reserved but unallocated, {gib(usable_free)} of it in "
-                   f"{pool_kind}-pool segments of this stream that could serve the request; largest such free block "
-                   f"{gib(largest_usable)})")
+                   f"{pool_kind}-{'block segments of that private pool' if private else 'pool segments'} of this "
+                   f"stream that could serve the request; largest such free block {gib(largest_usable)})")
+    if private:
+        reasons.append("during a capture the allocator does not release the default pool's cached blocks to serve "
+                       "a private pool (release_cached_blocks runs only when no capture is under way), so the "
+                       "default pool's free memory could not help")
     freed_after = max(0, t.allocated - dump_allocated)
     if freed_after and moment.position < len(trace):
         reasons.append(f"the dump was taken {len(trace) - moment.position} trace entries after the OOM: "
@@ -301,9 +329,10 @@ def oom_finding(moment: Moment, trace: M.Trace, entry: int, count: int, dump_all
                        "so the dump shows it as inactive, which looks like fragmentation; these figures are the "
                        "state replayed back to the OOM")
     mapping = None
+    granule = SMALL_GRANULE if small else LARGE_GRANULE
     if expandable_on:
         tails = [s.tail_free for s in moment.segments if s.expandable and s.kind == pool_kind and s.stream == stream]
-        mapping = max(tails, default=0) + (device_free // PAGE) * PAGE
+        mapping = max(tails, default=0) + (device_free // granule) * granule
     other = None
     if capacity is not None:
         other = max(0, int(capacity) - t.reserved - device_free)
@@ -311,8 +340,11 @@ def oom_finding(moment: Moment, trace: M.Trace, entry: int, count: int, dump_all
     uncertain = False
     if expandable_on:
         reasons.append(f"expandable segments are on: the largest request mapping could still serve is "
-                       f"{gib(mapping)} (a free tail of {gib(mapping - (device_free // PAGE) * PAGE)} plus CUDA's free "
-                       "pages), so the memory was really used up")
+                       f"{gib(mapping)} (a free tail of {gib(mapping - (device_free // granule) * granule)} plus CUDA's "
+                       f"free memory in whole {gib(granule)} granules of the {pool_kind} pool)"
+                       + (", so the memory was really used up" if mapping < request else
+                          ", which covers the request: the failure is not this allocator's mapping (another process "
+                          "took the memory meanwhile, or a limit such as set_per_process_memory_fraction)"))
         kind = "capacity"
         if other is not None and other >= OTHERS_MIN and avail + other >= request:
             kind = "other_processes"
@@ -406,10 +438,12 @@ def analyze(snap: M.Snapshot, path: str, file_bytes: int = 0, capacity: float | 
         if dump_kind in ("oom_observer", "oom_named"):
             kind, confidence = "oom_unknown", "low"
             who = "Bridge's OOM observer wrote it" if dump_kind == "oom_observer" else "it was written at an OOM"
+            failure = " (the state at the failure)" if dump_kind == "oom_observer" else ""
             reasons.append(f"the file name says {who}, but its trace has no 'oom' entry (history was not recorded, or "
-                           "the ring lost it): the failed request and CUDA's free memory are unknown; the figures are "
-                           "the state at the dump" + (", which is the state at the failure" if dump_kind ==
-                                                       "oom_observer" else ""))
+                           "the ring lost it): the failed request and CUDA's free memory are unknown; "
+                           + (f"the figures are the state at the dump{failure}" if lead.moment.kind == "dump" else
+                              f"the figures below are the state at the trace's peak allocation; the dump{failure} "
+                              f"holds {gib(lead.dump.allocated)} allocated"))
             t = lead.dump
             if t.reserved and t.reserved - t.allocated < 0.02 * t.reserved:
                 reasons.append(f"at the dump only {gib(t.reserved - t.allocated)} of the {gib(t.reserved)} reserved "

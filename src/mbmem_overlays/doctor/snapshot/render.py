@@ -35,6 +35,12 @@ DUMP = {"oom_observer": "written at the OOM by Bridge's observer (the file name 
 def summary(report: Report) -> str:
     if report.kind == "none" and report.moment is not None and report.moment.kind == "dump":
         return "no OOM: the state at the dump (the file has no trace to replay)"
+    oom = report.oom
+    if report.kind == "capacity" and oom is not None and oom.expandable:
+        # with expandable segments a request is served from a free block or by mapping more of CUDA's free memory
+        # at the segment's end, so "free + reserved" is not the test (analyze.oom_finding)
+        return ("genuine capacity limit at the OOM: with expandable segments, no free block and no mapping of "
+                "CUDA's free memory could serve the request")
     return SUMMARY[report.kind]
 
 

@@ -27,7 +27,10 @@ MIN_BLOCK = 512                 # kMinBlockSize
 SMALL_SIZE = 1 << 20            # kSmallSize: requests up to this use the small pool
 LARGE_BUFFER = 20 << 20         # kLargeBuffer: slack an oversize block may carry
 ROUNDUP_START = 1 << 20         # kRoundUpPowerOfTwoStart
-PAGE = 2 << 20                  # expandable segments map 2 MiB pages
+# Expandable segments map memory in granules of the pool's segment size (CUDACachingAllocator ExpandableSegment:
+# "2MB for small pool, 20MB for large pool"; segment_size = pool->is_small ? kSmallBuffer : large_segment_size()).
+SMALL_GRANULE = 2 << 20         # kSmallBuffer
+LARGE_GRANULE = 20 << 20        # kLargeBuffer
 MAX_RANGES = 4096               # separate mapped ranges kept; a real trace has a handful per stream and pool
 
 
@@ -200,12 +203,21 @@ def dump_state(segments: list[M.Segment]) -> State:
     return State(-1, blocks, plain, mapped)
 
 
-def _pairs(trace: M.Trace, rounding: Rounding) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
-    """Forward pass: each free_completed's alloc (by address), and each alloc's estimated (size, error)."""
+def _pairs(trace: M.Trace, rounding: Rounding) -> tuple[dict[int, int], dict[int, tuple[int, int]], set[int]]:
+    """Forward pass: each free_completed's alloc (by address), each alloc's estimated (size, error), and the
+    free_completed entries no free_requested announced.
+
+    The allocator records free_requested in free() and free_completed in free_block() for every free (at once,
+    or once the other streams' events complete), but _record_memory_history(skip_actions=["free_requested"])
+    drops the first (torch/cuda/memory.py documents exactly that example; record_trace returns early for a
+    skipped action). Undoing such a free_completed restores an *allocated* block, not a pending one."""
     free_to_alloc: dict[int, int] = {}
     estimate: dict[int, tuple[int, int]] = {}
     open_allocs: dict[int, int] = {}
+    requested_since_alloc: set[int] = set()
+    unannounced: set[int] = set()
     act, addr, size = trace.action, trace.addr, trace.size
+    any_requested = M.FREE_REQUESTED in act
     for i in range(len(trace)):
         a = act[i]
         if a == M.ALLOC:
@@ -214,11 +226,19 @@ def _pairs(trace: M.Trace, rounding: Rounding) -> tuple[dict[int, int], dict[int
                 fresh = size[i - 1]   # the block was cut from the segment just allocated for it
             estimate[i] = rounding.block(size[i], fresh)
             open_allocs[addr[i]] = i
+            requested_since_alloc.discard(addr[i])
+        elif a == M.FREE_REQUESTED:
+            requested_since_alloc.add(addr[i])
         elif a == M.FREE_COMPLETED:
             j = open_allocs.pop(addr[i], None)
             if j is not None:
                 free_to_alloc[i] = j
-    return free_to_alloc, estimate
+            announced = addr[i] in requested_since_alloc
+            requested_since_alloc.discard(addr[i])
+            # an alloc before the ring's start: its free_requested may be there too, unless none was recorded
+            if not announced and (j is not None or not any_requested):
+                unannounced.add(i)
+    return free_to_alloc, estimate, unannounced
 
 
 class Replayer:
@@ -226,7 +246,7 @@ class Replayer:
 
     def __init__(self, segments: list[M.Segment], trace: M.Trace, rounding: Rounding):
         self.segments, self.trace, self.rounding = segments, trace, rounding
-        self.free_to_alloc, self.estimate = _pairs(trace, rounding)
+        self.free_to_alloc, self.estimate, self.unannounced = _pairs(trace, rounding)
 
     def _run(self, capture: int | None):
         """Undo every entry (or down to ``capture``); returns (state at capture or None, timeline)."""
@@ -295,8 +315,15 @@ class Replayer:
                 else:
                     bsize, berr = self.rounding.block(size[i], None)
                     bframes, from_free = frames[i], True
-                live[addr[i]] = LiveBlock(bsize, size[i], True, bframes, berr, from_free)
+                pending = i not in self.unannounced
+                live[addr[i]] = LiveBlock(bsize, size[i], pending, bframes, berr, from_free)
                 active += bsize
+                if not pending:   # free_requested was not recorded: the block was allocated until here
+                    allocated += bsize
+                    requested += size[i]
+                    error += berr
+                    if keep:
+                        d_bytes[i], d_frames[i] = -bsize, bframes
             elif a == M.SEGMENT_ALLOC:
                 seg = plain.pop(addr[i], None)
                 if seg is None:
