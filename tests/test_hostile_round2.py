@@ -358,7 +358,7 @@ def test_compose_api_parameter_without_its_overlay_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["run.nope=1"], "Could not override 'run.nope'"),
+    (["run.nope=1"], "train.py has no setting run.nope"),
     (["+mem=cpu_offload,expandable_segments"], "Ambiguous value"),
     (["mem=cpu_offload"], "Could not override 'mem'"),
 ])
@@ -634,3 +634,78 @@ def test_a_recipe_no_bridge_module_defines_is_a_usage_error_before_the_import(ar
 def test_train_py_refuses_an_unknown_recipe_function_before_the_import():
     out = train("recipe=tiny_llama", "recipe.function=llama3_8b_pretrian_config", "run.dry_run=true")
     assert out.returncode == EXIT_USAGE and "no Bridge recipe function or train.py recipe named" in out.stderr
+
+
+# ----------------------------------------------------------------------------- round 3: train.py's own surface
+@pytest.mark.parametrize("args, fragment", [
+    (["--experimental-rerun", "{pickle}"], "train.py does not take '--experimental-rerun'"),
+    (["--config-name", "nope"], "train.py does not take '--config-name'"),
+    (["--config-path", "/etc"], "train.py does not take '--config-path'"),
+    (["--shell-completion"], "train.py does not take '--shell-completion'"),
+    (["--cfg", "all", "--package", "../../x"], "train.py does not take '--package'"),
+    (["--cfg", "everything"], "--cfg needs one of job, hydra, all"),
+    (["hydra.output_subdir={tmp}"], "hydra.output_subdir is train.py's to set"),
+    (["hydra.run.dir={tmp}"], "hydra.run.dir is train.py's to set"),
+    (["hydra.job.name=../../x"], "hydra.job.name is train.py's to set"),
+    (["hydra/job_logging=disabled"], "hydra/job_logging is train.py's to set"),
+    (["run=5"], "run is a group of settings"),
+    (["bridge=5"], "bridge is a group of settings"),
+    (["+run.nope=1"], "train.py has no setting run.nope"),
+    (["run.dryrun=true"], "did you mean run.dry_run?"),
+    (["~model.seq_length"], "deleting config fields is not supported"),
+    (["~model"], "deleting config fields is not supported"),
+])
+def test_train_py_refuses_what_would_run_a_pickle_write_anywhere_or_drop_settings(tmp_path, args, fragment):
+    # --experimental-rerun unpickles its file (a class's __reduce__ runs code); hydra.output_subdir wrote
+    # .hydra/*.yaml into any folder; run=5 dropped run.json; ~key gave Hydra's exit 1 without JSON
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "config.pickle"
+    evil.write_bytes(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+    argv = [a.format(pickle=evil, tmp=tmp_path / "out") for a in args]
+    out = train("recipe=llama3_8b_pretrain", "run.dry_run=true", "run.json=true", *argv)
+    assert out.returncode == EXIT_USAGE, (out.stdout, out.stderr)
+    data = json.loads(out.stdout)
+    assert data["exit_code"] == EXIT_USAGE and any(fragment in p["message"] for p in data["problems"]), data
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_train_py_takes_its_flags_anywhere_on_the_command_line():
+    # Hydra's argparse takes -m only before the overrides; train.py moves its flags first, so the order is free
+    out = train("recipe=tiny_llama", "run.dry_run=true", "run.validate=false", "-m", "train.train_iters=5,6")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "sweep: 2 jobs; 2 passed" in out.stderr
+
+
+def test_a_whole_section_given_one_value_is_refused_by_name(bridge):
+    cfg = bridge.build_recipe("llama3_8b_pretrain_config")
+    with pytest.raises(OverlayError, match=r"model is a \w+ config object; a int cannot replace it .* e\.g\. model\."):
+        bridge.apply_overrides(cfg, ["model=1"])
+    assert cfg.model.num_layers == 32
+
+
+def test_a_logged_command_holding_an_interpolation_is_not_reused(tmp_path):
+    from conftest import mbmem
+    log = tmp_path / "i.log"
+    lines = (ROOT / "tests" / "fixtures" / "runs" / "bridge_at_risk_then_oom.log").read_text().splitlines()
+    lines = [ln for ln in lines if "train.py" not in ln]
+    log.write_text("\n".join(["+ torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain "
+                              "'checkpoint.save=${oc.env:HOME}'", *lines]) + "\n")
+    out = mbmem("doctor", str(log), "--json")
+    data = json.loads(out.stdout)
+    assert "${" not in data["next_command"]
+    assert any("holds an interpolation" in p for p in data["problems"])
+
+
+def test_a_gzip_log_that_inflates_like_a_bomb_stops_early_and_is_unreadable(tmp_path):
+    import gzip
+    from conftest import mbmem
+    bomb = tmp_path / "b.log.gz"
+    with gzip.open(bomb, "wb", 9) as f:
+        for _ in range(24):
+            f.write(b"a" * (16 << 20))           # 384 MiB of one byte: 0.4 MB compressed, ~1000x
+    started = time.monotonic()
+    out = mbmem("doctor", str(bomb), "--json")
+    data = json.loads(out.stdout)
+    assert out.returncode == EXIT_USAGE and data["verdict"] == "unreadable"
+    assert any("a gzip bomb, not a log" in p for p in data["problems"])
+    assert time.monotonic() - started < 30

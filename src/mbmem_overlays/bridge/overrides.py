@@ -136,7 +136,10 @@ def _bridge_value(cfg: Any, path: str, value: Any) -> Any:
 
 
 def _kind_problem(current: Any, value: Any) -> str | None:
-    """A text that Bridge could not convert into the field's kind (dtype, enum, function) stays text."""
+    """A text that Bridge could not convert into the field's kind (dtype, enum, function) stays text; a whole
+    sub-config (model, optimizer, ...) is never replaced by a value (type_problem says so)."""
+    if dataclasses.is_dataclass(current) and not isinstance(current, type):
+        return type_problem(current, value)
     if current is None or value is None or isinstance(current, (bool, int, float, str, list, tuple, dict)):
         return type_problem(current, value)
     if isinstance(value, str) and not isinstance(current, (str, os.PathLike)):
@@ -176,6 +179,7 @@ def check_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> tuple[li
             new = float(new)  # Hydra reads 1 as int; a float field keeps its kind
         err = _kind_problem(current, new)
         if err:
+            err = err.replace("<path>", path)
             problems.append(_problem(path, path, value, f"{path} {err}",
                                      f"give {path} a {type(current).__name__}, e.g. {path}={current!r}"))
             continue

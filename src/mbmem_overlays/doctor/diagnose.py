@@ -117,6 +117,8 @@ def launch_problem(text: str | None) -> str | None:
         return None
     if shown(text) != text:
         return "it holds control or bidirectional characters"
+    if "${" in text:   # the one rule for values (core/values.py): train.py refuses it, and a shell would expand it
+        return "it holds an interpolation (${...}), which train.py refuses in a value"
     try:
         words = shlex.split(text)
     except ValueError:

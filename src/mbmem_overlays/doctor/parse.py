@@ -190,7 +190,9 @@ def scan(paths: list[str]) -> Findings:
             findings.bytes_read += src.bytes_read
             findings.long_lines += src.long_lines
             findings.problems += src.problems
-            if any("read failed" in p for p in src.problems):
+            if src.bomb:
+                findings.unreadable += 1   # not a log: like a binary file, it rules nothing out
+            elif any("read failed" in p for p in src.problems):
                 if src.bytes_read == 0:
                     findings.unreadable += 1
                 else:

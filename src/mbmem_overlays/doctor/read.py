@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import glob
 import gzip
+import io
 import os
 import re
 import stat
@@ -21,7 +22,7 @@ import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 BLOCK = 4 << 20
 MAX_CARRY = 4 * BLOCK          # a line still without a newline after this many bytes is cut here
@@ -37,6 +38,10 @@ HEAD_BYTES = 8 << 20           # context (versions, config dumps, the launch com
 _DIGITS = b"0123456789"
 GZIP_MAGIC = b"\x1f\x8b"
 READ_ERRORS = (OSError, EOFError, zlib.error, ValueError)   # ValueError: read on a closed stream
+# A gzip member that inflates past this ratio (and this floor) is a bomb, not a log: job logs compress 5-20x, a
+# flood of one line shape up to ~50x; 3 MB of zeros inflate to 3 GB (a minute of reading for nothing).
+GZIP_RATIO = 100
+GZIP_FLOOR = 256 << 20
 
 
 @dataclass
@@ -48,6 +53,24 @@ class Source:
     long_lines: int = 0
     gzip: bool = False
     skipped: bool = False       # not a regular file: reported, never read
+    compressed: Any = None      # gzip: the compressed stream (a _Counted), to bound the inflation ratio
+    bomb: bool = False          # gzip: reading stopped at GZIP_RATIO (not a log; the rest is unread)
+
+
+class _Counted(io.RawIOBase):
+    """A read-only stream that counts the bytes read through it (the compressed side of a gzip input)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.count = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.raw.read(len(buffer))
+        self.count += len(data)
+        buffer[:len(data)] = data
+        return len(data)
 
 
 def expand(paths: list[str]) -> list[str]:
@@ -132,7 +155,8 @@ def open_log(path: str, src: Source) -> BinaryIO | None:
         return None
     if head == GZIP_MAGIC:  # the gzip magic, on files and on stdin alike (issue 15, item 18)
         src.gzip = True
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        src.compressed = _Counted(raw)
+        return gzip.GzipFile(fileobj=src.compressed, mode="rb")
     return raw
 
 
@@ -186,6 +210,10 @@ def trigger_lines(stream: BinaryIO, triggers: tuple[bytes, ...], src: Source,
             if not carry:
                 break
         src.bytes_read += len(block)
+        if src.compressed is not None and src.bytes_read > max(GZIP_FLOOR, GZIP_RATIO * src.compressed.count):
+            src.problems.append(f"{src.name}: inflated to more than {GZIP_RATIO}x its compressed size (stopped after "
+                                f"{src.bytes_read / 1e6:.0f} MB): a gzip bomb, not a log; diagnosing what was read")
+            src.bomb, block = True, b""
         data = carry + block
         cut = data.rfind(b"\n") + 1
         if block and cut == 0 and len(data) < MAX_CARRY:

@@ -18,6 +18,7 @@ never writes ``os.environ``; a launch exports only validated names), no job exit
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
 import sys
@@ -94,7 +95,7 @@ def hydra_argv(argv: list[str], catalog: Catalog | None = None) -> list[str]:
             continue
         key, _, value = arg.partition("=")
         bare = key.lstrip("+~")
-        head = bare.split(".")[0].split("@")[0]
+        head = bare.split(".")[0].split("@")[0].split("/")[0]   # hydra/job_logging=...: a group of Hydra's
         if head == "mem":
             if bare == "mem":
                 names = [n.strip() for n in value.strip("[]").split(",") if n.strip()]
@@ -160,9 +161,12 @@ def startup(argv: list[str]) -> list[str]:
     global SWEEP_START_ENV
     SWEEP_START_ENV = dict(os.environ)
     _quiet_foreign_plugins()
+    flags, rest, flag_problems = split_flags(argv[1:])
+    argv = [argv[0], *flags, *rest]   # Hydra's argparse takes flags only before the overrides: any order works
     parsed = _parse_all(argv[1:])
     as_json = any(ov is not None and ov.key_or_group == "run.json" and _values(ov) == [True] for _, ov, _ in parsed)
     problems = [p for p in (runs_dir_problem(), rank_of(os.environ)[1]) if p]
+    problems += flag_problems
     problems += [p for _, _, p in parsed if p]
     try:
         catalog = Catalog(_searchpath_overlay_dirs(parsed))
@@ -184,6 +188,52 @@ def startup(argv: list[str]) -> list[str]:
             sys.exit(console.output_failed("train.py", exc))
         sys.exit(console.finish(EXIT_USAGE, "train.py"))
     return rewritten
+
+
+# Hydra's command-line flags train.py passes on. The others are refused (issue 22 round 3): --experimental-rerun
+# loads a pickle (code execution), --config-path/--config-name/--config-dir swap train.yaml for any file,
+# --package/--shell-completion/--info answer with tracebacks or print instead of planning.
+HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "--resolve")
+HYDRA_CFG_FLAGS = ("-c", "--cfg")
+HYDRA_CFG_CHOICES = ("job", "hydra", "all")
+# Hydra settings a command line may change: where user overlays are found, and Hydra's logging. Run folders,
+# output_subdir, job names (file names) and launchers are train.py's: run records go to MBMEM_RUNS_DIR.
+HYDRA_SETTINGS = ("hydra.searchpath", "hydra.verbose")
+
+
+def split_flags(args: list[str]) -> tuple[list[str], list[str], list[Problem]]:
+    """(Hydra flags with their values, every other argument, problems): unknown flags, flags train.py refuses,
+    ``--cfg`` without job/hydra/all, and ``~key`` deletions (Hydra's own error, exit 1, otherwise)."""
+    flags, rest, problems = [], [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, inline = arg.partition("=")
+        if arg.startswith("~"):
+            problems.append(Problem(("override",), arg.lstrip("~").partition("=")[0][:100], None,
+                                    f"{short_repr(arg)}: deleting config fields is not supported",
+                                    "leave the field out, or set it to the value you want (KEY=VALUE)",
+                                    check="override"))
+        elif not arg.startswith("-"):
+            rest.append(arg)
+        elif name in HYDRA_CFG_FLAGS:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+            i += 0 if eq else 1
+            if value not in HYDRA_CFG_CHOICES:
+                problems.append(Problem(("flag",), name, value[:40] or None,
+                                        f"{name} needs one of {', '.join(HYDRA_CFG_CHOICES)}, got {short_repr(value)}",
+                                        f"e.g. {name} job", check="flag"))
+            else:
+                flags += [name, value]
+        elif arg in HYDRA_FLAGS:
+            flags.append(arg)
+        else:
+            problems.append(Problem(("flag",), name[:40], None,
+                                    f"train.py does not take {short_repr(name)}",
+                                    "train.py takes -m (sweeps), --cfg job|hydra|all, --resolve, --help, --hydra-help "
+                                    "and --version; give everything else as KEY=VALUE", check="flag"))
+        i += 1
+    return flags, rest, problems
 
 
 def _quiet_foreign_plugins() -> None:
@@ -263,8 +313,26 @@ def command_line_problems(parsed, catalog: Catalog) -> list[Problem]:
         key = ov.key_or_group
         shown_key = key.removeprefix("bridge.")
         parts = key.split(".")
-        if parts[0] == "hydra":
-            continue  # Hydra's own settings (hydra.run.dir=..., hydra.searchpath=...) keep Hydra's rules
+        if key.split("/")[0].split(".")[0] == "hydra":
+            if key not in HYDRA_SETTINGS:
+                problems.append(Problem(("override",), key[:100], None,
+                                        f"{key} is train.py's to set: run records (Hydra's .hydra/, the job log, "
+                                        "mbmem_report.json) go to one folder per run, never over existing files",
+                                        f"set {RUNS_DIR_ENV}=DIR to choose where run folders go; of Hydra's settings "
+                                        f"only {', '.join(HYDRA_SETTINGS)} may be given", check="override"))
+            continue  # hydra.searchpath (user overlays) and hydra.verbose keep Hydra's rules
+        if len(parts) == 1 and key in ("run", "bridge") and ov.package is None:
+            example = "run.dry_run=true" if key == "run" else "model.tensor_model_parallel_size=2"
+            problems.append(Problem(("override",), key, None,
+                                    f"{key} is a group of settings; it cannot be given one value",
+                                    f"set its fields one by one, e.g. {example}", check="override"))
+            continue
+        if parts[0] == "run" and (len(parts) != 2 or parts[1] not in RUN_OPTION_KEYS):
+            close = difflib.get_close_matches(parts[-1], RUN_OPTION_KEYS, n=1)
+            problems.append(Problem(("override",), key, None, f"train.py has no setting {key}"
+                                    + (f"; did you mean run.{close[0]}?" if close else ""),
+                                    f"one of: {', '.join(f'run.{k}' for k in RUN_OPTION_KEYS)}", check="override"))
+            continue
         if parts[0] == "mem" and len(parts) >= 3:  # mem.<overlay>.<param>: checked with the parameters below
             params += [(".".join(parts[1:]), v) for v in _values(ov)]
             continue
