@@ -709,3 +709,51 @@ def test_a_gzip_log_that_inflates_like_a_bomb_stops_early_and_is_unreadable(tmp_
     assert out.returncode == EXIT_USAGE and data["verdict"] == "unreadable"
     assert any("a gzip bomb, not a log" in p for p in data["problems"])
     assert time.monotonic() - started < 30
+
+
+def test_a_newline_in_a_file_or_folder_name_never_starts_a_line_of_its_own(tmp_path):
+    from conftest import mbmem
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "mem" / "a\nFAKE: b.yaml").write_text("# @package mem.ok\noverlay:\n  summary: a\n")
+    out = mbmem("--overlay-dir", str(tmp_path), "list")
+    assert not any(line.startswith("FAKE") for line in out.stderr.splitlines()), out.stderr
+    assert "a\\nFAKE" in out.stderr
+    out = mbmem("list", env={"MBMEM_OVERLAY_DIRS": f"{tmp_path}/x\nFAKE: y"})
+    assert out.returncode == EXIT_USAGE and not any(ln.startswith("FAKE") for ln in out.stderr.splitlines())
+
+
+def test_slurm_creates_the_log_folder_only_once_the_script_is_written(tmp_path):
+    from conftest import mbmem
+    logs = tmp_path / "logs"
+    out = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--nodes", "1", "--gpus-per-node", "8", "--no-validate",
+                "--output-log", f"{logs}/x_%j.log", "-o", str(tmp_path / "no" / "such" / "job.sh"), "--json")
+    assert out.returncode == EXIT_USAGE and not logs.exists()
+    out = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--nodes", "1", "--gpus-per-node", "8", "--no-validate",
+                "--output-log", f"{logs}/x_%j.log", "-o", str(tmp_path / "job.sh"))
+    assert out.returncode == 0 and logs.is_dir() and (tmp_path / "job.sh").is_file()
+
+
+def test_sizes_are_ascii():
+    from conftest import mbmem
+    out = mbmem("doctor", str(ROOT / "tests" / "fixtures" / "runs" / "megatron_lm_tp4_pp2.log"), "--gpu-memory",
+                "\u0668\u0660GiB", "--json")
+    assert out.returncode == EXIT_USAGE and "ASCII digits" in out.stdout
+
+
+def test_the_api_refuses_an_overlay_folder_that_is_not_one_and_a_locked_key_that_is_no_field(bridge, tmp_path):
+    cfg = bridge.build_recipe("llama3_8b_pretrain_config")
+    for dirs in (["/dev/zero"], [str(tmp_path / "missing")]):
+        with pytest.raises(OverlayError) as exc:
+            apply_overlay(cfg, ["expandable_segments"], env={}, overlay_dirs=dirs)
+        assert exc.value.problems[0].check == "overlay_dir"
+    with pytest.raises(OverlayError, match="names a Python internal|has no field"):
+        apply_overlay(cfg, ["expandable_segments"], env={}, locked={"__class__": 1})
+
+
+def test_explain_prints_a_use_line_that_finds_a_user_overlay(tmp_path):
+    from conftest import mbmem
+    (tmp_path / "mem").mkdir()
+    (tmp_path / "mem" / "mine.yaml").write_text("# @package mem.mine\noverlay:\n  summary: mine\n")
+    out = mbmem("--overlay-dir", str(tmp_path), "explain", "mine")
+    (use,) = [ln for ln in out.stdout.splitlines() if ln.startswith("use: ")]
+    assert use.startswith(f"use: MBMEM_OVERLAY_DIRS={tmp_path.resolve()} python train.py")

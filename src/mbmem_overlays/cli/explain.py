@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ..core import rules
-from ..core.catalog import OverlaySpec
+from ..core.catalog import USER_DIRS_ENV, OverlaySpec
 from ..core.errors import OverlayError
 from ..core.report import SCHEMA_VERSION
 from ..core.text import quoted_word, shown
@@ -64,7 +64,9 @@ def describe(spec: OverlaySpec) -> list[str]:
     if spec.aliases:
         lines.append(f"aliases: {', '.join(spec.aliases)}")
     lines.append(f"file: {one(spec.path)}")
-    lines.append(f"use: python train.py recipe=<recipe> +mem={spec.name}"
+    # a user overlay is found by train.py through MBMEM_OVERLAY_DIRS (the folder that holds its mem/)
+    where = "" if spec.builtin else f"{USER_DIRS_ENV}={quoted_word(str(spec.path.resolve().parent.parent))} "
+    lines.append(f"use: {where}python train.py recipe=<recipe> +mem={spec.name}"
                  + "".join(" " + quoted_word(f"mem.{spec.name}.{p}={hydra_text(spec.params[p].default)}")
                            for p in spec.params))
     if spec.params:

@@ -126,9 +126,11 @@ def run(args) -> int:
     try:
         text = slurm.render(overlays=overlays, env=env, cpu_smoke=args.cpu_smoke, verdict=verdict, standard=standard,
                             **options)
-        slurm.make_log_folder(output_log)
+        if (problem := slurm.log_folder_problem(output_log)) is not None:
+            raise OverlayError([problem])
         if args.o:
             slurm.write_script(args.o, text, force=args.force)
+        slurm.make_log_folder(output_log)
     except OverlayError as exc:
         return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
     if args.json:
@@ -139,7 +141,7 @@ def run(args) -> int:
                           "environment": env}, indent=2, default=str))
         return code
     if args.o:
-        print(f"wrote {args.o} ({verdict})", file=sys.stderr)
+        print(f"wrote {shown(args.o)} ({verdict})", file=sys.stderr)
     else:
         sys.stdout.write(text)
         print(f"# {verdict}", file=sys.stderr)

@@ -376,6 +376,9 @@ def argument_problems(cfg: Any, overlays: Any, env: Any, params: Any, world_size
                 problems.append(argument_problem("params", key, f"params[{key!r}] keys must be parameter names (text)",
                                                   f"e.g. {{{key!r}: {{'num_layers': 2}}}}"))
     problems += _str_keys("locked", locked, "pass locked={'model.recompute_granularity': 'full'}")
+    if isinstance(locked, Mapping) and dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        # a locked key is a field the user's overrides set: it must name one (no dunders, no methods)
+        problems += [p for key in locked if isinstance(key, str) and (p := path_problem(cfg, key, "locked"))]
     p = world_size_problem(world_size)
     if p:
         problems.append(p)
@@ -419,7 +422,12 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
     names, problems = argument_problems(cfg, overlays, env, params, world_size, locked, overlay_dirs, catalog)
     if problems:  # wrong argument types: nothing below could run meaningfully, and nothing was touched
         raise OverlayError(problems)
-    catalog = catalog or Catalog(overlay_dirs)
+    if catalog is None:
+        catalog = Catalog(overlay_dirs)
+        # a folder the caller named that does not exist or is not a folder of overlays: as `mbmem` refuses it
+        missing = [p for p in catalog.problems if p.check == "overlay_dir"]
+        if missing:
+            raise OverlayError(missing)
     specs: list[OverlaySpec] = []
     for name in names:
         try:

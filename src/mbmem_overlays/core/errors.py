@@ -37,10 +37,11 @@ class Problem:
         override, a YAML value): control and bidirectional characters are escaped here, once for every
         command (issue 22 #9)."""
         who = shown(" + ".join(str(o) for o in self.overlays))
-        text = (f"[{who}] {shown(self.field)}={short_repr(self.value)}: {shown(self.message, one_line=False)}"
-                f"\n    fix: {shown(self.fix, one_line=False)}")
+        # the message on one line: a file or folder name with a newline in it must not start a line of its own
+        text = (f"[{who}] {shown(self.field)}={short_repr(self.value)}: {shown(self.message)}"
+                f"\n    fix: {shown(self.fix)}")
         if self.source:
-            text += f"\n    source: {shown(self.source, one_line=False)}"
+            text += f"\n    source: {shown(self.source)}"
         return text
 
 

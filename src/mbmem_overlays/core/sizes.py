@@ -32,6 +32,8 @@ def parse_size(text: str) -> float:
     shown = text if len(text) <= 60 else text[:57] + "..."  # a 400-digit input must not flood the terminal
     if len(text) > 64:  # humanfriendly int()s the digits: 4,301 of them raised Python's digit-limit ValueError
         raise SizeError(f"cannot read memory size {shown!r} (longer than 64 characters); {EXAMPLES}")
+    if not text.isascii():  # float() reads Arabic-Indic and other Unicode digits; a printed command must not
+        raise SizeError(f"cannot read memory size {shown!r} (write it with ASCII digits and units); {EXAMPLES}")
     try:
         value = humanfriendly.parse_size(text.strip())
     except (humanfriendly.InvalidSize, ValueError):

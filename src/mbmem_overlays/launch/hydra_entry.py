@@ -347,6 +347,9 @@ def command_line_problems(parsed, catalog: Catalog) -> list[Problem]:
                                         value_fix(why, shown_key), check="override"))
             elif key == "recipe" and ov.package is None:
                 problems += recipe_choice_problems(value)
+            elif key == "recipe.function" and value is not None:   # before Hydra makes a run folder for it
+                from ..bridge.recipes import recipe_name_problem
+                problems += [p for p in [recipe_name_problem(value)] if p and p not in problems]
             elif key == "mem" and ov.package is None and value is not None:
                 for name in value if isinstance(value, list) else [value]:
                     try:

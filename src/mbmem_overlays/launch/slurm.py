@@ -364,8 +364,28 @@ def absolute_log_path(output: str | None) -> str | None:
     return None if output is None else os.path.abspath(os.path.expanduser(output))
 
 
+def log_folder_problem(output: str | None) -> Problem | None:
+    """Why the job log's folder could not be created (checked before anything is written): the nearest folder
+    that exists must be a writable folder."""
+    if not output:
+        return None
+    folder = Path(output).parent
+    try:
+        while not folder.exists():
+            folder = folder.parent
+        ok = folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+    except OSError as exc:
+        return _bad("--output-log", output, f"cannot inspect its folder: {exc.strerror}",
+                    "choose a log path in a folder you can create")
+    if not ok:
+        return _bad("--output-log", output, f"its folder cannot be created under {str(folder)!r}",
+                    "choose a log path in a folder you can create")
+    return None
+
+
 def make_log_folder(output: str | None) -> None:
-    """slurmd opens #SBATCH --output before the script runs and does not create its folder: create it now."""
+    """slurmd opens #SBATCH --output before the script runs and does not create its folder: create it now
+    (after the script is written, so a refused -o leaves nothing behind; log_folder_problem checked it first)."""
     if output:
         try:
             Path(output).parent.mkdir(parents=True, exist_ok=True)
