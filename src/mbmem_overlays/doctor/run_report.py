@@ -74,11 +74,15 @@ class RankRow:
 
     @property
     def outside_torch(self) -> int | None:
-        """Device memory PyTorch's allocator does not hold (CUDA context, NCCL and cuBLAS buffers, other processes):
-        Megatron-LM's ``total device memory used`` (--log-device-memory-used: torch.cuda.device_memory_used(), NVML's
-        figure for the whole device, common_utils.py report_memory) minus reserved, both read at the same moment."""
-        used, reserved = self.values.get("device_used"), self.values.get("reserved")
-        return None if used is None or reserved is None else max(0, used - reserved)
+        return outside_torch(self.values)
+
+
+def outside_torch(values: dict[str, int]) -> int | None:
+    """Device memory PyTorch's allocator does not hold (CUDA context, NCCL and cuBLAS buffers, other processes):
+    Megatron-LM's ``total device memory used`` (--log-device-memory-used: torch.cuda.device_memory_used(), NVML's
+    figure for the whole device, common_utils.py report_memory) minus reserved, both read at the same moment."""
+    used, reserved = values.get("device_used"), values.get("reserved")
+    return None if used is None or reserved is None else max(0, used - reserved)
 
 
 def headroom(capacity: int | None, values: dict[str, int]) -> int | None:
@@ -87,9 +91,7 @@ def headroom(capacity: int | None, values: dict[str, int]) -> int | None:
     peak = ML.peak_of(values)
     if capacity is None or peak is None:
         return None
-    used, reserved = values.get("device_used"), values.get("reserved")
-    outside = max(0, used - reserved) if used is not None and reserved is not None else 0
-    return capacity - peak - outside
+    return capacity - peak - (outside_torch(values) or 0)
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ def _expandable_kind(start: int, size: int, stream: int, exp_kinds: list[tuple[i
         if st == stream and start <= a < end:
             return k
     i = bisect.bisect_left(block_addrs, start)
-    while i < len(block_addrs) and block_addrs[i] < end:
+    if i < len(block_addrs) and block_addrs[i] < end:   # the range's first block decides
         return "large" if state.blocks[block_addrs[i]].size > SMALL_SIZE else "small"
     return "large" if size % LARGE_GRANULE == 0 or size % SMALL_GRANULE else "small"
 
