@@ -642,6 +642,7 @@ def test_train_py_refuses_an_unknown_recipe_function_before_the_import():
     (["--config-name", "nope"], "train.py does not take '--config-name'"),
     (["--config-path", "/etc"], "train.py does not take '--config-path'"),
     (["--shell-completion"], "train.py does not take '--shell-completion'"),
+    (["--hydra-help"], "train.py does not take '--hydra-help'"),
     (["--cfg", "all", "--package", "../../x"], "train.py does not take '--package'"),
     (["--cfg", "everything"], "--cfg needs one of job, hydra, all"),
     (["hydra.output_subdir={tmp}"], "hydra.output_subdir is train.py's to set"),
@@ -667,6 +668,14 @@ def test_train_py_refuses_what_would_run_a_pickle_write_anywhere_or_drop_setting
     data = json.loads(out.stdout)
     assert data["exit_code"] == EXIT_USAGE and any(fragment in p["message"] for p in data["problems"]), data
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, expect", [(["--help"], "== Configuration groups =="), (["--cfg=job"], "recipe:"),
+                                           (["-c", "job"], "recipe:"), (["--resolve", "--cfg", "job"], "recipe:"),
+                                           (["--version"], "Hydra ")])
+def test_the_hydra_flags_train_py_takes_work(tmp_path, flags, expect):
+    out = train("recipe=tiny_llama", "run.dry_run=true", *flags, env={"MBMEM_RUNS_DIR": str(tmp_path)})
+    assert out.returncode == 0 and expect in out.stdout + out.stderr and "Traceback" not in out.stderr
 
 
 def test_train_py_takes_its_flags_anywhere_on_the_command_line():

@@ -192,8 +192,9 @@ def startup(argv: list[str]) -> list[str]:
 
 # Hydra's command-line flags train.py passes on. The others are refused (issue 22 round 3): --experimental-rerun
 # loads a pickle (code execution), --config-path/--config-name/--config-dir swap train.yaml for any file,
-# --package/--shell-completion/--info answer with tracebacks or print instead of planning.
-HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--hydra-help", "--version", "--resolve")
+# --package/--shell-completion/--info answer with tracebacks or print instead of planning, and --hydra-help composes
+# Hydra's own config with train.py's overrides (a traceback on recipe=).
+HYDRA_FLAGS = ("-m", "--multirun", "-h", "--help", "--version", "--resolve")
 HYDRA_CFG_FLAGS = ("-c", "--cfg")
 HYDRA_CFG_CHOICES = ("job", "hydra", "all")
 # Hydra settings a command line may change: where user overlays are found, and Hydra's logging. Run folders,
@@ -230,7 +231,7 @@ def split_flags(args: list[str]) -> tuple[list[str], list[str], list[Problem]]:
         else:
             problems.append(Problem(("flag",), name[:40], None,
                                     f"train.py does not take {short_repr(name)}",
-                                    "train.py takes -m (sweeps), --cfg job|hydra|all, --resolve, --help, --hydra-help "
+                                    "train.py takes -m (sweeps), --cfg job|hydra|all, --resolve, --help "
                                     "and --version; give everything else as KEY=VALUE", check="flag"))
         i += 1
     return flags, rest, problems
