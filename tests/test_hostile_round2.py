@@ -766,3 +766,21 @@ def test_explain_prints_a_use_line_that_finds_a_user_overlay(tmp_path):
     out = mbmem("--overlay-dir", str(tmp_path), "explain", "mine")
     (use,) = [ln for ln in out.stdout.splitlines() if ln.startswith("use: ")]
     assert use.startswith(f"use: MBMEM_OVERLAY_DIRS={tmp_path.resolve()} python train.py")
+
+
+def test_the_recipe_check_never_refuses_when_it_cannot_see_bridges_recipes(tmp_path, monkeypatch):
+    # a Bridge whose recipe functions are made at import time (not visible in its text) must not get a real
+    # recipe refused: the text scan is trusted only when it finds every function train.py ships
+    from mbmem_overlays.bridge import recipes as R
+    (tmp_path / "megatron" / "bridge" / "recipes").mkdir(parents=True)
+    (tmp_path / "megatron" / "bridge" / "recipes" / "made.py").write_text(
+        "for n in NAMES:\n    globals()[n] = make(n)\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    assert R.bridge_recipe_functions() is None
+    assert R.recipe_name_problem("some_recipe_made_at_import_config") is None
+    (tmp_path / "megatron" / "bridge" / "recipes" / "made.py").write_text("".join(
+        f"def {R.recipe_spec(R.recipe_file(r))['function'].rpartition('.')[2]}(): ...\n"
+        for r in R.shipped_recipes()))
+    monkeypatch.setattr(sys, "path", [str(tmp_path), ""])   # a new sys.path: read again
+    assert R.bridge_recipe_functions() is not None
+    assert R.recipe_name_problem("some_recipe_made_at_import_config") is not None

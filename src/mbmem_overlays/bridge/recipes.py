@@ -101,7 +101,11 @@ def bridge_recipe_functions() -> frozenset[str] | None:
                     names.update(n for groups in _DEF.findall(text) for n in groups if n)
                 except OSError:
                     continue
-        _recipe_defs[key] = frozenset(n for n in names if not n.startswith("_")) if found else None
+        defined = frozenset(n for n in names if not n.startswith("_"))
+        # Self-check: a Bridge whose recipes this reading cannot see (made at import time, another layout) must
+        # never refuse a real recipe, so the scan is trusted only when it finds every function train.py ships.
+        shipped = {str(recipe_spec(recipe_file(r)).get("function", "")).rpartition(".")[2] for r in shipped_recipes()}
+        _recipe_defs[key] = defined if found and shipped <= defined else None
     return _recipe_defs[key]
 
 
