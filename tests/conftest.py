@@ -107,7 +107,13 @@ def in_process(entry, argv: list[str], *, timeout=300, env=None, cwd=ROOT, input
     exit code; an uncaught exception is a traceback on stderr and exit 1, as in a real process. The Bridge
     import is paid once per test session instead of once per call (issue 21)."""
     import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
     saved = (dict(os.environ), os.getcwd(), sys.argv, sys.stdin, sys.stdout, sys.stderr)
+    # Hydra's process-wide singletons: a run that ends early (--cfg job, --help, a refusal) leaves HydraConfig set,
+    # and a later test's compose() + run() would then read that run's (missing) output folder
+    hydra_cfg, hydra_was_global = HydraConfig.instance().cfg, GlobalHydra.instance().is_initialized()
     # Hydra (train.py) configures logging with dictConfig, which flushes and *closes* every handler that exists
     # (logging.config._clearExistingHandlers), pytest's capture handlers included, and leaves the root logger
     # writing to this call's stdout. So the handlers that exist now are hidden from that sweep, and the root
@@ -152,6 +158,9 @@ def in_process(entry, argv: list[str], *, timeout=300, env=None, cwd=ROOT, input
         logging.root.setLevel(root_logging[1])
         logging._handlerList[:] = handler_refs + logging._handlerList
         logging._handlers.update(named_handlers)
+        HydraConfig.instance().cfg = hydra_cfg
+        if not hydra_was_global and GlobalHydra.instance().is_initialized():
+            GlobalHydra.instance().clear()
         os.chdir(cwd_before)
         if dict(os.environ) != env_before:
             os.environ.clear()
