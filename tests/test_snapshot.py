@@ -402,6 +402,18 @@ def test_a_cpp_only_stack_is_named_by_its_first_non_allocator_frame():
     assert Attributor().site([]).text.startswith("<no stack: allocated before history recording started")
 
 
+def test_a_cpp_only_backward_stack_is_named_by_its_autograd_node():
+    # autograd's thread records no Python frames: the node (MmBackward0) says what ran, the ATen helper does not
+    from mbmem_overlays.doctor.snapshot.sites import Attributor
+    frames = [G.frame(f, line, n) for f, line, n in G.CPP[:4]] + [
+        G.frame("??", 0, "at::(anonymous namespace)::create_out(c10::ArrayRef<long>, c10::ArrayRef<long>, "
+                         "c10::TensorOptions const&)"),
+        G.frame("??", 0, "at::native::mm(at::Tensor const&, at::Tensor const&)"),
+        G.frame("??", 0, "torch::autograd::generated::MmBackward0::apply(std::vector<at::Tensor>&&)"),
+        G.frame("??", 0, "torch::autograd::Engine::evaluate_function(...)")]
+    assert Attributor().site(frames).text == "(C++) torch::autograd::generated::MmBackward0::apply(std::vector<at::Tensor>&&)"
+
+
 # ----------------------------------------------------------------------------- CLI: JSON, next command, HTML
 def test_json_schema_of_one_snapshot():
     code, p, _ = doctor_json(FIX / "unwound_oom.pickle", "--top", "3")

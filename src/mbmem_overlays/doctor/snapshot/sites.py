@@ -30,6 +30,11 @@ _PLUMBING = ("unwind::unwind", "CapturedTraceback", "gather_with_cpp", "_start",
              "at::native::empty", "c10::cuda::", "torch::autograd::VariableType", "??")
 
 
+# In a C++-only stack (autograd's thread, stacks="all"), the autograd node names the operation better than the
+# ATen helper that allocated for it ("MmBackward0::apply" rather than "at::(anonymous namespace)::create_out").
+_AUTOGRAD_NODE = re.compile(r"\b\w+Backward\d*::apply\b")
+
+
 @dataclass(frozen=True)
 class Site:
     text: str             # "megatron/core/transformer/attention.py:512 (forward)"
@@ -163,7 +168,7 @@ class Attributor:
     def _scan(self, frames: list) -> Site:
         """One pass: the first user frame (the site) and the first frame a category rule matches."""
         cached = self._frame_cache.get
-        text = category = first_py = first_cpp = None
+        text = category = first_py = first_cpp = first_node = None
         for f in frames:
             info = cached(id(f)) or self._info(f)
             parsed, py, user, cat = info
@@ -176,13 +181,16 @@ class Attributor:
                     text = _text(parsed)
                 elif py and first_py is None:
                     first_py = parsed
+                elif not py and first_node is None and _AUTOGRAD_NODE.search(parsed[2]):
+                    first_node = parsed
                 elif not py and first_cpp is None and not any(p in parsed[2] for p in _PLUMBING):
                     first_cpp = parsed
             if text is not None and category is not None:
                 break
         if text is None:
+            cpp = first_node or first_cpp
             text = (_text(first_py) if first_py is not None else
-                    f"(C++) {first_cpp[2][:160]}" if first_cpp is not None else NO_STACK)
+                    f"(C++) {cpp[2][:160]}" if cpp is not None else NO_STACK)
         return Site(text, category or "other")
 
 
