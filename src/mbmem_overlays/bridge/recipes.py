@@ -86,9 +86,9 @@ _recipe_defs: dict[tuple[str, ...], frozenset[str] | None] = {}
 
 
 def bridge_recipe_functions() -> frozenset[str] | None:
-    """The public top-level functions of Bridge's recipe packages, read from their installed source text
-    (a few ms, nothing imported: ``import megatron.bridge`` takes 20-30 s); None when the sources are not on
-    sys.path (the doctor and the Slurm renderer run without Bridge)."""
+    """Every public name Bridge's recipe packages could export (a superset of their recipe functions, _DEF), read
+    from their installed source text (about 0.1 s, nothing imported: ``import megatron.bridge`` takes 20-30 s);
+    None when the sources are not on sys.path or the reading misses a recipe train.py ships."""
     key = tuple(sys.path)
     if key not in _recipe_defs:
         roots = [Path(entry, *package.split(".")) for package in BRIDGE_RECIPE_PACKAGES for entry in sys.path if entry]

@@ -111,7 +111,7 @@ def catalog_for(overlay_dirs: list[str] | None):
         catalog = Catalog(overlay_dirs)
     except OverlayError as exc:
         raise UsageError(exc.problems) from None
-    missing = [p for p in catalog.problems if p.check == "overlay_dir"]
+    missing = catalog.folder_problems
     if missing:  # a directory the user named does not exist: nothing from it can be what they meant
         raise UsageError(missing)
     return catalog

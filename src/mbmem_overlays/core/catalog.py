@@ -693,6 +693,11 @@ class Catalog:
     def names(self) -> list[str]:
         return sorted(self.specs)
 
+    @property
+    def folder_problems(self) -> list[Problem]:
+        """The user overlay folders that are missing or not folders of overlays (every entry point refuses them)."""
+        return [p for p in self.problems if p.check == "overlay_dir"]
+
     def resolve(self, name: str) -> OverlaySpec:
         if not isinstance(name, str):
             raise OverlayError([Problem(("argument",), "overlays", name,
@@ -712,4 +717,4 @@ class Catalog:
             fix=f"choose one of: {', '.join(self.names())} (aliases: {', '.join(sorted(self.aliases))}); "
                 "`mbmem list` shows them all"),
             # a missing overlay directory is the likely reason a user overlay is unknown
-            *(p for p in self.problems if p.check == "overlay_dir")])
+            *self.folder_problems])

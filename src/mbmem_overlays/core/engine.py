@@ -425,7 +425,7 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
     if catalog is None:
         catalog = Catalog(overlay_dirs)
         # a folder the caller named that does not exist or is not a folder of overlays: as `mbmem` refuses it
-        missing = [p for p in catalog.problems if p.check == "overlay_dir"]
+        missing = catalog.folder_problems
         if missing:
             raise OverlayError(missing)
     specs: list[OverlaySpec] = []

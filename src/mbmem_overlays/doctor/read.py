@@ -22,7 +22,7 @@ import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 BLOCK = 4 << 20
 MAX_CARRY = 4 * BLOCK          # a line still without a newline after this many bytes is cut here
@@ -53,7 +53,7 @@ class Source:
     long_lines: int = 0
     gzip: bool = False
     skipped: bool = False       # not a regular file: reported, never read
-    compressed: Any = None      # gzip: the compressed stream (a _Counted), to bound the inflation ratio
+    compressed: _Counted | None = None   # gzip: the compressed side, counted to bound the inflation ratio
     bomb: bool = False          # gzip: reading stopped at GZIP_RATIO (not a log; the rest is unread)
 
 

@@ -170,7 +170,7 @@ def startup(argv: list[str]) -> list[str]:
     problems += [p for _, _, p in parsed if p]
     try:
         catalog = Catalog(_searchpath_overlay_dirs(parsed))
-        problems += [p for p in catalog.problems if p.check == "overlay_dir"]
+        problems += catalog.folder_problems
     except OverlayError as exc:
         problems += exc.problems
         catalog = None
@@ -219,7 +219,8 @@ def split_flags(args: list[str]) -> tuple[list[str], list[str], list[Problem]]:
             rest.append(arg)
         elif name in HYDRA_CFG_FLAGS:
             value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
-            i += 0 if eq else 1
+            if not eq:
+                i += 1   # the value was the next argument
             if value not in HYDRA_CFG_CHOICES:
                 problems.append(Problem(("flag",), name, value[:40] or None,
                                         f"{name} needs one of {', '.join(HYDRA_CFG_CHOICES)}, got {short_repr(value)}",
