@@ -381,6 +381,44 @@ def test_capture_runs_beside_the_last_warm_up_steps_gradient_copies(llama_fp8):
         P.phase_breakdowns(shape, lay, st, r)[n].total for r in range(lay.pp) for n in P.ONE_TIME_PHASES)
 
 
+def test_a_line_after_a_warm_up_iteration_shows_the_eager_run_not_the_replay(llama_fp8):
+    """Bridge prints memory after iterations 1 and 2 (train_utils.py:1226-1239); with W = 3 those are eager."""
+    shape, lay, st = llama_fp8
+    master, moments = P.optimizer_gpu_parts(st)
+    eager = P._phases(shape, lay, replace(st, graph_scopes=()), 0, one_time=False)
+    for iteration in (1, 2, 3):
+        phases = P.reported_phases(shape, lay, st, 0, iteration)
+        assert set(phases) == {"eager warm-up", "optimizer step"}
+        step, forward = phases["optimizer step"], phases["eager warm-up"]
+        assert step.total == eager["optimizer step"].total and step.phase == "eager optimizer step"
+        assert forward.activations == eager["steady 1F1B"].activations
+        assert forward.optimizer == pytest.approx(eager["steady 1F1B"].optimizer * (
+            master / (master + moments) if iteration == 1 else 1.0), rel=1e-12)
+    # no graph static inputs before the capture: the eager step is the replay step less them
+    replay_step = P.phase_breakdowns(shape, lay, st, 0)["optimizer step"]
+    assert P.reported_phases(shape, lay, st, 0, 2)["optimizer step"].total < replay_step.total
+    # after the capture (iteration W + 1 on) every phase has run, the one-time ones included
+    later = P.reported_phases(shape, lay, st, 0, 4)
+    assert later.keys() == P.phase_breakdowns(shape, lay, st, 0).keys()
+    assert max(b.total for b in later.values()) >= P.stage_peak(shape, lay, st, 0).total
+    per_rank = P.reported_breakdowns(shape, lay, st, 2)
+    assert len(per_rank) == lay.pp and all(
+        b.total == max(x.total for x in P.reported_phases(shape, lay, st, r, 2).values())
+        for r, b in enumerate(per_rank))
+    with pytest.raises(ValueError):
+        P.reported_phases(shape, lay, st, 0, 0)
+
+
+def test_without_graphs_a_line_shows_the_headline_phases(bridge):
+    shape, lay, st = planned(bridge, "llama3_8b_pretrain_config", world=8)
+    headline = P.stage_breakdowns(shape, lay, st)
+    assert [b.total for b in P.reported_breakdowns(shape, lay, st, 2)] == [b.total for b in headline]
+    first = P.reported_phases(shape, lay, st, 0, 1)
+    assert set(first) == set(P.HEADLINE_PHASES)
+    assert first["steady 1F1B"].optimizer < P.phase_breakdowns(shape, lay, st, 0)["steady 1F1B"].optimizer
+    assert first["optimizer step"].total == P.phase_breakdowns(shape, lay, st, 0)["optimizer step"].total
+
+
 def test_without_graphs_there_is_no_one_time_phase(bridge):
     shape, lay, st = planned(bridge, "llama3_8b_pretrain_config", world=8)
     assert not st.graph_scopes and P.one_time_peak(shape, lay, st) is None

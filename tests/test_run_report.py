@@ -506,8 +506,39 @@ def test_plan_puts_planned_beside_measured_for_every_reporting_rank(planned):
         assert p["stage"] == r["stage"] and p["measured_max_allocated_bytes"] == r["max_allocated_bytes"]
         assert p["error_percent"] == round((p["planned_peak_bytes"] - r["max_allocated_bytes"])
                                            / r["max_allocated_bytes"] * 100, 1)
+        assert p["iteration"] == r["iteration"]
     assert run["plan"]["layout"] == "TP2 PP2 CP2 DP1" and run["plan"]["recipe"] == "llama3_8b_pretrain"
+    assert any("the phases run by its iteration" in a for a in run["plan"]["assumptions"])
     assert "planned" in text and "error" in text and "mean |error|" in text
+
+
+@pytest.mark.bridge
+def test_each_line_is_planned_as_of_its_iteration(bridge, tmp_path):
+    """A line printed after iteration K is compared with the phases run by then (model.reported_breakdowns):
+    under CUDA graphs with cuda_graph_warmup_steps >= K the eager run, not the replay peak after capture."""
+    import contextlib
+    import io
+
+    from mbmem_overlays.cli import main
+    from mbmem_overlays.memory import model as M
+    # Nemotron 3 Nano's 16-H100 performance recipe: TE graphs on attention and Mamba, three eager warm-up steps
+    recipe = "megatron.bridge.perf_recipes.nemotronh.h100.nemotronh.nemotron_3_nano_pretrain_16gpu_h100_bf16_config"
+    cfg = bridge.build_recipe(recipe)
+    shape, lay, st = M.from_config(cfg, 16)
+    assert st.graph_scopes and st.graph_warmup_steps >= 2
+    line = ("[Rank {}] (after {} iterations) memory (GB) | mem-allocated-gigabytes: 40.0 | "
+            "mem-reserved-gigabytes: 62.0 | mem-max-allocated-gigabytes: 60.0 | mem-max-reserved-gigabytes: 64.0")
+    log = tmp_path / "job.log"
+    log.write_text(line.format(0, 1) + "\n" + line.format(1, 2) + "\n")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["doctor", str(log), "--plan", "--json", "--recipe", recipe, "--world-size", "16"])
+    rows = {p["rank"]: p for p in json.loads(buf.getvalue())["run"]["planned"]}
+    assert rows[0]["iteration"] == 1 and rows[1]["iteration"] == 2
+    for rank, stage, iteration in ((0, 0, 1), (1, 0, 2)):
+        want = M.reported_breakdowns(shape, lay, st, iteration)[stage]
+        assert rows[rank]["planned_peak_bytes"] == int(want.total) and rows[rank]["phase"].startswith("eager")
+        assert want.total != M.stage_breakdowns(shape, lay, st)[stage].total
 
 
 @pytest.mark.bridge

@@ -43,6 +43,9 @@ PLAN_ASSUMPTIONS = (
     "per stage: memory/model.py's terms for each pipeline rank, as its estimate() computes the most loaded one",
     "the plan models allocated memory (max allocated); a change's predicted peak adds the plan's change on that "
     "stage to the measured max reserved, so the measured fragmentation stays counted",
+    "each rank's line is compared with the plan of the phases run by its iteration (torch's max allocated only "
+    "grows): up to cuda_graph_warmup_steps the eager warm-up and its step, after iteration 1 without the Adam "
+    "moments in the forward; the stages' planned peaks are the training peak after capture",
 )
 
 
@@ -99,7 +102,7 @@ class RunPlan:
     margin: float
     recipe: str
     hot_stage: int | None
-    measured: dict                 # stage -> (measured peak used, measured max allocated)
+    measured: dict                 # stage -> (measured peak used, measured max allocated, the plan of that line)
 
     def price(self, remedies: list[C.Remedy], rep) -> list[dict]:
         return [self._price(r) for r in remedies]
@@ -131,9 +134,19 @@ class RunPlan:
                         "fits": True})
             return out
         predicted = {}
-        for stage, (peak, _) in self.measured.items():
-            if stage is not None and stage < len(stages) and stage < len(self.base):
-                predicted[stage] = peak + stages[stage].footprint - self.base[stage].footprint
+        lines: dict = {}   # iteration -> the candidate's plan of a line printed after it, per stage
+        for stage, (peak, _, seen) in self.measured.items():
+            if stage is None or stage >= len(stages) or stage >= len(self.base):
+                continue
+            # the measured peak less the plan of what its line showed (the model's bias and the fragmentation),
+            # plus the candidate's peak over the whole run: its training peak, or the same line if that is higher
+            whole = stages[stage].footprint
+            iteration, base_line = seen if seen is not None else (None, self.base[stage].footprint)
+            if iteration is not None:
+                if iteration not in lines:
+                    lines[iteration] = M.reported_breakdowns(*M.from_config(work, self.world), iteration)
+                whole = max(whole, lines[iteration][stage].total)
+            predicted[stage] = peak - base_line + whole
         hot = self.hot_stage if self.hot_stage in predicted else (max(predicted, key=predicted.get) if predicted else None)
         out["planned_hot_bytes"] = None if hot is None or hot >= len(stages) else int(stages[hot].footprint)
         out["predicted_peak_bytes"] = None if hot is None else int(predicted[hot])
@@ -258,21 +271,31 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
             rep.rows[i] = dataclasses.replace(row, stage=stage)
     planned, errors = [], []
     measured: dict = {}
+    reported: dict = {}   # iteration -> the plan of what a line printed after it shows, per stage
     for row in rep.rows:
         if row.stage is None or row.stage >= len(base):
             continue
         b = base[row.stage]
+        if row.iteration is not None and row.iteration >= 1:
+            # a line shows the peak so far: after iterations 1..cuda_graph_warmup_steps the run is still eager
+            # (no graph pool yet), after iteration 1 without the Adam moments in the forward (model.reported_phases)
+            reported_at = getattr(M, "reported_breakdowns", None)
+            if reported_at is not None:
+                if row.iteration not in reported:
+                    reported[row.iteration] = reported_at(shape, lay, st, row.iteration)
+                b = reported[row.iteration][row.stage]
         got = row.get("max_allocated") or row.get("allocated")
         err = None if not got else (b.total - got) / got * 100
         if err is not None:
             errors.append(abs(err))
         planned.append({"rank": row.rank, "label": str(row.key), "stage": row.stage,
                         "planned_peak_bytes": int(b.total), "planned_footprint_bytes": int(b.footprint),
-                        "phase": b.phase, "measured_max_allocated_bytes": got,
+                        "phase": b.phase, "iteration": row.iteration, "measured_max_allocated_bytes": got,
                         "error_percent": None if err is None else round(err, 1)})
         peak = row.peak
         if peak is not None and (row.stage not in measured or peak > measured[row.stage][0]):
-            measured[row.stage] = (peak, got or peak)
+            line = (row.iteration, b.total) if b is not base[row.stage] else None
+            measured[row.stage] = (peak, got or peak, line)
     hot = rep.hot
     rep.planned = planned
     lay_text = (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp > 1 else "") + f" CP{lay.cp} DP{lay.dp}"

@@ -1060,6 +1060,43 @@ def stage_breakdowns(s: Shape, lay: Layout, st: Settings) -> tuple[Breakdown, ..
     return tuple(stage_peak(s, lay, st, rank) for rank in range(lay.pp))
 
 
+def reported_phases(s: Shape, lay: Layout, st: Settings, rank: int, iteration: int) -> dict[str, Breakdown]:
+    """The phases pipeline rank ``rank`` has been through by the end of training iteration ``iteration`` (1-based):
+    what a memory line printed then can show, since torch's max allocated only grows (nothing in Bridge 0.6.2 or
+    megatron-core 0.19.2 calls reset_peak_memory_stats). Bridge prints its memory report after iterations 1 and 2
+    only (training/utils/train_utils.py:1226-1239), so the lines a job log holds are usually these.
+
+    With CUDA graphs, iterations 1 .. cuda_graph_warmup_steps (W) run eager and the capture comes before iteration
+    W + 1 (training/train.py:429-438): up to W a line shows the eager forward/backward and the eager step (the model
+    without graphs: no static inputs yet), after it every phase. Without graphs the phases are the headline ones.
+    After iteration 1 the forward and backward ran before the Adam moments existed (created at the first step:
+    TE v2.17.1 optimizers/fused_adam.py:615-616); the step itself already holds them."""
+    if iteration < 1:
+        raise ValueError(f"iteration must be >= 1, got {iteration}")
+    eager_only = _graphed(st) and iteration <= st.graph_warmup_steps
+    if eager_only:
+        eager = _phases(s, lay, replace(st, graph_scopes=()), rank, one_time=False)
+        out = {"eager warm-up": replace(eager["steady 1F1B"], phase="eager warm-up", resident=0.0),
+               "optimizer step": replace(eager["optimizer step"], phase="eager optimizer step", resident=0.0)}
+    elif _graphed(st):
+        out = dict(phase_breakdowns(s, lay, st, rank))
+    else:
+        out = {name: b for name, b in _phases(s, lay, st, rank, one_time=False).items() if name in HEADLINE_PHASES}
+    if iteration == 1:
+        master, moments = optimizer_gpu_parts(st)
+        forward = "eager warm-up" if eager_only else "steady 1F1B"
+        b = out[forward]
+        out[forward] = replace(b, optimizer=b.optimizer * master / (master + moments) if master + moments else b.optimizer)
+    return out
+
+
+def reported_breakdowns(s: Shape, lay: Layout, st: Settings, iteration: int) -> tuple[Breakdown, ...]:
+    """Every pipeline rank as its memory line after training iteration ``iteration`` shows it (reported_phases):
+    the largest allocated total of the phases it has been through (index = pipeline rank)."""
+    return tuple(max(reported_phases(s, lay, st, rank, iteration).values(), key=lambda b: b.total)
+                 for rank in range(lay.pp))
+
+
 def _candidate_ranks(s: Shape, lay: Layout) -> list[int]:
     """The ranks that can be the most loaded: the first and last, and any middle rank whose layers differ
     from theirs (an even split of a uniform stack gives middle ranks fewer in-flight microbatches than the
