@@ -128,3 +128,21 @@ def test_cuda_graph_warm_up_is_the_high_end_and_the_text_says_fits_unless(bridge
     assert plan.fits(plan.steps[-1]) and verdict_text.startswith("fits unless")
     assert f"-> * {verdict_text}" in text and "yes*" in text and "uncertain (" in text
     assert all(r.assumption in plan.assumptions for r in plan.ranges)
+
+
+@pytest.mark.bridge
+def test_the_plan_says_what_the_jobs_memory_lines_will_show(bridge, recipe, capsys):
+    """Bridge reports after iterations 1 and 2; with three eager warm-up steps those lines are the eager run."""
+    perf = "megatron.bridge.perf_recipes.llama.h100.llama3.llama3_70b_sft_32gpu_h100_fp8cs_config"
+    cfg = recipe(perf)
+    plan = build_plan(cfg, [], world=32, recipe="llama3_70b_sft_fp8")
+    shape, lay, st = P.from_config(cfg, 32)
+    assert [it for it, _ in plan.memory_lines] == list(P.REPORTED_ITERATIONS) == [1, 2]
+    for it, per_rank in plan.memory_lines:
+        assert per_rank == tuple(b.total for b in P.reported_breakdowns(shape, lay, st, it)) and len(per_rank) == lay.pp
+    text = render_plan(plan)
+    (line,) = [x for x in text.splitlines() if x.startswith("memory lines to expect")]
+    one = plan.memory_lines[0][1]
+    assert f"after iteration 1 {max(one) / 1e9:.2f} GB on pipeline rank {one.index(max(one))}" in line
+    d = plan.as_dict()
+    assert d["memory_lines"][1] == {"iteration": 2, "max_allocated_bytes": [int(v) for v in plan.memory_lines[1][1]]}

@@ -1090,6 +1090,16 @@ def reported_phases(s: Shape, lay: Layout, st: Settings, rank: int, iteration: i
     return out
 
 
+# Bridge prints its memory report after these training iterations (training/utils/train_utils.py:1226-1239: the
+# flag is cleared once an iteration after the first has been reported)
+REPORTED_ITERATIONS = (1, 2)
+
+
+def memory_lines(s: Shape, lay: Layout, st: Settings) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """Plan.memory_lines: the max allocated each pipeline rank's line will show after each REPORTED_ITERATIONS."""
+    return tuple((it, tuple(b.total for b in reported_breakdowns(s, lay, st, it))) for it in REPORTED_ITERATIONS)
+
+
 def reported_breakdowns(s: Shape, lay: Layout, st: Settings, iteration: int) -> tuple[Breakdown, ...]:
     """Every pipeline rank as its memory line after training iteration ``iteration`` shows it (reported_phases):
     the largest allocated total of the phases it has been through (index = pipeline rank)."""
@@ -1438,6 +1448,9 @@ class Plan:
     bridge_estimate: float | None
     assumptions: tuple[str, ...] = ASSUMPTIONS
     ranges: tuple[Any, ...] = ()      # memory/ranges.py Range: where the last step's peak could move
+    # What the job's memory lines will show: (iteration, max allocated per pipeline rank), for the iterations Bridge
+    # reports after (REPORTED_ITERATIONS; reported_breakdowns), so a log can be held against the plan line by line
+    memory_lines: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     @property
     def total(self) -> float:
@@ -1468,6 +1481,8 @@ class Plan:
                 "bridge_estimator_bytes": None if self.bridge_estimate is None else int(self.bridge_estimate),
                 "fit_verdict": self.verdict()[0], "fits_unless": self.verdict()[1],
                 "uncertainty": [r.as_dict() for r in self.ranges],
+                "memory_lines": [{"iteration": it, "max_allocated_bytes": [int(v) for v in per_rank]}
+                                 for it, per_rank in self.memory_lines],
                 "steps": steps, "assumptions": list(self.assumptions)}
 
 

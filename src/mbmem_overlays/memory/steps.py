@@ -222,7 +222,7 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
         steps.append(P.Step(name, P.estimate(*P.from_config(work, world)), P.STEP_NOTES.get(name, "")))
     shape, lay, st = P.from_config(work, world)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
-                  ranges=uncertainty(shape, lay, st, steps[-1].breakdown))
+                  ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st))
 
 
 def layout_text(lay: P.Layout) -> str:
@@ -259,12 +259,27 @@ def render_plan(plan: P.Plan) -> str:
         lines.append(f"capacity {plan.capacity / 2**30:.1f} GiB with a {plan.margin:.0%} margin -> "
                      + ("* " if unless else "") + verdict)
     lines += render_ranges(plan.ranges)
+    lines += render_memory_lines(plan)
     if plan.bridge_estimate:
         lines.append(f"Bridge's estimate_training_memory for the final config: {plan.bridge_estimate / 2**30:.2f} GiB "
                      "(ignores recompute, offload, SP, LoRA and precision)")
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in plan.assumptions]
     return "\n".join(lines)
+
+
+def render_memory_lines(plan: P.Plan) -> list[str]:
+    """What the job's own memory lines will show (GB = 10^9 bytes, as Bridge prints them), for `mbmem doctor`."""
+    if not plan.memory_lines:
+        return []
+    parts = []
+    for iteration, per_rank in plan.memory_lines:
+        hot = max(range(len(per_rank)), key=per_rank.__getitem__)
+        spread = (f" (pipeline ranks {min(per_rank) / 1e9:.2f} .. {per_rank[hot] / 1e9:.2f})"
+                  if len(per_rank) > 1 else "")
+        parts.append(f"after iteration {iteration} {per_rank[hot] / 1e9:.2f} GB on pipeline rank {hot}{spread}")
+    return ["memory lines to expect in the job's log (mem-max-allocated, GB = 10^9 bytes; `mbmem doctor --plan` "
+            "compares them): " + "; ".join(parts)]
 
 
 def render_ranges(ranges) -> list[str]:
