@@ -371,6 +371,56 @@ def test_plan_says_what_the_log_lacks(tmp_path):
     assert planner(rep, ctx, f) is None and "the recipe (give --recipe)" in rep.plan_status
 
 
+def test_the_json_says_why_nothing_was_planned(tmp_path):
+    """run.plan_status carries the status line the text prints, also when nothing could be planned."""
+    from mbmem_overlays.cli import main
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["doctor", str(RUNS / "megatron_lm_old_prefixes.log"), "--plan", "--json"])
+    status = json.loads(buf.getvalue())["run"]["plan_status"]
+    assert status.startswith("not planned: the log does not show the recipe (give --recipe)")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["doctor", str(RUNS / "megatron_lm_old_prefixes.log"), "--json"])
+    assert json.loads(buf.getvalue())["run"]["plan_status"] is None
+
+
+def test_a_rank_beyond_the_world_size_is_noted(tmp_path):
+    log = tmp_path / "job.log"
+    line = ("[Rank {}] (after 2 iterations) memory (GB) | mem-allocated-gigabytes: 30.0 | "
+            "mem-max-allocated-gigabytes: {} | mem-max-reserved-gigabytes: 45.0")
+    log.write_text("torchrun --nproc_per_node=8 pretrain.py\n" + line.format(0, 40.0) + "\n"
+                   + line.format(12, 44.0) + "\n")
+    rep = RR.build(scan([str(log)]))
+    (note,) = [n for n in rep.notes if "beyond the world size" in n]
+    assert "1 line(s) name a rank at or beyond the world size 8" in note and "(12)" in note
+    assert rep.confidence != "high"
+
+
+def test_iterations_count_from_the_jobs_start():
+    """Bridge reports after the first two iterations a process runs: reports after J and J + 1 mean the job
+    started after J - 1; otherwise the printed iteration is counted from 0 (never fewer phases than ran)."""
+    from types import SimpleNamespace as Row
+
+    from mbmem_overlays.doctor.run_plan import iteration_offset
+    assert iteration_offset([Row(first_iteration=1001, iteration=1002), Row(first_iteration=1001, iteration=1001)]) \
+        == (1000, True)
+    assert iteration_offset([Row(first_iteration=1, iteration=2)]) == (0, False)
+    assert iteration_offset([Row(first_iteration=10, iteration=10)]) == (0, False)   # log_interval 10, fresh
+    assert iteration_offset([Row(first_iteration=None, iteration=None)]) == (0, False)
+    assert iteration_offset([Row(first_iteration=0, iteration=0), Row(first_iteration=51, iteration=52)]) == (50, True)
+
+
+def test_a_line_before_the_first_iteration_is_noted(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("[Rank 0] (after 0 iterations) memory (GB) | mem-allocated-gigabytes: 30.0 | "
+                   "mem-max-allocated-gigabytes: 31.0 | mem-max-reserved-gigabytes: 32.0\n")
+    rep = RR.build(scan([str(log)]))
+    assert any("before the first training iteration" in n for n in rep.notes) and rep.confidence != "high"
+
+
 # ----------------------------------------------------------------------------- issue 23 §3: recall
 OOM_LIKE = re.compile(r"(?i:out[ _-]?of[ _-]?memory|cannot allocate memory|can't allocate memory|not enough memory|"
                       r"insufficient memory|failed to allocate|alloc(?:ation)? failed|out of resource)|\bOOM\b|"
@@ -539,6 +589,40 @@ def test_each_line_is_planned_as_of_its_iteration(bridge, tmp_path):
         want = M.reported_breakdowns(shape, lay, st, iteration)[stage]
         assert rows[rank]["planned_peak_bytes"] == int(want.total) and rows[rank]["phase"].startswith("eager")
         assert want.total != M.stage_breakdowns(shape, lay, st)[stage].total
+
+
+@pytest.mark.bridge
+def test_plan_lines_by_the_jobs_own_iterations(bridge, tmp_path):
+    """A resumed job (reports after 1001 and 1002) is planned as iterations 1 and 2; a line after 0 iterations and
+    a line without a max allocated are not compared; --world-size wins over the log's, and the status says so."""
+    import contextlib
+    import io
+
+    from mbmem_overlays.cli import main
+    from mbmem_overlays.memory import model as M
+    recipe = "megatron.bridge.perf_recipes.nemotronh.h100.nemotronh.nemotron_3_nano_pretrain_16gpu_h100_bf16_config"
+    full = ("[Rank {}] (after {} iterations) memory (GB) | mem-allocated-gigabytes: 40.0 | "
+            "mem-max-allocated-gigabytes: 60.0 | mem-max-reserved-gigabytes: 64.0")
+    no_max = "[Rank {}] (after {} iterations) memory (GB) | mem-allocated-gigabytes: 31.0"
+    log = tmp_path / "job.log"
+    log.write_text("\n".join(["torchrun --nproc_per_node=8 pretrain.py", full.format(0, 1001), full.format(0, 1002),
+                              full.format(1, 1001), full.format(1, 1002), full.format(2, 0), no_max.format(3, 1002)])
+                   + "\n")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["doctor", str(log), "--plan", "--json", "--recipe", recipe, "--world-size", "16"])
+    run = json.loads(buf.getvalue())["run"]
+    rows = {p["rank"]: p for p in run["planned"]}
+    cfg = bridge.build_recipe(recipe)
+    shape, lay, st = M.from_config(cfg, 16)
+    assert rows[0]["iteration"] == 1002 and rows[0]["planned_peak_bytes"] == int(
+        M.reported_breakdowns(shape, lay, st, 2)[0].total)
+    assert 2 not in rows                                        # after 0 iterations: no step has run
+    assert rows[3]["measured_max_allocated_bytes"] is None and rows[3]["error_percent"] is None
+    status = run["plan_status"]
+    assert "at world size 16" in status and "world size from --world-size 16, not the 8 the log shows" in status
+    assert "the job started after iteration 1000" in status and "1 line(s) printed before the first" in status
+    assert "over 2 rank(s)" in status                           # ranks 0 and 1 only
 
 
 @pytest.mark.bridge

@@ -38,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--recipe", help="recipe name for the suggested command (else taken from the log)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="with --plan: a Bridge override the log does not show (added to the log's own)")
-    p.add_argument("--world-size", metavar="N", help="with --plan: the number of GPUs, when the log does not show it")
+    p.add_argument("--world-size", metavar="N", help="with --plan: the number of GPUs (wins over the one the log shows)")
     p.add_argument("--plan", action="store_true",
                    help="also compute each remedy's saving and the planned per-rank peak with the memory model and "
                         "validate the next command on the recipe (imports Megatron Bridge; slow)")

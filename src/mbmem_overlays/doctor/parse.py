@@ -50,6 +50,7 @@ CONTEXT_TRIGGERS = (
     b"_optimizer", b"nccl_ub", b"num_layers", b"seq_length", b"mem_fraction", b"sleep", b"cuda_graph", b"P=", b"P:",
     b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem",
     b"SBATCH", b"--nodes", b"erminated", b"num_workers", b"MiB /", b"total_memory=", b"_mapping", b"Non-default",
+    b"nproc", b"nnodes", b"ntasks",   # launcher lines that end in the script's name (no ".py " to find them by)
 )
 TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS + FOLDED_TRIGGERS
 

@@ -180,18 +180,39 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
         missing = []
         if not name:
             missing.append("the recipe (give --recipe)")
-        world = ctx.world or world_size or _world_from_layout(f)
+        shown = ctx.world or _world_from_layout(f)
+        world = world_size or shown   # --world-size wins, like --recipe and --gpu-memory
         if not world:
             missing.append("the world size (give --world-size)")
         if missing:
             rep.plan_status = "not planned: the log does not show " + " and ".join(missing)
             return None
+        overridden = f"--world-size {world_size}, not the {shown} the log shows" if world_size and shown and \
+            shown != world_size else ""
         try:
-            return _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin)
+            planned = _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin)
+            if overridden:
+                rep.plan_status += f"; world size from {overridden}"
+            return planned
         except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
             rep.plan_status = f"not planned: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             return None
     return planner
+
+
+def iteration_offset(rows) -> tuple[int, bool]:
+    """(the iteration the job started after, whether that was read from the lines) for planning a line by the
+    iterations since the start (model.reported_phases): Bridge reports after the first two iterations a process
+    runs (train_utils.py:1226-1239, log_interval 1), so ranks whose reports are after J and J + 1 with J > 1 started
+    after J - 1 (a resumed job). Otherwise the printed iteration is taken as counted from 0: for a resumed job
+    that plans a line by at least as many phases as it has run, never fewer."""
+    firsts = [r.first_iteration for r in rows if r.first_iteration is not None and r.first_iteration >= 1]
+    if not firsts:
+        return 0, False
+    start = min(firsts)
+    if start > 1 and any(r.first_iteration == start and r.iteration == start + 1 for r in rows):
+        return start - 1, True
+    return 0, False
 
 
 def _world_from_layout(f) -> int | None:
@@ -271,20 +292,26 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
             rep.rows[i] = dataclasses.replace(row, stage=stage)
     planned, errors = [], []
     measured: dict = {}
-    reported: dict = {}   # iteration -> the plan of what a line printed after it shows, per stage
+    reported: dict = {}   # iteration since the start -> the plan of what a line printed after it shows, per stage
+    offset, resumed = iteration_offset(rep.rows)
+    before_training = []
     for row in rep.rows:
         if row.stage is None or row.stage >= len(base):
             continue
         b = base[row.stage]
-        if row.iteration is not None and row.iteration >= 1:
+        since = None if row.iteration is None else row.iteration - offset
+        if since is not None and since < 1:
+            before_training.append(str(row.key))   # no training step yet: nothing the plan sizes
+            continue
+        if since is not None:
             # a line shows the peak so far: after iterations 1..cuda_graph_warmup_steps the run is still eager
             # (no graph pool yet), after iteration 1 without the Adam moments in the forward (model.reported_phases)
             reported_at = getattr(M, "reported_breakdowns", None)
             if reported_at is not None:
-                if row.iteration not in reported:
-                    reported[row.iteration] = reported_at(shape, lay, st, row.iteration)
-                b = reported[row.iteration][row.stage]
-        got = row.get("max_allocated") or row.get("allocated")
+                if since not in reported:
+                    reported[since] = reported_at(shape, lay, st, since)
+                b = reported[since][row.stage]
+        got = row.get("max_allocated")   # only a peak is compared with a planned peak
         err = None if not got else (b.total - got) / got * 100
         if err is not None:
             errors.append(abs(err))
@@ -294,8 +321,8 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
                         "error_percent": None if err is None else round(err, 1)})
         peak = row.peak
         if peak is not None and (row.stage not in measured or peak > measured[row.stage][0]):
-            line = (row.iteration, b.total) if b is not base[row.stage] else None
-            measured[row.stage] = (peak, got or peak, line)
+            line = (since, b.total) if b is not base[row.stage] else None
+            measured[row.stage] = (peak, got or row.get("allocated") or peak, line)
     hot = rep.hot
     rep.planned = planned
     lay_text = (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp > 1 else "") + f" CP{lay.cp} DP{lay.dp}"
@@ -306,5 +333,12 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
     mean = f"; mean |error| {sum(errors) / len(errors):.1f}% over {len(errors)} rank(s)" if errors else ""
     rep.plan_status = (f"the memory model on recipe {name} at world size {world} ({lay_text}"
                        + (f"; from the log: {', '.join(from_log)}" if from_log else "") + f"){mean}")
+    if resumed:
+        rep.plan_status += (f"; the job started after iteration {offset} (its ranks first reported after {offset + 1} "
+                            f"and {offset + 2}, as Bridge does after the first two iterations it runs): lines are "
+                            "planned by the iterations since then")
+    if before_training:
+        rep.plan_status += (f"; {len(before_training)} line(s) printed before the first training iteration "
+                            f"({', '.join(before_training[:8])}) are not compared: no step has run")
     return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
                    None if hot is None else hot.stage, measured)

@@ -323,6 +323,12 @@ def _notes(rep: RunReport, f) -> None:
                      "state alive, so later iterations peak higher (Bridge reports again after the second iteration "
                      "for this reason: train_utils.py training_log)")
         conf = "medium" if conf == "high" else conf
+    before = [r for r in rep.rows if r.iteration == 0]
+    if before:
+        notes.append(f"{len(before)} rank(s) reported only before the first training iteration ("
+                     f"{', '.join(str(r.key) for r in before[:8])}{' ...' if len(before) > 8 else ''}): no forward, "
+                     "backward or optimizer step has run, so training peaks higher")
+        conf = "medium" if conf == "high" else conf
     later = [r for r in rep.rows if r.first_iteration is not None and r.iteration != r.first_iteration]
     if later:
         notes.append(f"figures are each rank's latest report (e.g. {who(later[0])} after iteration {later[0].iteration}, "
@@ -340,6 +346,14 @@ def _notes(rep: RunReport, f) -> None:
     if not any("max_reserved" in r.values for r in rep.rows):
         notes.append("no reserved figures were printed: headroom is measured from max allocated, which hides "
                      "fragmentation")
+    world = f.world.value if getattr(f, "world", None) is not None else None
+    if isinstance(world, int) and world > 0:
+        beyond = [r for r in rep.rows if r.rank is not None and r.rank >= world]
+        if beyond:
+            notes.append(f"{len(beyond)} line(s) name a rank at or beyond the world size {world} the log shows "
+                         f"({', '.join(str(r.key) for r in beyond[:8])}{' ...' if len(beyond) > 8 else ''}): from "
+                         "another job or a relabelled launcher prefix; they have no pipeline stage")
+            conf = "medium" if conf == "high" else conf
     st = rep.stages
     if st.pp and st.pp > 1 and st.why:
         unknown.append(f"which rank is which pipeline stage: {st.why}")
@@ -407,6 +421,7 @@ def run_json(rep: RunReport) -> dict[str, Any]:
         "unreadable": rep.unreadable,
         "planned": rep.planned,
         "plan": rep.plan,
+        "plan_status": rep.plan_status or None,   # with --plan: what was planned, or why not
     }
 
 
