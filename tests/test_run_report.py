@@ -413,6 +413,17 @@ def test_iterations_count_from_the_jobs_start():
     assert iteration_offset([Row(first_iteration=0, iteration=0), Row(first_iteration=51, iteration=52)]) == (50, True)
 
 
+def test_healthy_without_a_capacity_does_not_claim_headroom(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("[Rank 0] (after 2 iterations) memory (GB) | mem-allocated-gigabytes: 30.0 | "
+                   "mem-max-allocated-gigabytes: 40.0 | mem-max-reserved-gigabytes: 41.0\n")
+    out = mbmem("doctor", str(log))
+    assert out.returncode == 0 and "report: healthy as far as the log shows" in out.stdout
+    assert "unknown without the GPU's capacity (give --gpu-memory)" in out.stdout
+    out = mbmem("doctor", str(log), "--gpu-memory", "80GiB")
+    assert "report: healthy: no rank is near capacity" in out.stdout or "over-provisioned" in out.stdout
+
+
 def test_a_line_before_the_first_iteration_is_noted(tmp_path):
     log = tmp_path / "job.log"
     log.write_text("[Rank 0] (after 0 iterations) memory (GB) | mem-allocated-gigabytes: 30.0 | "

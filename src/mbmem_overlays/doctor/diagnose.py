@@ -558,7 +558,10 @@ def _run(f: Findings, ctx: Context, done, rep: RR.RunReport, priced: dict, repla
                "fragmenting": "fragmenting: the allocator reserves memory it cannot hand out",
                "over_provisioned": "over-provisioned: every rank has room to spare; memory savings that cost "
                                    "throughput can be given back",
-               "healthy": "healthy: no rank is near capacity and the allocator is not fragmenting"}[rep.kind]
+               "healthy": "healthy: no rank is near capacity and the allocator is not fragmenting"
+                          if rep.capacity is not None else
+                          "healthy as far as the log shows: the allocator is not fragmenting; whether a rank is near "
+                          "capacity is unknown without the GPU's capacity (give --gpu-memory)"}[rep.kind]
     summary = f"{summary}; hot rank: {RR.who(hot)}"
     if rep.kind == "at_risk":
         remedies = ([defrag_remedy(ctx, f)] if "fragmenting" in [x.kind for x in rep.findings] and not ctx.expandable

@@ -191,12 +191,12 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
             shown != world_size else ""
         try:
             planned = _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin)
-            if overridden:
-                rep.plan_status += f"; world size from {overridden}"
-            return planned
         except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
             rep.plan_status = f"not planned: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-            return None
+            planned = None
+        if overridden:
+            rep.plan_status += f"; world size from {overridden}"
+        return planned
     return planner
 
 
@@ -280,7 +280,7 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
         work, _ = realize(cfg, start, Candidate(), world, catalog=catalog, validate=True)
     except Rejected as exc:
         rep.plan_status = (f"not planned: the configuration rebuilt from the log (recipe {name}, "
-                           f"{' '.join(words) or 'no overrides'}) is refused: {exc.reason}")
+                           f"{' '.join(words) or 'no overrides'}, world size {world}) is refused: {exc.reason}")
         return None
     shape, lay, st = M.from_config(work, world)
     base = stage_breakdowns(shape, lay, st)

@@ -275,8 +275,12 @@ def render_memory_lines(plan: P.Plan) -> list[str]:
     parts = []
     for iteration, per_rank in plan.memory_lines:
         hot = max(range(len(per_rank)), key=per_rank.__getitem__)
-        spread = (f" (pipeline ranks {min(per_rank) / 1e9:.2f} .. {per_rank[hot] / 1e9:.2f})"
-                  if len(per_rank) > 1 else "")
+        if len(per_rank) == 1:
+            spread = ""
+        elif len(per_rank) <= 8:   # each stage, as `mbmem doctor --plan` lists them
+            spread = " (pipeline ranks " + ", ".join(f"{v / 1e9:.2f}" for v in per_rank) + ")"
+        else:
+            spread = f" (pipeline ranks {min(per_rank) / 1e9:.2f} .. {per_rank[hot] / 1e9:.2f})"
         parts.append(f"after iteration {iteration} {per_rank[hot] / 1e9:.2f} GB on pipeline rank {hot}{spread}")
     return ["memory lines to expect in the job's log (mem-max-allocated, GB = 10^9 bytes; `mbmem doctor --plan` "
             "compares them): " + "; ".join(parts)]
