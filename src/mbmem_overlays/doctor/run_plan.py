@@ -121,7 +121,8 @@ class RunPlan:
             work, _ = realize(self.cfg, start, cand, self.world, catalog=self.catalog, validate=True)
         except Rejected as exc:
             return {"check": f"rejected by our rules or Bridge's validation: {exc.reason}"}
-        stages = stage_breakdowns(*M.from_config(work, self.world))
+        planned_work = M.from_config(work, self.world)
+        stages = stage_breakdowns(*planned_work)
         command = train_command(start, cand, self.world)
         check = (f"validated (our rules and Bridge's validation) on recipe {self.recipe} at world size {self.world}; "
                  "a dry run: pasting it validates again (drop run.dry_run=true to train)")
@@ -144,7 +145,7 @@ class RunPlan:
             iteration, base_line = seen if seen is not None else (None, self.base[stage].footprint)
             if iteration is not None:
                 if iteration not in lines:
-                    lines[iteration] = M.reported_breakdowns(*M.from_config(work, self.world), iteration)
+                    lines[iteration] = M.reported_breakdowns(*planned_work, iteration)
                 whole = max(whole, lines[iteration][stage].total)
             predicted[stage] = peak - base_line + whole
         hot = self.hot_stage if self.hot_stage in predicted else (max(predicted, key=predicted.get) if predicted else None)
@@ -306,11 +307,9 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
         if since is not None:
             # a line shows the peak so far: after iterations 1..cuda_graph_warmup_steps the run is still eager
             # (no graph pool yet), after iteration 1 without the Adam moments in the forward (model.reported_phases)
-            reported_at = getattr(M, "reported_breakdowns", None)
-            if reported_at is not None:
-                if since not in reported:
-                    reported[since] = reported_at(shape, lay, st, since)
-                b = reported[since][row.stage]
+            if since not in reported:
+                reported[since] = M.reported_breakdowns(shape, lay, st, since)
+            b = reported[since][row.stage]
         got = row.get("max_allocated")   # only a peak is compared with a planned peak
         err = None if not got else (b.total - got) / got * 100
         if err is not None:
