@@ -128,21 +128,19 @@ def pct(e):
 
 
 def read_as(shape, lay, st, iteration):
-    """(low, high, rank, phase) of what the plan says the measured figure is: the training peak over every
-    pipeline rank (iteration None), or the line a reporting rank prints after ``iteration``, for whichever stage
-    printed first (the lowest and highest stage, model.reported_breakdowns)."""
+    """(low, high) of what the plan says the measured figure is: the training peak over every pipeline rank
+    (iteration None), or the line a reporting rank prints after ``iteration``, for whichever stage printed first
+    (the lowest and highest stage, model.reported_breakdowns)."""
     if iteration is None:
-        b = allocated_peak(shape, lay, st)
-        return b.total, b.total, b.rank, b.phase
-    stages = P.reported_breakdowns(shape, lay, st, iteration)
-    low, high = min(stages, key=lambda b: b.total), max(stages, key=lambda b: b.total)
-    return low.total, high.total, high.rank, high.phase
+        peak = allocated_peak(shape, lay, st).total
+        return peak, peak
+    totals = [b.total for b in P.reported_breakdowns(shape, lay, st, iteration)]
+    return min(totals), max(totals)
 
 
 def range_err(low, high, ref):
     """0 inside [low, high], else the distance to the nearer end, in percent of the measured figure."""
-    x = min(max(ref * GB, low), high)
-    return 100.0 * (x - ref * GB) / (ref * GB) if low > ref * GB or high < ref * GB else 0.0
+    return err(min(max(ref * GB, low), high), ref)
 
 
 def fig(low, high):
@@ -159,8 +157,8 @@ for label, recipe, overrides, overlays, params, world, measured, iteration in RO
     shape, lay, st = P.from_config(cfg, world)
     layouts[label] = (shape, lay, st)
     after, before = allocated_peak(shape, lay, st), allocated_peak(shape, lay, replace(st, without=OFF))
-    a_low, a_high, *_ = read_as(shape, lay, st, iteration)
-    b_low, b_high, *_ = read_as(shape, lay, replace(st, without=OFF), iteration)
+    a_low, a_high = read_as(shape, lay, st, iteration)
+    b_low, b_high = read_as(shape, lay, replace(st, without=OFF), iteration)
     theirs = bridge_estimate(cfg, world)
     plan = P.estimate(shape, lay, st)   # what the fit is judged on: allocated, plus the graph pool in replay
     ranges = uncertainty(shape, lay, st, plan)

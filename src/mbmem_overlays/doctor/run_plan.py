@@ -320,7 +320,7 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
                         "error_percent": None if err is None else round(err, 1)})
         peak = row.peak
         if peak is not None and (row.stage not in measured or peak > measured[row.stage][0]):
-            line = (since, b.total) if b is not base[row.stage] else None
+            line = None if since is None else (since, b.total)   # the plan of this line, when it has an iteration
             measured[row.stage] = (peak, got or row.get("allocated") or peak, line)
     hot = rep.hot
     rep.planned = planned

@@ -510,6 +510,13 @@ def optimizer_gpu_parts(st: Settings) -> tuple[float, float]:
     return master, (1.0 - f) * ADAM_MOMENTS * st.state_bytes
 
 
+def optimizer_before_first_step(optimizer: float, st: Settings) -> float:
+    """The optimizer state ``optimizer`` (bytes) before the first step: the masters only, the moments come with it
+    (optimizer_gpu_parts)."""
+    master, moments = optimizer_gpu_parts(st)
+    return optimizer * master / (master + moments) if master + moments else optimizer
+
+
 def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
                 rank: int | None = None) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes on one GPU of the stage (``rank`` as in stage_params)."""
@@ -1016,8 +1023,7 @@ def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> d
     elif (gathered := global_memory_buffer(s, lay, st, rank)):
         detail += (("megatron-core global memory buffer (output layer SP gather)", gathered),)
     resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
-    master, moments = optimizer_gpu_parts(st)
-    o_no_moments = o * master / (master + moments) if master + moments else o   # before the first step
+    o_no_moments = optimizer_before_first_step(o, st)
     values = {"steady 1F1B": (o, acts.steady, other), "optimizer step": (o, acts.persistent, other + step + casts),
               "CUDA graph capture": (o, 0.0, other), "eager warm-up": (o, 0.0, other)}
     warmup = st.graph_warmup_steps
@@ -1083,10 +1089,8 @@ def reported_phases(s: Shape, lay: Layout, st: Settings, rank: int, iteration: i
     else:
         out = {name: b for name, b in _phases(s, lay, st, rank, one_time=False).items() if name in HEADLINE_PHASES}
     if iteration == 1:
-        master, moments = optimizer_gpu_parts(st)
         forward = "eager warm-up" if eager_only else "steady 1F1B"
-        b = out[forward]
-        out[forward] = replace(b, optimizer=b.optimizer * master / (master + moments) if master + moments else b.optimizer)
+        out[forward] = replace(out[forward], optimizer=optimizer_before_first_step(out[forward].optimizer, st))
     return out
 
 
