@@ -154,9 +154,14 @@ def load(path: str, limit: int | None = None) -> Loaded:
         if not (len(pk) >= 1 and pk[0] == PROTO):
             raise SnapshotError(f"{shown(path)} is not a pickle (a memory snapshot is written with pickle.dump; "
                                 "this file starts with other bytes)" + (" inside its gzip" if compressed else ""))
-        stream = io.BufferedReader(_Capped(gzip.GzipFile(fileobj=f, mode="rb"), limit, path)) if compressed else f
         try:
-            data = _NoClasses(stream).load()
+            raw = (io.BufferedReader(_Capped(gzip.GzipFile(fileobj=f, mode="rb"), limit, path)) if compressed
+                   else f).read(limit + 1)
+            if len(raw) > limit:   # a plain file that grew since its size was checked
+                raise SnapshotError(too_large(path, len(raw), limit))
+            budget = BUILD_RATIO * len(raw) + BUILD_FLOOR
+            scan(raw, budget)
+            data = _NoClasses(io.BytesIO(raw)).load()
         except RefusedPickle as exc:
             raise SnapshotError(f"{shown(path)} was refused: {exc}. A memory snapshot holds only dicts, lists, "
                                 "strings and numbers; nothing from the file was run") from None
@@ -175,5 +180,236 @@ def load(path: str, limit: int | None = None) -> Loaded:
         except Exception as exc:  # noqa: BLE001 — any other failure inside the unpickler is a bad file
             raise SnapshotError(f"{shown(path)} is not a valid pickle ({shown(type(exc).__name__)}: "
                                 f"{shown(str(exc)[:200])})") from None
-        read = stream.raw.count if compressed else size
+        read = len(raw)
+        del raw
     return Loaded(data, path, size, read, compressed)
+
+
+# ----------------------------------------------------------------------------- what the pickle may build
+MAX_HASHED_DEPTH = 100      # tuples and frozensets inside each other; a snapshot's deepest is pool_id: one level
+MAX_INT_BYTES = 64          # a snapshot's integers are int64 (LONG1 of at most 9 bytes)
+MAX_TEXT_ARG = 1 << 16      # a text-protocol argument (INT, FLOAT, STRING, GET ...): one short line
+BUILD_RATIO = 12            # the unpickler may build at most this many times the pickle's bytes (estimated) ...
+BUILD_FLOOR = 64 << 20      # ... plus this much, so no small file is refused for its figures
+# Estimated bytes per object (sys.getsizeof on CPython 3.11-3.13): what the scan charges for each opcode.
+_REF, _DICT, _PAIR, _LIST, _ITEM, _TUPLE, _SET, _STR, _INT, _FLOAT = 8, 64, 48, 56, 9, 40, 216, 49, 36, 24
+# Opcodes that fetch a class or a persistent object: the scan stops there and the unpickler's own refusal
+# (find_class, persistent_load) names what was asked for; everything before it was scanned and charged.
+_CLASS_OPS = {ord(c) for c in ("c", "\x93", "i", "\x82", "\x83", "\x84", "P", "Q")}
+# Opcodes that call what a class op fetched, or need out-of-band buffers: never in a snapshot.
+_REFUSED_OPS = {ord(c): name for c, name in (
+    ("o", "OBJ"), ("R", "REDUCE"), ("b", "BUILD"), ("\x81", "NEWOBJ"), ("\x92", "NEWOBJ_EX"),
+    ("\x97", "NEXT_BUFFER"), ("\x98", "READONLY_BUFFER"))}
+_GET_WIDTH = {0x68: 2, 0x6A: 5}   # BINGET, LONG_BINGET: opcode and index
+_GET_BYTE = {0x68: b"h", 0x6A: b"j"}
+_RUN_CHUNK = 4096
+# opcode -> width of its length prefix (strings and bytes) or of its argument (fixed-size scalars)
+_SIZED = {0x58: 4, 0x8C: 1, 0x8D: 8, 0x54: 4, 0x55: 1, 0x42: 4, 0x43: 1, 0x8E: 8, 0x96: 8}   # X, \x8c, \x8d, T, U, B, C
+_FIXED = {0x4A: 4, 0x4B: 1, 0x4D: 2, 0x47: 8}                                            # BININT, BININT1, 2, BINFLOAT
+_LINE = {0x49: "INT", 0x4C: "LONG", 0x46: "FLOAT", 0x53: "STRING", 0x56: "UNICODE"}
+
+
+def scan(data: bytes, budget: int) -> int:
+    """One pass over the pickle's opcodes before anything is built (the opcodes of pickletools, protocols 0-5),
+    simulating the unpickler's stack; the estimated bytes it will build, or RefusedPickle.
+
+    What it bounds: every opcode that needs a class or a buffer is refused; a memo index must be the next one
+    or an earlier one (the C unpickler grows its memo table to twice any index it is given: LONG_BINPUT
+    0xffffffff in a 9-byte file asks for 64 GiB); integers beyond MAX_INT_BYTES; what the objects would take
+    in memory, estimated per opcode, against ``budget``; and how deep tuples and frozensets nest. The C
+    unpickler builds iteratively, but it hashes each dict key and set element as it stores it, and hashing a
+    tuple recurses in C without a recursion check: a tuple nested a million deep as a dict key kills the
+    process with SIGSEGV. Lists, dicts and sets cannot be hashed, so their nesting costs memory only (charged).
+    References (memo gets) are charged a stack slot each; a run of them, the bulk of a real snapshot's frame
+    lists, is skipped with one regular-expression match."""
+    n = len(data)
+    stack: list[int] = []      # per stack item: how deep tuples/frozensets nest in it (0 for scalars and mutables)
+    marks: list[int] = []
+    memo_size = 0
+    memo_depth = 0             # the deepest hashable nesting stored in the memo (what a get may push)
+    cost = 0
+    pos = 0
+
+    def pop_mark() -> list[int]:
+        if not marks:
+            raise RefusedPickle("an opcode needs a MARK that is not there (not a valid pickle)")
+        m = marks.pop()
+        items = stack[m:]
+        del stack[m:]
+        return items
+
+    def top(k: int) -> None:
+        if len(stack) - (marks[-1] if marks else 0) < k:
+            raise RefusedPickle("an opcode needs more on the stack than is there (not a valid pickle)")
+
+    while True:
+        if pos >= n:
+            raise RefusedPickle("it ends before its STOP opcode (truncated)")
+        op = data[pos]
+        pos += 1
+        if op == 0x6A or op == 0x68:                  # LONG_BINGET, BINGET: a run of them at once
+            width, start = _GET_WIDTH[op], pos - 1
+            count, step, mark = 0, 32, _GET_BYTE[op]
+            while True:   # the run's length: every width-th byte from its start, in C, a growing chunk at a time
+                chunk = data[start + count * width:start + (count + step) * width:width]
+                lead = len(chunk) - len(chunk.lstrip(mark))
+                count += lead
+                if lead < step:
+                    break
+                step = min(step * 4, _RUN_CHUNK)
+            end = start + count * width
+            if end > n:
+                raise RefusedPickle("it ends inside an opcode (truncated)")
+            if not memo_size:
+                raise RefusedPickle("it reads the memo before storing anything in it (not a valid pickle)")
+            stack.extend([memo_depth] * count)
+            cost += _REF * count
+            pos = end
+        elif op == 0x94:                              # MEMOIZE
+            top(1)
+            memo_size += 1
+            memo_depth = max(memo_depth, stack[-1])
+            cost += 2 * _REF
+        elif op == 0x28:                              # MARK
+            marks.append(len(stack))
+        elif op in _SIZED:
+            width = _SIZED[op]
+            if pos + width > n:
+                raise RefusedPickle("it ends inside an opcode (truncated)")
+            size = int.from_bytes(data[pos:pos + width], "little")
+            pos += width + size
+            if pos > n:
+                raise RefusedPickle("a string or bytes object runs past the end of the file (truncated)")
+            stack.append(0)
+            cost += _STR + size + _REF
+        elif op == 0x75 or op == 0x65 or op == 0x90:  # SETITEMS, APPENDS, ADDITEMS
+            items = pop_mark()
+            if not stack:
+                raise RefusedPickle("it adds items to nothing (not a valid pickle)")
+            if op == 0x75:
+                if len(items) % 2:
+                    raise RefusedPickle("SETITEMS with an odd number of items (not a valid pickle)")
+                cost += _PAIR * (len(items) // 2)
+            else:
+                cost += (_ITEM if op == 0x65 else _PAIR) * len(items)
+        elif op in _FIXED:
+            pos += _FIXED[op]
+            stack.append(0)
+            cost += _INT + _REF
+        elif op == 0x8A or op == 0x8B:                # LONG1, LONG4
+            width = 1 if op == 0x8A else 4
+            size = int.from_bytes(data[pos:pos + width], "little", signed=op == 0x8B)
+            if not 0 <= size <= MAX_INT_BYTES:
+                raise RefusedPickle(f"it holds an integer of {size:,} bytes; a snapshot's integers fit in 8")
+            pos += width + size
+            stack.append(0)
+            cost += _INT + size + _REF
+        elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
+            stack.append(0)
+            cost += (_DICT if op == 0x7D else _LIST if op == 0x5D else _SET) + _REF
+        elif op in (0x4E, 0x88, 0x89, 0x29):          # NONE, NEWTRUE, NEWFALSE, EMPTY_TUPLE
+            stack.append(0 if op != 0x29 else 1)
+            cost += _REF
+        elif op in (0x85, 0x86, 0x87):                # TUPLE1, TUPLE2, TUPLE3
+            k = op - 0x84
+            top(k)
+            depth = 1 + max(stack[-k:])
+            del stack[-k:]
+            stack.append(depth)
+            cost += _TUPLE + 8 * k + _REF
+            if depth > MAX_HASHED_DEPTH:
+                raise RefusedPickle(f"it nests tuples more than {MAX_HASHED_DEPTH} deep; a snapshot nests them "
+                                    "at most one deep (hashing deeper ones could crash the reader)")
+        elif op in (0x74, 0x91, 0x6C, 0x64):          # TUPLE, FROZENSET, LIST, DICT (from the MARK)
+            items = pop_mark()
+            if op == 0x64 and len(items) % 2:
+                raise RefusedPickle("DICT with an odd number of items (not a valid pickle)")
+            hashed = op in (0x74, 0x91)
+            depth = 1 + max(items, default=0) if hashed else 0
+            stack.append(depth)
+            cost += {0x74: _TUPLE + 8 * len(items), 0x91: _SET + _PAIR * len(items), 0x6C: _LIST + _ITEM * len(items),
+                     0x64: _DICT + _PAIR * len(items) // 2}[op] + _REF
+            if depth > MAX_HASHED_DEPTH:
+                raise RefusedPickle(f"it nests tuples or frozensets more than {MAX_HASHED_DEPTH} deep; a snapshot "
+                                    "nests them at most one deep (hashing deeper ones could crash the reader)")
+        elif op == 0x71 or op == 0x72:                # BINPUT, LONG_BINPUT
+            width = 1 if op == 0x71 else 4
+            index = int.from_bytes(data[pos:pos + width], "little")
+            pos += width
+            top(1)
+            if index > memo_size:
+                raise RefusedPickle(f"it stores memo entry {index:,} while it has stored {memo_size:,} (a pickler "
+                                    "numbers them in order; this would make the unpickler allocate a table that "
+                                    "large)")
+            memo_size += index == memo_size
+            memo_depth = max(memo_depth, stack[-1])
+            cost += 2 * _REF
+        elif op == 0x61 or op == 0x73:                # APPEND, SETITEM
+            k = 1 if op == 0x61 else 2
+            top(k + 1)
+            del stack[-k:]
+            cost += _ITEM if op == 0x61 else _PAIR
+        elif op == 0x30:                              # POP
+            if marks and len(stack) == marks[-1]:
+                marks.pop()
+            elif stack:
+                stack.pop()
+            else:
+                raise RefusedPickle("POP on an empty stack (not a valid pickle)")
+        elif op == 0x31:                              # POP_MARK
+            pop_mark()
+        elif op == 0x32:                              # DUP
+            top(1)
+            stack.append(stack[-1])
+            cost += _REF
+        elif op == 0x80:                              # PROTO
+            pos += 1
+        elif op == 0x95:                              # FRAME: a length prefix only
+            pos += 8
+        elif op == 0x2E:                              # STOP
+            if len(stack) != 1 or marks:
+                raise RefusedPickle("its STOP leaves the stack unbalanced (not a valid pickle)")
+            return cost
+        elif op in _LINE or op in (0x67, 0x70):       # text protocol: INT LONG FLOAT STRING UNICODE, GET, PUT
+            end = data.find(b"\n", pos, pos + MAX_TEXT_ARG)
+            if end < 0:
+                raise RefusedPickle("a text opcode's argument has no end within 64 KiB (not a snapshot)")
+            arg = data[pos:end]
+            pos = end + 1
+            if op in (0x67, 0x70):
+                if not arg.isdigit() or len(arg) > 12:
+                    raise RefusedPickle("a memo index that is not a number (not a valid pickle)")
+                index = int(arg)
+                if op == 0x70:
+                    top(1)
+                    if index > memo_size:
+                        raise RefusedPickle(f"it stores memo entry {index:,} while it has stored {memo_size:,}")
+                    memo_size += index == memo_size
+                    memo_depth = max(memo_depth, stack[-1])
+                    cost += 2 * _REF
+                else:
+                    stack.append(memo_depth)
+                    cost += _REF
+                continue
+            if op in (0x49, 0x4C) and len(arg) > 3 * MAX_INT_BYTES:
+                raise RefusedPickle(f"it holds an integer of {len(arg):,} digits; a snapshot's integers have at most 19")
+            stack.append(0)
+            cost += _STR + 4 * len(arg) + _REF
+        elif op in _CLASS_OPS:
+            return cost
+        elif op in _REFUSED_OPS:
+            raise RefusedPickle(_refusal(_REFUSED_OPS[op]))
+        else:
+            raise RefusedPickle(f"it holds the byte 0x{op:02x} where an opcode belongs (not a valid pickle)")
+        if cost > budget:
+            raise RefusedPickle(f"what it builds would take more than {budget / 2**20:,.0f} MiB in memory "
+                                f"(estimated while reading, before building it; the reader allows {BUILD_RATIO}x the "
+                                f"pickle's size plus {BUILD_FLOOR >> 20} MiB): a snapshot of this size is far smaller "
+                                "in memory, so the file is crafted or corrupted")
+
+
+def _refusal(opcode: str) -> str:
+    if opcode in ("NEXT_BUFFER", "READONLY_BUFFER"):
+        return f"it asks for an out-of-band buffer ({opcode}), which a snapshot never holds"
+    return (f"it asks to construct a Python object ({opcode}: a class or a callable), which a snapshot never "
+            "holds")
