@@ -114,7 +114,9 @@ def run(args) -> int:
 def _print(args, payload: dict, text: str) -> None:
     from ..core.text import shown
     # JSON escapes control characters itself; text from a log is escaped here (issue 22 #9).
-    print(json.dumps(payload, indent=2, default=repr) if args.json else shown(text, one_line=False))
+    from ..doctor.snapshot.render import json_safe   # strict JSON: no NaN, no integer json.dumps cannot write
+    print(json.dumps(json_safe(payload), indent=2, default=repr, allow_nan=False) if args.json
+          else shown(text, one_line=False))
 
 
 def _seriousness(code: int) -> int:

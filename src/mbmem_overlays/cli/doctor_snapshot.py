@@ -107,7 +107,7 @@ def _read(path: str, capacity: float | None, keep: bool) -> _Read:
     from ..core.text import shown
     try:
         loaded = load(path)
-        snap = normalize(loaded.data)
+        snap = normalize(loaded.data, loaded.budget_left)
     except SnapshotError as exc:
         return _Read(path, str(exc))
     except MalformedSnapshot as exc:

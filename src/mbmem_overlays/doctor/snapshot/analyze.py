@@ -211,17 +211,19 @@ def _kinds(segments: list[M.Segment]) -> tuple[dict[int, str], list[tuple[int, i
     return plain, exp
 
 
-def _expandable_kind(start: int, size: int, stream: int, exp_kinds: list[tuple[int, int, str]], state: State,
-                     block_addrs: list[int]) -> str:
+def _expandable_kind(start: int, size: int, stream: int, exp_kinds: list[tuple[int, int, str]], exp_addrs: list[int],
+                     state: State, block_addrs: list[int]) -> str:
     """The pool (small | large) of a mapped range of an expandable segment. Each pool and stream has its own
     segment, a virtual range of its own; the dump names the kind of the ranges it shows. A range the replay
     re-created (unmapped by the dump) is judged by its blocks, as get_pool routes them: a block over kSmallSize
     can only be the large pool's, one at most kSmallSize only the small pool's (round_size keeps it there);
     else by the granule: the small pool maps 2 MiB at a time, the large 20 MiB."""
     end = start + size
-    for a, st, k in exp_kinds:   # a dump range inside this one (the replay only merges ranges of one segment)
-        if st == stream and start <= a < end:
-            return k
+    # a dump range inside this one (the replay only merges ranges of one segment); the dump's ranges are sorted by
+    # address, so only those inside [start, end) are looked at: linear over all ranges, not ranges x segments
+    for j in range(bisect.bisect_left(exp_addrs, start), bisect.bisect_left(exp_addrs, end)):
+        if exp_kinds[j][1] == stream:
+            return exp_kinds[j][2]
     i = bisect.bisect_left(block_addrs, start)
     if i < len(block_addrs) and block_addrs[i] < end:   # the range's first block decides
         return "large" if state.blocks[block_addrs[i]].size > SMALL_SIZE else "small"
@@ -237,10 +239,13 @@ def moment_of(snap_segments: list[M.Segment], trace: M.Trace, state: State, kind
         segs.append((addr, size, stream, plain_kinds.get(addr, "small" if size == M.SMALL_SEGMENT else "large"),
                      pool, False))
     block_addrs = sorted(state.blocks)
+    exp_addrs = [a for a, _, _ in exp_kinds]
     for start, size, stream in state.mapped.ranges():
-        segs.append((start, size, stream, _expandable_kind(start, size, stream, exp_kinds, state, block_addrs),
-                     None, True))
-    segs.sort()
+        segs.append((start, size, stream, _expandable_kind(start, size, stream, exp_kinds, exp_addrs, state,
+                                                           block_addrs), None, True))
+    # a total order: a plain and an expandable segment may share an address in a hostile file, and None (an
+    # expandable range's pool) does not compare with a tuple
+    segs.sort(key=lambda s: (s[0], s[1], s[2], s[3], s[5], s[4] or ()))
     starts = [s[0] for s in segs]
     per_segment: list[list[tuple[int, Any]]] = [[] for _ in segs]
     outside = 0

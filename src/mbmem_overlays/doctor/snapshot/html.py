@@ -118,7 +118,7 @@ def _timeline_svg(data: dict[str, Any], moment: Moment) -> str:
 def _segments_svg(moment: Moment, colors: dict[str, str]) -> tuple[str, int]:
     segments = sorted(moment.segments, key=lambda s: -s.size)[:MAX_SEGMENTS]
     segments.sort(key=lambda s: s.address)
-    largest = max((s.size for s in segments), default=1)
+    largest = max((s.size for s in segments), default=0) or 1   # a hostile file's segments may all be empty
     row, gap = 14, 4
     plot_w = WIDTH - LEFT - 10
     parts = [f'<svg width="{WIDTH}" height="{len(segments) * (row + gap) + 10}" role="img" aria-label="segment map">']

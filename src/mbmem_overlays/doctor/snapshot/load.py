@@ -73,6 +73,7 @@ class Loaded:
     file_bytes: int        # on disk
     pickle_bytes: int      # decompressed (the pickle itself)
     gzip: bool
+    budget_left: int | None = None   # bytes the analysis may still take (the build budget less what was built)
 
 
 def max_bytes() -> int:
@@ -160,7 +161,7 @@ def load(path: str, limit: int | None = None) -> Loaded:
             if len(raw) > limit:   # a plain file that grew since its size was checked
                 raise SnapshotError(too_large(path, len(raw), limit))
             budget = BUILD_RATIO * len(raw) + BUILD_FLOOR
-            scan(raw, budget)
+            built = scan(raw, budget)
             data = _NoClasses(io.BytesIO(raw)).load()
         except RefusedPickle as exc:
             raise SnapshotError(f"{shown(path)} was refused: {exc}. A memory snapshot holds only dicts, lists, "
@@ -182,7 +183,7 @@ def load(path: str, limit: int | None = None) -> Loaded:
                                 f"{shown(str(exc)[:200])})") from None
         read = len(raw)
         del raw
-    return Loaded(data, path, size, read, compressed)
+    return Loaded(data, path, size, read, compressed, budget - built)
 
 
 # ----------------------------------------------------------------------------- what the pickle may build

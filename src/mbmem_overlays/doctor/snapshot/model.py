@@ -17,8 +17,10 @@ refused (the file is not a snapshot) or counted as a problem and left out, never
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from ...core.text import shown
@@ -35,10 +37,50 @@ STATES = {"active_allocated": "allocated", "active_pending_free": "pending", "ac
 MAX_INT = 1 << 63                       # sizes, addresses and streams are int64 in torch
 SMALL_SEGMENT = 2 << 20                 # kSmallBuffer: segments of the small pool (requests <= 1 MiB)
 MAX_PROBLEMS = 20
+MAX_UINT = 1 << 64                      # size_t settings: max_split_size is SIZE_MAX when unset
+MAX_KEY = 100                           # an allocator_settings key, as kept
+# What analysing costs beyond the loaded objects (the Trace's columns, the replay's per-position totals, the
+# blocks re-created at a moment and their layout): charged against the reader's memory budget (load.py), so a
+# file whose segments or entries are the same few objects referenced over and over is refused, not expanded.
+ENTRY_COST, BLOCK_COST = 320, 480
 
 
 class MalformedSnapshot(Exception):
     """The object is not a memory snapshot (wrong shape where the reader cannot go on)."""
+
+
+def shown_value(value: Any, limit: int = 80) -> str:
+    """A value from a file, for a message: bounded whatever it is. At most 4 items of a container, 3 levels
+    deep, strings cut to ``limit``, an integer past 30 digits by its size (str() of a many-thousand-digit
+    integer raises, and a list that holds the same list twice at each level repeats exponentially in repr),
+    then escaped (core.text.shown) and cut to ``limit`` characters."""
+    text = shown(_bounded(value, 3, limit))
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _bounded(value: Any, level: int, limit: int) -> str:
+    t = type(value)
+    if t is str:
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    if t is int:
+        return str(value) if value.bit_length() <= 100 else f"<an integer of {value.bit_length():,} bits>"
+    if t is float or t is bool or value is None:
+        return repr(value)
+    if t in (bytes, bytearray):
+        return repr(bytes(value[:limit])) + ("..." if len(value) > limit else "")
+    if t in (list, tuple, set, frozenset, dict):
+        if level <= 0:
+            return f"<a {t.__name__} of {len(value):,} items>"
+        if t is dict:
+            parts = [f"{_bounded(k, level - 1, limit)}: {_bounded(v, level - 1, limit)}"
+                     for k, v in islice(value.items(), 4)]
+        else:
+            parts = [_bounded(v, level - 1, limit) for v in islice(value, 4)]
+        if len(value) > 4:
+            parts.append(f"... {len(value) - 4:,} more")
+        body = ", ".join(parts)
+        return {list: "[{}]", tuple: "({})", dict: "{{{}}}"}.get(t, t.__name__ + "({{{}}})").format(body)
+    return f"<a {t.__name__}>"
 
 
 @dataclass(frozen=True)
@@ -124,7 +166,7 @@ def _frames(value: Any) -> Any:
 
 
 def _pool(value: Any) -> tuple | None:
-    if type(value) is tuple and len(value) == 2 and all(type(v) is int for v in value):
+    if type(value) is tuple and len(value) == 2 and all(_signed(v) is not None for v in value):
         return value
     return None
 
@@ -135,7 +177,8 @@ def _block(raw: Any, address: int, where: str, features: set[str]) -> Block:
     size = _int(raw.get("size"))
     state = STATES.get(raw.get("state")) if type(raw.get("state")) is str else None
     if size is None or state is None:
-        raise MalformedSnapshot(f"{where} has no valid size/state (state {shown(str(raw.get('state'))[:40])})")
+        raise MalformedSnapshot(f"{where} has no valid size/state (size {shown_value(raw.get('size'), 40)}, "
+                                f"state {shown_value(raw.get('state'), 40)})")
     given = _int(raw.get("address"))
     if "history" in raw and "frames" not in raw:  # older torch: the block's allocations as history entries
         features.add("block history (older torch)")
@@ -202,7 +245,7 @@ def _trace(entries: Any, device: int, snap: Snapshot, features: set[str]) -> Tra
             action = e.get("action")
             code = CODE.get(action, IGNORED) if type(action) is str else IGNORED
             if code == IGNORED:
-                name = shown(action)[:40] if type(action) is str else type(action).__name__
+                name = shown_value(action, 40) if type(action) is str else type(action).__name__
                 unknown[name] = unknown.get(name, 0) + 1
             else:
                 size = _int(e.get("size", 0))
@@ -241,23 +284,83 @@ def _trace(entries: Any, device: int, snap: Snapshot, features: set[str]) -> Tra
     return t
 
 
-def _settings(raw: Any) -> dict[str, Any]:
-    """allocator_settings with scalar values (and the roundup table), shown-safe keys; nothing else kept."""
+# allocator_settings keys torch writes (torch/csrc/cuda/Module.cpp memorySnapshot) and the type each must have;
+# other keys are kept when their value is a plain scalar. max_split_size is a size_t (SIZE_MAX when unset).
+_SETTING_TYPES = {"PYTORCH_CUDA_ALLOC_CONF": (str,), "max_split_size": (int,), "expandable_segments": (bool,),
+                  "garbage_collection_threshold": (float, int), "pinned_num_register_threads": (int,),
+                  "release_lock_on_malloc": (bool,), "pinned_use_host_register": (bool,),
+                  "roundup_power2_divisions": (dict,)}
+
+
+def _setting_problem(value: Any) -> str | None:
+    """Why a scalar from allocator_settings cannot be kept (reported, then left out), or None."""
+    t = type(value)
+    if t is int and not -MAX_INT <= value < MAX_UINT:
+        return f"an integer of {value.bit_length():,} bits, outside any allocator setting's range"
+    if t is float and not math.isfinite(value):
+        return f"{value!r}, not a finite number"
+    if t not in (str, int, float, bool) and value is not None:
+        return f"a {t.__name__}, not a number, text or true/false"
+    return None
+
+
+def _settings(raw: Any, problems: list[str]) -> dict[str, Any]:
+    """allocator_settings, checked: scalars in range (no NaN, no infinity, no integer past 64 bits), the types
+    torch writes for the keys it knows, and the roundup table; anything else is a problem and left out, so a
+    value from the file can neither break --json nor --against."""
+    if raw is None:
+        return {}
     if type(raw) is not dict:
+        problems.append(f"allocator_settings is a {type(raw).__name__}, not a dict: ignored")
         return {}
     out: dict[str, Any] = {}
-    for key, value in list(raw.items())[:64]:
-        if type(key) is not str:
+    for key, value in islice(raw.items(), 64):
+        if type(key) is not str or len(key) > MAX_KEY:
+            problems.append(f"allocator_settings: a key {shown_value(key, 40)} that is not a setting name: left out")
             continue
-        if type(value) in (str, int, float, bool) or value is None:
-            out[key] = value if type(value) is not str else value[:1000]
-        elif type(value) is dict:
-            out[key] = {k: v for k, v in list(value.items())[:64] if type(k) is str and type(v) in (int, float)}
+        where = f"allocator_settings.{shown_value(key, MAX_KEY)}"
+        wanted = _SETTING_TYPES.get(key)
+        if wanted is not None and type(value) not in wanted:
+            problems.append(f"{where} is {shown_value(value, 40)}, not a {' or '.join(w.__name__ for w in wanted)} "
+                            "as torch writes it: left out")
+            continue
+        if type(value) is dict:
+            table: dict[str, Any] = {}
+            for k, v in islice(value.items(), 64):
+                why = "a key that is not text" if type(k) is not str or len(k) > MAX_KEY else (
+                    "not a number" if type(v) not in (int, float) else _setting_problem(v))
+                if why:
+                    problems.append(f"{where}[{shown_value(k, 40)}] is {shown_value(v, 40)}: {why}; left out")
+                else:
+                    table[k] = v
+            out[key] = table
+            continue
+        why = _setting_problem(value)
+        if why:
+            problems.append(f"{where} is {why}: left out")
+            continue
+        out[key] = value if type(value) is not str else value[:1000]
+    if len(raw) > 64:
+        problems.append(f"allocator_settings holds {len(raw):,} keys; the first 64 were read")
     return out
 
 
-def normalize(data: Any) -> Snapshot:
-    """The checked snapshot; MalformedSnapshot when ``data`` is not one."""
+def _charge(budget: list[int] | None, units: int, cost: int, what: str) -> None:
+    """Take ``units * cost`` bytes from the analysis budget; MalformedSnapshot when it runs out."""
+    if budget is None:
+        return
+    budget[0] -= units * cost
+    if budget[0] < 0:
+        raise MalformedSnapshot(f"its {what} would take more memory to analyse than the reader allows for a file of "
+                                "this size (load.py: 12x the pickle plus 64 MiB, loading included); torch writes each "
+                                "segment, block and trace entry once, so a file that references the same ones over "
+                                "and over is crafted")
+
+
+def normalize(data: Any, budget: int | None = None) -> Snapshot:
+    """The checked snapshot; MalformedSnapshot when ``data`` is not one, or when analysing it would exceed
+    ``budget`` bytes (what the loader left of its memory budget: load.Loaded.budget_left)."""
+    left = None if budget is None else [budget]
     features: set[str] = set()
     problems: list[str] = []
     if type(data) is list:
@@ -281,14 +384,18 @@ def normalize(data: Any) -> Snapshot:
     else:
         raise MalformedSnapshot(f"the pickle holds a {type(data).__name__}, not a memory snapshot (a dict or a list "
                                 "of segments)")
-    snap = Snapshot(Format(layout, ()), {}, {}, _settings(settings),
+    snap = Snapshot(Format(layout, ()), {}, {}, _settings(settings, problems),
                     len(annotations) if type(annotations) is list else 0)
     for i, raw in enumerate(raw_segments):
+        blocks = raw.get("blocks") if type(raw) is dict else None
+        _charge(left, 1 + (len(blocks) if type(blocks) is list else 0), BLOCK_COST, f"{len(raw_segments):,} segments")
         seg = _segment(raw, i, features, problems)
         snap.segments.setdefault(seg.device, []).append(seg)
     for device, entries in enumerate(raw_traces):
         if type(entries) is list and not entries:
             continue
+        _charge(left, len(entries) if type(entries) is list else 0, ENTRY_COST,
+                f"{len(entries) if type(entries) is list else 0:,} trace entries on device {device}")
         snap.traces[device] = _trace(entries, device, snap, features)
     if any(b.frames for segs in snap.segments.values() for s in segs for b in s.blocks):
         features.add("frames")

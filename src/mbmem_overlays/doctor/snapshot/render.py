@@ -6,12 +6,14 @@ JSON layout (``schema_version`` 1), one object per file; docs/snapshots.md docum
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from typing import Any
 
 from ...core.report import section
 from ...core.text import shown
 from .advice import Advice
 from .analyze import Comparison, DeviceReport, Report, gib
+from .model import shown_value
 
 SCHEMA_VERSION = 1
 VERDICT = {"fragmentation": "diagnosed", "capacity": "diagnosed", "other_processes": "diagnosed",
@@ -174,7 +176,7 @@ def _setting(value: Any) -> str:
     """An allocator setting as written: text quoted (so an empty one shows as ''), absent as (not in the file)."""
     if value is None:
         return "(not in the file)"
-    return shown(repr(value)) if isinstance(value, str) else shown(value)
+    return shown_value(value, 200)
 
 
 def _blocks(n: int) -> str:
@@ -251,14 +253,34 @@ def as_json(report: Report, advice: Advice, top: int, plan: dict[str, Any] | Non
         "plan": plan, "allocator_settings": report.allocator_settings, "problems": list(report.problems),
         "exit_code": exit_code(report),
     }
-    return out
+    return json_safe(out)
 
 
 def comparison_json(c: Comparison, top: int) -> dict[str, Any]:
     def rows(changes):
         return [{"name": ch.name, "a_bytes": ch.a, "b_bytes": ch.b, "delta_bytes": ch.delta} for ch in changes]
-    return {"schema_version": SCHEMA_VERSION, "kind": "comparison", "a": c.a.path, "b": c.b.path,
-            "a_moment": c.a.moment.kind if c.a.moment else None, "b_moment": c.b.moment.kind if c.b.moment else None,
-            "allocator_settings_differ": [{"key": k, "a": va, "b": vb} for k, va, vb in c.settings],
-            "totals": rows(c.totals), "categories": rows(c.categories),
-            "sites": rows(c.sites[:top]), "exit_code": 0}
+    return json_safe({
+        "schema_version": SCHEMA_VERSION, "kind": "comparison", "a": c.a.path, "b": c.b.path,
+        "a_moment": c.a.moment.kind if c.a.moment else None, "b_moment": c.b.moment.kind if c.b.moment else None,
+        "allocator_settings_differ": [{"key": k, "a": va, "b": vb} for k, va, vb in c.settings],
+        "totals": rows(c.totals), "categories": rows(c.categories), "sites": rows(c.sites[:top]), "exit_code": 0})
+
+
+MAX_JSON_INT = 1 << 64
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as strict JSON can hold it (json.dumps(..., allow_nan=False) never raises on it): a NaN or an
+    infinity becomes null, an integer past 64 bits its bounded text (json.dumps of a many-thousand-digit integer
+    raises), tuples lists, keys text. Values from a file are checked where they are read (model.py); this is
+    the last guard of every snapshot JSON the doctor prints."""
+    t = type(value)
+    if t is float:
+        return value if math.isfinite(value) else None
+    if t is int:
+        return value if -MAX_JSON_INT < value < MAX_JSON_INT else shown_value(value)
+    if t is dict:
+        return {k if type(k) is str else shown_value(k): json_safe(v) for k, v in value.items()}
+    if t in (list, tuple):
+        return [json_safe(v) for v in value]
+    return value

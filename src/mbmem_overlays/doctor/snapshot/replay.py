@@ -192,10 +192,10 @@ def dump_state(segments: list[M.Segment]) -> State:
     blocks: dict[int, LiveBlock] = {}
     plain: dict[int, tuple[int, int, tuple | None]] = {}
     mapped = Intervals()
+    for seg in sorted((s for s in segments if s.expandable), key=lambda s: s.address):
+        mapped.add(seg.address, seg.total_size, seg.stream, force=True)   # in address order: appends, not inserts
     for seg in segments:
-        if seg.expandable:
-            mapped.add(seg.address, seg.total_size, seg.stream, force=True)
-        else:
+        if not seg.expandable:
             plain[seg.address] = (seg.total_size, seg.stream, seg.pool)
         for b in seg.blocks:
             if b.state != "inactive":

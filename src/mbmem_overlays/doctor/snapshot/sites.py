@@ -47,7 +47,8 @@ def _frame(f: Any) -> tuple[str, int, str] | None:
     filename, line, name = f.get("filename"), f.get("line"), f.get("name")
     if type(filename) is not str or type(name) is not str:
         return None
-    return filename[:500], line if type(line) is int else 0, name[:300]
+    # a line number past any file's (a many-thousand-digit integer cannot even be printed) reads as unknown: 0
+    return filename[:500], line if type(line) is int and 0 <= line < 1 << 31 else 0, name[:300]
 
 
 def _short(filename: str) -> str:
