@@ -188,7 +188,8 @@ def load(path: str, limit: int | None = None) -> Loaded:
 
 # ----------------------------------------------------------------------------- what the pickle may build
 MAX_HASHED_DEPTH = 100      # tuples and frozensets inside each other; a snapshot's deepest is pool_id: one level
-MAX_INT_BYTES = 64          # a snapshot's integers are int64 (LONG1 of at most 9 bytes)
+MAX_INT_BYTES = 1024        # a snapshot's integers are int64 (LONG1 of at most 9 bytes); 1 KiB stays below
+                            # Python's int<->str limit (4,300 digits), so every integer read can be printed
 MAX_TEXT_ARG = 1 << 16      # a text-protocol argument (INT, FLOAT, STRING, GET ...): one short line
 BUILD_RATIO = 12            # the unpickler may build at most this many times the pickle's bytes (estimated) ...
 BUILD_FLOOR = 64 << 20      # ... plus this much, so no small file is refused for its figures
@@ -301,7 +302,8 @@ def scan(data: bytes, budget: int) -> int:
             width = 1 if op == 0x8A else 4
             size = int.from_bytes(data[pos:pos + width], "little", signed=op == 0x8B)
             if not 0 <= size <= MAX_INT_BYTES:
-                raise RefusedPickle(f"it holds an integer of {size:,} bytes; a snapshot's integers fit in 8")
+                raise RefusedPickle(f"it holds an integer of {size:,} bytes; a snapshot's integers fit in 8 (at most "
+                                    f"{MAX_INT_BYTES:,} are read)")
             pos += width + size
             stack.append(0)
             cost += _INT + size + _REF

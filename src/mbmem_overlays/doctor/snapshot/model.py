@@ -292,6 +292,9 @@ _SETTING_TYPES = {"PYTORCH_CUDA_ALLOC_CONF": (str,), "max_split_size": (int,), "
                   "roundup_power2_divisions": (dict,)}
 
 
+_TYPE_WORDS = {str: "text", int: "an integer", float: "a number", bool: "true/false", dict: "a table"}
+
+
 def _setting_problem(value: Any) -> str | None:
     """Why a scalar from allocator_settings cannot be kept (reported, then left out), or None."""
     t = type(value)
@@ -318,10 +321,10 @@ def _settings(raw: Any, problems: list[str]) -> dict[str, Any]:
         if type(key) is not str or len(key) > MAX_KEY:
             problems.append(f"allocator_settings: a key {shown_value(key, 40)} that is not a setting name: left out")
             continue
-        where = f"allocator_settings.{shown_value(key, MAX_KEY)}"
+        where = f"allocator_settings.{shown(key)}"
         wanted = _SETTING_TYPES.get(key)
         if wanted is not None and type(value) not in wanted:
-            problems.append(f"{where} is {shown_value(value, 40)}, not a {' or '.join(w.__name__ for w in wanted)} "
+            problems.append(f"{where} is {shown_value(value, 40)}, not {' or '.join(_TYPE_WORDS[w] for w in wanted)} "
                             "as torch writes it: left out")
             continue
         if type(value) is dict:
