@@ -25,6 +25,7 @@ kept as *unreadable* with the reason, and never used for a verdict or a plot.
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from dataclasses import dataclass, field
@@ -258,18 +259,85 @@ class RankSeries:
     reports: int = 1
 
 
-def add_report(series: dict, key, report: MemoryReport) -> bool:
+def pressure(values: dict[str, int]) -> int:
+    """How close a report is to its GPU's capacity, without knowing it: the most the device held (the allocator's
+    peak, or the device's total use when printed). The higher, the more a rank is at risk."""
+    return max(peak_of(values) or 0, values.get("device_used") or 0)
+
+
+@dataclass
+class Dropped:
+    """Ranks left out once MAX_RANKS are kept: always the ones with the lowest pressure, so the hottest ranks (and
+    with them the verdict and the hot rank) are all kept, whatever order the log prints them in."""
+    heap: list = field(default_factory=list)       # (pressure, order, key) of the kept series; stale entries skipped
+    order: int = 0
+    ranks: bytearray = field(default_factory=lambda: bytearray(RANK_LIMIT // 8))   # bit per dropped rank
+    unnamed: int = 0                               # dropped series that name no rank (one per file)
+    reports: int = 0                               # reports not kept (of dropped ranks)
+
+    def mark(self, key, dropped: bool) -> None:
+        if isinstance(key, int) and 0 <= key < RANK_LIMIT:
+            if dropped:
+                self.ranks[key >> 3] |= 1 << (key & 7)
+            else:
+                self.ranks[key >> 3] &= ~(1 << (key & 7)) & 0xFF
+        elif dropped:
+            self.unnamed += 1
+
+    def push(self, key, report: MemoryReport, kept: dict) -> None:
+        self.order += 1
+        heapq.heappush(self.heap, (pressure(report.values), self.order, key))
+        if len(self.heap) > 4 * MAX_RANKS:   # updates leave stale entries: rebuild from what is kept
+            self.heap = [(pressure(sr.latest.values), i, k) for i, (k, sr) in enumerate(kept.items())]
+            heapq.heapify(self.heap)
+
+    def coolest(self, kept: dict):
+        """(pressure, key) of the kept series with the lowest pressure."""
+        while self.heap:
+            value, _, key = self.heap[0]
+            sr = kept.get(key)
+            if sr is not None and pressure(sr.latest.values) == value:
+                return value, key
+            heapq.heappop(self.heap)
+        return None
+
+    def summary(self) -> dict | None:
+        """What was dropped: count, lowest and highest rank; None when nothing was."""
+        bits = int.from_bytes(self.ranks, "little")
+        count = bits.bit_count()
+        if not count and not self.unnamed:
+            return None
+        first = (bits & -bits).bit_length() - 1 if count else None
+        last = bits.bit_length() - 1 if count else None
+        return {"ranks": count, "unnamed": self.unnamed, "first_rank": first, "last_rank": last,
+                "reports": self.reports, "kept": MAX_RANKS}
+
+
+def add_report(series: dict, key, report: MemoryReport, dropped: Dropped | None = None) -> bool:
     """Keep ``report`` for ``key`` if it is the latest so far (a higher iteration, or the same/unknown
-    iteration printed later). False when ``series`` is full and ``key`` is new."""
+    iteration printed later). Once ``series`` holds MAX_RANKS keys, a new key replaces the kept series with the
+    lowest pressure when its own is higher (``dropped`` records what was left out); False when the report
+    was not kept."""
+    dropped = dropped if dropped is not None else Dropped()
     seen = series.get(key)
     if seen is None:
         if len(series) >= MAX_RANKS:
-            return False
+            coolest = dropped.coolest(series)
+            if coolest is None or pressure(report.values) <= coolest[0]:
+                dropped.mark(key, True)
+                dropped.reports += 1
+                return False
+            dropped.reports += series[coolest[1]].reports
+            del series[coolest[1]]
+            dropped.mark(coolest[1], True)
         series[key] = RankSeries(report, report.iteration)
+        dropped.mark(key, False)
+        dropped.push(key, report, series)
         return True
     seen.reports += 1
     if report.iteration is not None and (seen.first_iteration is None or report.iteration < seen.first_iteration):
         seen.first_iteration = report.iteration
     if seen.latest.iteration is None or report.iteration is None or report.iteration >= seen.latest.iteration:
         seen.latest = report
+        dropped.push(key, report, series)
     return True

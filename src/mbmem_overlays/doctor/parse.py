@@ -129,7 +129,9 @@ class Findings:
     memory: dict = field(default_factory=dict)                               # rank (or file) -> RankSeries
     memory_unreadable: list = field(default_factory=list)                    # MemoryReport, the first ones
     memory_unreadable_count: int = 0
-    memory_dropped: int = 0                                                  # ranks beyond memlines.MAX_RANKS
+    memory_dropped: int = 0                                                  # reports not kept (memlines.MAX_RANKS)
+    memory_left_out: ML.Dropped = field(default_factory=ML.Dropped)          # which ranks: the coolest
+    world_sizes: list = field(default_factory=list)                          # every distinct claim (WorldClaim)
     theoretical: list = field(default_factory=list)                          # memlines.Theoretical
     capacity: Seen | None = None                                             # value: bytes per GPU; line says how
     ended: Seen | None = None                                                # "after training is done"
@@ -222,6 +224,8 @@ def _world_from_sbatch(f: Findings) -> None:
     if f.world is None and f.slurm_nodes and f.slurm_tasks_per_node:
         f.world = Seen(f.slurm_nodes.value * f.slurm_tasks_per_node.value,
                        f"{f.slurm_nodes.where}, {f.slurm_tasks_per_node.where}", f.slurm_nodes.line)
+        _claim(f, WorldClaim(f.world.value, "sbatch", f"#SBATCH --nodes={f.slurm_nodes.value} --ntasks-per-node="
+                             f"{f.slurm_tasks_per_node.value}", f.world.where))
 
 
 def rank_of(line: str) -> tuple[int | None, str]:
@@ -281,7 +285,7 @@ def _memory_lines(body: str, where: str, rank: int | None, f: Findings) -> bool:
                 f.memory_unreadable.append(r)
             continue
         key = r.rank if r.rank is not None else f"? ({where.rpartition(':')[0]})"
-        if not ML.add_report(f.memory, key, r):
+        if not ML.add_report(f.memory, key, r, f.memory_left_out):
             f.memory_dropped += 1
         if r.values.get("num_ooms"):  # a user's memory_keys logging torch's num_ooms: the allocator failed
             _add_event(f, Event("oom_like", r.rank, where, clip(body), f"num_ooms {r.values['num_ooms']}"))
@@ -520,20 +524,56 @@ _CONFIG_HINTS = ("_size", "parallel", "recompute", "offload", "_optimizer", "ncc
 _ENGINE_HINTS = ("llm", "LLM", "lang", "Lang", "TensorRT", "lmdeploy")
 
 
+MAX_WORLD_CLAIMS = 8
+_WORLD_SOURCE = {"launcher": "the launcher or Megatron (WORLD_SIZE, world size, using world size)",
+                 "torchrun": "torchrun (--nproc-per-node x --nnodes)", "slurm": "Slurm (tasks)"}
+
+
+@dataclass(frozen=True)
+class WorldClaim:
+    """One world size the log states, where, and as what (the first line of each distinct value and kind)."""
+    value: int
+    kind: str          # launcher | torchrun | slurm | sbatch
+    text: str          # what was matched, as printed (bounded)
+    where: str
+
+
+def _claim(f: Findings, claim: WorldClaim) -> None:
+    if len(f.world_sizes) < MAX_WORLD_CLAIMS and not any(
+            c.value == claim.value and c.kind == claim.kind for c in f.world_sizes):
+        f.world_sizes.append(claim)
+
+
 def _world(body: str, where: str, f: Findings) -> None:
+    """The world size: the first line of the highest-trust kind is used (P.WORLD's order); every distinct
+    value any line states is kept too, so a log that contradicts itself says so (issue 33 #18)."""
     for priority, (kind, rx) in enumerate(P.WORLD):
-        if priority >= f._world_rank:
-            return
         m = rx.search(body)
         if not m:
             continue
         groups = [int(g) for g in m.groups()]
         value = groups[0] if len(groups) == 1 else groups[0] * groups[1]
         if value >= 1:
-            f.world = Seen(value, where, clip(body))
-            f._world_rank = priority
-            f.cite(where, body)
+            _claim(f, WorldClaim(value, kind, clip(m.group(0))[:120], where))
+            if priority < f._world_rank:
+                f.world = Seen(value, where, clip(body))
+                f._world_rank = priority
+                f.cite(where, body)
         return
+
+
+def world_disagreement(f: Findings) -> list[str]:
+    """One line per distinct world size the log states, and which one is used; [] when they agree."""
+    if len({c.value for c in f.world_sizes}) < 2:
+        return []
+    used = f.world.value if f.world else None
+    rows = [f"{c.value} from {_WORLD_SOURCE.get(c.kind, c.kind)}: {c.text!r} [{c.where}]"
+            + (" <- used" if c.value == used and c.where == (f.world.where if f.world else None) else "")
+            for c in f.world_sizes]
+    rows.append(f"the doctor uses {used} (the launcher's or Megatron's own line first, then torchrun's, then "
+                "Slurm's; the first line of that kind); with --plan, --world-size N overrides it" if used is not None
+                else "none is used")
+    return rows
 
 
 _LAYOUT_KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",

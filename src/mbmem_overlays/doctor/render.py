@@ -11,7 +11,7 @@ from typing import Any
 
 from ..core.report import section
 from .diagnose import Diagnosis, gib
-from .parse import Findings
+from .parse import Findings, world_disagreement
 from .run_report import fmt_size
 
 
@@ -50,6 +50,10 @@ def render(d: Diagnosis, f: Findings) -> str:
         lines.append(f"  {d.savings}")
     lines += section("not first", d.why_not) + section("also in the log", d.also)
     lines += section("evidence", d.evidence, marker="") + section("inputs", f.problems, marker="!")
+    lines += section("world sizes in the log disagree", world_disagreement(f), marker="!")
+    if f.memory_unreadable_count and not d.run:   # with a run report, its own lines list them
+        lines += section(f"memory lines that could not be used ({f.memory_unreadable_count}; no verdict is drawn "
+                         "from them)", unreadable_memory_lines(f), marker="!")
     ranks = {o.rank for o in f.ooms if o.rank is not None}
     lines.append(f"read {f.bytes_read / 1e6:.1f} MB from {len(f.files)} file(s); {len(f.ooms)} allocator OOM message(s)"
                  + (f" on rank(s) {', '.join(map(str, sorted(ranks)[:16]))}" if ranks else "")
@@ -65,5 +69,19 @@ def as_json(d: Diagnosis, f: Findings) -> dict[str, Any]:
     out.update({"files": f.files, "problems": f.problems, "bytes_read": f.bytes_read,
                 "world_size": f.world.value if f.world else None,
                 "torch_version": ".".join(map(str, f.torch_version.value)) if f.torch_version else None,
-                "layout": f.layout, "events": [asdict(e) for e in f.events[:64]]})
+                "layout": f.layout, "events": [asdict(e) for e in f.events[:64]],
+                "world_sizes": [{"value": c.value, "kind": c.kind, "text": c.text, "where": c.where,
+                                 "used": bool(f.world) and c.value == f.world.value and c.where == f.world.where}
+                                for c in f.world_sizes],
+                "memory_unreadable": {"count": f.memory_unreadable_count,
+                                      "reports": [{"where": r.where, "why": r.unreadable, "line": r.line[:400]}
+                                                  for r in f.memory_unreadable]}})
     return out
+
+
+def unreadable_memory_lines(f: Findings) -> list[str]:
+    """Each memory report that could not be used, with why (the first ones; the count of the rest)."""
+    rows = [f"{r.where}: {r.unreadable}" for r in f.memory_unreadable]
+    if f.memory_unreadable_count > len(f.memory_unreadable):
+        rows.append(f"... and {f.memory_unreadable_count - len(f.memory_unreadable)} more")
+    return rows

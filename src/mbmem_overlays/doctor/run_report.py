@@ -142,6 +142,7 @@ class RunReport:
     planned: list[dict] = field(default_factory=list)     # --plan: per reporting rank
     plan_status: str = ""
     plan: dict = field(default_factory=dict)              # --plan: what was planned, for JSON
+    left_out: dict | None = None                          # ranks not kept past memlines.MAX_RANKS (the coolest)
 
     @property
     def hot(self) -> RankRow | None:
@@ -224,7 +225,7 @@ def build(f, capacity: float | None = None, margin: float = 0.05) -> RunReport |
     rows.sort(key=lambda row: (row.rank is None, row.rank if row.rank is not None else 0, str(row.key)))
     unit = "GB" if all(row.unit == "GB" for row in rows) else "GiB"
     report = RunReport(rows, cap, source, margin, stages, unit, unreadable=unreadable,
-                       theoretical=list(f.theoretical))
+                       theoretical=list(f.theoretical), left_out=f.memory_left_out.summary())
     _judge(report, f)
     return report
 
@@ -378,11 +379,23 @@ def _notes(rep: RunReport, f) -> None:
     inferred = sorted({i for series in f.memory.values() for i in series.latest.inferred})
     if inferred:
         notes.append("user metric names (logger.memory_keys) read by their words: " + "; ".join(inferred[:8]))
-    if f.memory_dropped:
-        notes.append(f"{f.memory_dropped} more rank(s) reported; only the first {ML.MAX_RANKS} are kept")
+    left_out = f.memory_left_out.summary()
+    if left_out:
+        notes.append(dropped_note(left_out))
     if rep.unreadable:
         conf = "medium" if conf == "high" else conf
     rep.confidence = conf
+
+
+def dropped_note(left_out: dict) -> str:
+    """What was left out past MAX_RANKS ranks, and why the verdict still stands."""
+    ranks = (f"{left_out['ranks']:,} rank(s), ranks {left_out['first_rank']} to {left_out['last_rank']}"
+             if left_out["ranks"] else "")
+    unnamed = f"{left_out['unnamed']:,} file(s) of lines that name no rank" if left_out["unnamed"] else ""
+    return (f"more ranks reported than the {left_out['kept']:,} kept: left out {' and '.join(x for x in (ranks, unnamed) if x)}"
+            f" ({left_out['reports']:,} report(s)), those with the lowest peaks; every rank that held more is kept, so "
+            "the hot rank and whether a rank is at risk are as with all ranks (fragmentation on a rank left out is "
+            "not seen)")
 
 
 def stage_peaks(rep: RunReport) -> dict[int, int]:
@@ -419,6 +432,7 @@ def run_json(rep: RunReport) -> dict[str, Any]:
         "stage_order": rep.stages.order,
         "theoretical": [{"where": t.where, **{f"{k}_bytes": v for k, v in t.parts.items()}} for t in rep.theoretical],
         "unreadable": rep.unreadable,
+        "ranks_left_out": rep.left_out,   # past MAX_RANKS: {ranks, unnamed, first_rank, last_rank, reports, kept}
         "planned": rep.planned,
         "plan": rep.plan,
         "plan_status": rep.plan_status or None,   # with --plan: what was planned, or why not
