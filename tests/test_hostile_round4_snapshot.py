@@ -288,3 +288,99 @@ def test_expandable_segments_cost_linear_time():
         return best
     small, large = cost(1500), cost(6000)
     assert large < 8 * small + 0.2, (small, large)
+
+
+# --- class 16: a log whose only memory lines are unreadable ---------------------------------------------------------
+UNREADABLE = ("[Rank 0] (after 10 iterations) memory (MB) | allocated: nan | max allocated: nan | reserved: 5 | "
+              "max reserved: inf\n"
+              "[Rank 1] (after 10 iterations) memory (MB) | allocated: -3 | max allocated: 4 | reserved: 5 | "
+              "max reserved: 6\n"
+              "[Rank 2] (after 10 iterations) memory (GB) | mem-allocated-gigabytes: -inf | "
+              "mem-max-reserved-gigabytes: NaN\n")
+
+
+def test_a_log_of_only_unreadable_memory_lines_lists_them(tmp_path):
+    """Exit 3 and not a word about the memory lines: now each is listed with why, in text and JSON."""
+    log = tmp_path / "job.log"
+    log.write_text(UNREADABLE)
+    text = mbmem("doctor", str(log), timeout=60)
+    assert text.returncode == 3
+    assert "memory lines that could not be used (3" in text.stdout
+    for where, why in (("job.log:1", "allocated: nan is not a memory figure"), ("job.log:2", "-3 is not a memory"),
+                       ("job.log:3", "-inf is not a memory figure")):
+        assert any(where in ln and why in ln for ln in text.stdout.splitlines()), (where, text.stdout)
+    out = mbmem("doctor", str(log), "--json", timeout=60)
+    payload = strict_json(out.stdout)
+    assert payload["exit_code"] == 3 and payload["memory_unreadable"]["count"] == 3
+    assert [r["where"].rpartition("/")[2] for r in payload["memory_unreadable"]["reports"]] == \
+        ["job.log:1", "job.log:2", "job.log:3"]
+    assert "nan" in payload["memory_unreadable"]["reports"][0]["why"]
+
+
+# --- class 17: past MAX_RANKS ranks, the coolest are left out, never the hot one ----------------------------------
+def _ranks_log(path, ranks: int, hot: int, order) -> None:
+    lines = []
+    for r in order(range(ranks)):
+        mib = 80_500 if r == hot else 1000 + r % 7
+        lines.append(f"[Rank {r}] (after 10 iterations) memory (MB) | allocated: {mib} | max allocated: {mib} | "
+                     f"reserved: {mib} | max reserved: {mib}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("hot,order", [(0, reversed), (199, lambda r: r), (77, lambda r: sorted(r, key=lambda x: -x % 13))],
+                         ids=["hot printed last", "hot is the highest rank", "scrambled"])
+def test_past_max_ranks_the_hot_rank_is_kept_and_what_was_left_out_is_said(tmp_path, monkeypatch, hot, order):
+    from mbmem_overlays.doctor import memlines as ML
+    from mbmem_overlays.doctor.diagnose import diagnose
+    from mbmem_overlays.doctor.parse import scan
+    from mbmem_overlays.doctor.render import as_json, render
+    monkeypatch.setattr(ML, "MAX_RANKS", 64)
+    log = tmp_path / "job.log"
+    _ranks_log(log, 200, hot, order)
+    f = scan([str(log)])
+    d = diagnose(f, capacity=80 * (1 << 30))
+    assert d.kind == "at_risk" and d.run["hot_rank"] == hot, (d.kind, d.summary)
+    left = d.run["ranks_left_out"]
+    assert left["ranks"] == 136 and left["kept"] == 64 and left["first_rank"] is not None
+    assert "left out 136 rank(s), ranks" in render(d, f)
+    json.dumps(as_json(d, f), allow_nan=False)
+
+
+def test_left_out_ranks_are_the_ones_with_the_lowest_peaks():
+    from mbmem_overlays.doctor import memlines as ML
+    peaks = [5, 1, 9, 3, 7, 2, 8]
+    original = ML.MAX_RANKS
+    try:
+        ML.MAX_RANKS = 3
+        series, dropped = {}, ML.Dropped()
+        for rank, peak in enumerate(peaks):
+            rep = ML.MemoryReport(rank, 10, f"x:{rank}", "GB", {"max_allocated": peak, "max_reserved": peak})
+            ML.add_report(series, rank, rep, dropped)
+    finally:
+        ML.MAX_RANKS = original
+    assert sorted(series) == [2, 4, 6]                  # peaks 9, 7, 8: the three hottest
+    assert dropped.summary()["ranks"] == 4 and dropped.summary()["first_rank"] == 0
+
+
+# --- class 18: contradictory world sizes ----------------------------------------------------------------------------
+def test_contradictory_world_sizes_are_named_with_the_one_used(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("torchrun --nproc_per_node 8 --nnodes 2 pretrain.py\nWORLD_SIZE=8\n"
+                   "using world size: 32, data-parallel size: 4\n"
+                   "[Rank 0] (after 10 iterations) memory (MB) | allocated: 1000 | max allocated: 2000 | "
+                   "reserved: 3000 | max reserved: 3000\n")
+    text = mbmem("doctor", str(log), timeout=60).stdout
+    assert "world sizes in the log disagree" in text
+    for value in ("16 from torchrun", "8 from the launcher", "32 from the launcher", "the doctor uses 8"):
+        assert value in text, text
+    assert "'WORLD_SIZE=8' [" in text and text.count("<- used") == 1
+    payload = strict_json(mbmem("doctor", str(log), "--json", timeout=60).stdout)
+    claims = {(c["value"], c["kind"], c["used"]) for c in payload["world_sizes"]}
+    assert claims == {(16, "torchrun", False), (8, "launcher", True), (32, "launcher", False)}
+    assert payload["world_size"] == 8
+
+
+def test_agreeing_world_sizes_say_nothing_extra(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text("torchrun --nproc_per_node 8 --nnodes 2 pretrain.py\nWORLD_SIZE=16\n")
+    assert "disagree" not in mbmem("doctor", str(log), timeout=60).stdout
