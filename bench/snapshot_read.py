@@ -1,7 +1,7 @@
 """`mbmem doctor SNAPSHOT` speed and peak memory on a large snapshot (issue 24: a 100 MB snapshot with 100k
 trace entries is read and summarised in under 10 s with peak memory under 10x the file size).
 
-Usage: .venv/bin/python bench/snapshot_read.py [MB] [ENTRIES]   (default: 100 100000)
+Usage: .venv/bin/python bench/snapshot_read.py [MB] [ENTRIES] [SEGMENTS]   (default: 100 100000 30000)
 
 The snapshot is generated to the documented schema with the shape of a real Bridge dump: 100,000 trace entries
 (Bridge's ring) of alloc / free_requested / free_completed over 1 GiB segments, each entry with its own frame
@@ -9,6 +9,13 @@ list of shared frame dicts (torch dedups frames, pickle memoizes them), an OOM n
 frees after it, so the replay runs back past them. Each case runs in a fresh process through the CLI's own
 report function (safe load, every device, the OOM replay, attribution, the next command, JSON), which reports
 its wall time and peak RSS; the ratio is peak RSS / file size.
+
+Then the hostile files of issue 33, each in a fresh process the same way: SEGMENTS expandable segments (each
+mapped range was matched against every segment: quadratic), and pickles built to expand in memory far beyond
+their size (a memo index far past the memo, millions of empty dicts, shared segments and trace entries
+referenced over and over, a deep tuple as a dict key). Each must end within seconds with exit 2 (or 0 for the
+expandable segments) and a peak RSS within the reader's budget: 12x the pickle plus 64 MiB, plus the
+interpreter.
 """
 
 import os
@@ -20,6 +27,7 @@ import tempfile
 MiB, GiB = 1 << 20, 1 << 30
 target_mb = float(sys.argv[1]) if len(sys.argv) > 1 else 100.0
 entries = int(sys.argv[2]) if len(sys.argv) > 2 else 100_000
+expandable_segments = int(sys.argv[3]) if len(sys.argv) > 3 else 30_000
 
 SITES = [("megatron/core/transformer/attention.py", 1012, "forward"), ("megatron/core/transformer/mlp.py", 150, "forward"),
          ("megatron/core/models/gpt/gpt_model.py", 480, "_postprocess"),
@@ -102,6 +110,36 @@ def snapshot(n_entries: int, depth: int) -> dict:
             "external_annotations": []}
 
 
+def expandable_snapshot(n: int) -> dict:
+    """``n`` expandable segments, each one mapped range with one live block, mapped and allocated in the trace."""
+    base, gran = 0x7E0000000000, 20 * MiB
+    segs, trace = [], []
+    frames = [{"filename": PREFIX + "megatron/core/transformer/mlp.py", "line": 150, "name": "forward"}]
+    for k in range(n):
+        addr = base + k * 2 * gran   # a gap between ranges: each stays its own segment
+        segs.append({"device": 0, "address": addr, "total_size": gran, "stream": 0, "segment_type": "large",
+                     "is_expandable": True, "blocks": [{"address": addr, "size": gran, "requested_size": gran,
+                                                        "state": "active_allocated", "frames": frames}]})
+        trace.append({"action": "segment_map", "addr": addr, "size": gran, "stream": 0})
+        trace.append({"action": "alloc", "addr": addr, "size": gran, "stream": 0, "frames": frames})
+    segs.reverse()
+    return {"segments": segs, "device_traces": [trace], "allocator_settings": {"expandable_segments": True}}
+
+
+def hostile_files() -> list[tuple[str, bytes]]:
+    seg = {"device": 0, "address": 1 << 40, "total_size": 1000 * 512, "stream": 0,
+           "blocks": [{"size": 512, "state": "inactive"} for _ in range(1000)]}
+    entry = {"action": "alloc", "addr": 1 << 40, "size": 512, "stream": 0}
+    return [
+        (f"{expandable_segments:,} expandable segments", pickle.dumps(expandable_snapshot(expandable_segments), 4)),
+        ("memo index 2**31 (9 bytes)", b"\x80\x04K\x01r\xff\xff\xff\x7f."),
+        ("10M empty dicts in a list", b"\x80\x04](" + b"}" * 10_000_000 + b"e."),
+        ("1 segment x 1,000 blocks, 1M refs", pickle.dumps({"segments": [seg] * 1_000_000, "device_traces": []}, 4)),
+        ("1 trace entry, 20M refs", pickle.dumps({"segments": [], "device_traces": [[entry] * 20_000_000]}, 4)),
+        ("tuple 1M deep as a dict key", b"\x80\x04}(" + b")" + b"\x85" * 1_000_000 + b"K\x01u."),
+    ]
+
+
 CHILD = """
 import resource, sys, time, json
 from types import SimpleNamespace
@@ -111,8 +149,14 @@ args = SimpleNamespace(logs=[sys.argv[1]], recipe=None, set=[], world_size=None,
                        top="10", force=True, json=True, overlay_dir=[])
 t = time.perf_counter(); out = report(args, [sys.argv[1]]); dt = time.perf_counter() - t
 p = out.payload
-print(dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, out.exit_code, p.get("kind"),
-      (p.get("oom") or {}).get("allocated_bytes"), len(json.dumps(p)))
+# VmHWM: this process's own peak RSS. ru_maxrss would be wrong here: on Linux it survives exec, so a child
+# started by a parent that built the snapshot in memory reports the parent's peak.
+try:
+    peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+except OSError:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(dt, peak, out.exit_code, p.get("kind"),
+      (p.get("oom") or {}).get("allocated_bytes") or 0, len(json.dumps(p, allow_nan=False)))
 """
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -139,3 +183,18 @@ with tempfile.TemporaryDirectory() as tmp:
         print(f"{case:>18} {float(dt):8.2f} {int(rss) / 1e6:8.0f} MB {ratio:10.2f}  exit {code}, {kind}, "
               f"allocated at the OOM {int(alloc) / GiB:.2f} GiB")
     print("targets: under 10 s and under 10x the file size (issue 24)")
+    print()
+    print("hostile files (issue 33): each ends within seconds; peak RSS within 12x the pickle + 64 MiB + the interpreter")
+    print(f"{'case':>36} {'file':>10} {'seconds':>8} {'peak RSS':>10}  result")
+    for case, data in hostile_files():
+        path = os.path.join(tmp, "hostile.pickle")
+        with open(path, "wb") as f:
+            f.write(data)
+        out = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, timeout=600)
+        if out.returncode:
+            print(f"{case:>36}  failed (exit {out.returncode}): {out.stderr[-300:]}")
+            continue
+        dt, rss, code, kind, _, _ = out.stdout.split()
+        budget = 12 * len(data) + 64 * MiB
+        print(f"{case:>36} {len(data) / 1e6:8.1f}MB {float(dt):8.2f} {int(rss) / 1e6:8.0f} MB  exit {code}"
+              + (f", {kind}" if code == "0" else "") + f" (budget {budget / 1e6:,.0f} MB + the interpreter)")

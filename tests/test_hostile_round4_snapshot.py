@@ -225,8 +225,8 @@ from mbmem_overlays.cli.doctor_snapshot import report
 args = SimpleNamespace(logs=[sys.argv[1]], recipe=None, set=[], world_size=None, plan=False, gpu_memory=None,
                        margin="0.05", plot=None, html=None, against=None, top="10", force=True, json=True, overlay_dir=[])
 out = report(args, [sys.argv[1]])
-print(json.dumps({"code": out.exit_code, "text": out.text[-600:],
-                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"code": out.exit_code, "text": out.text[-600:], "rss": peak}))   # ru_maxrss survives exec
 """
 
 

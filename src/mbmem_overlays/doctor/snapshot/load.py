@@ -195,220 +195,227 @@ BUILD_RATIO = 12            # the unpickler may build at most this many times th
 BUILD_FLOOR = 64 << 20      # ... plus this much, so no small file is refused for its figures
 # Estimated bytes per object (sys.getsizeof on CPython 3.11-3.13): what the scan charges for each opcode.
 _REF, _DICT, _PAIR, _LIST, _ITEM, _TUPLE, _SET, _STR, _INT, _FLOAT = 8, 64, 48, 56, 9, 40, 216, 49, 36, 24
-# Opcodes that fetch a class or a persistent object: the scan stops there and the unpickler's own refusal
-# (find_class, persistent_load) names what was asked for; everything before it was scanned and charged.
-_CLASS_OPS = {ord(c) for c in ("c", "\x93", "i", "\x82", "\x83", "\x84", "P", "Q")}
-# Opcodes that call what a class op fetched, or need out-of-band buffers: never in a snapshot.
-_REFUSED_OPS = {ord(c): name for c, name in (
-    ("o", "OBJ"), ("R", "REDUCE"), ("b", "BUILD"), ("\x81", "NEWOBJ"), ("\x92", "NEWOBJ_EX"),
-    ("\x97", "NEXT_BUFFER"), ("\x98", "READONLY_BUFFER"))}
-_GET_WIDTH = {0x68: 2, 0x6A: 5}   # BINGET, LONG_BINGET: opcode and index
-_GET_BYTE = {0x68: b"h", 0x6A: b"j"}
+# Opcode kinds, most frequent first in a real snapshot (BINGET/LONG_BINGET runs of frame lists, then the dicts of
+# trace entries): the scan's dispatch is one table lookup and a short chain of integer comparisons.
+(K_GET1, K_GET4, K_MEMO, K_MARK, K_INT, K_SETITEMS, K_DICT, K_STR1, K_LONG1, K_LIST, K_APPEND, K_APPENDS, K_CONST, K_FLOAT,
+ K_TUPLE_N, K_SIZED, K_MARKED, K_PUT, K_POP, K_POP_MARK, K_DUP, K_PROTO, K_FRAME, K_STOP, K_TEXT, K_LONG4, K_SET, K_ADDITEMS,
+ K_SETITEM, K_CLASS, K_REFUSED, K_BAD) = range(32)
+_KIND = [K_BAD] * 256
+for _ops, _kind in ((b"h", K_GET1), (b"j", K_GET4), (b"\x94", K_MEMO), (b"(", K_MARK), (b"JKM", K_INT),
+                    (b"u", K_SETITEMS), (b"}", K_DICT), (b"\x8c", K_STR1), (b"\x8a", K_LONG1), (b"]", K_LIST),
+                    (b"a", K_APPEND), (b"e", K_APPENDS), (b"N\x88\x89)", K_CONST), (b"G", K_FLOAT),
+                    (b"\x85\x86\x87", K_TUPLE_N), (b"X\x8dTUBC\x8e\x96", K_SIZED), (b"t\x91ld", K_MARKED),
+                    (b"qr", K_PUT), (b"0", K_POP), (b"1", K_POP_MARK), (b"2", K_DUP), (b"\x80", K_PROTO),
+                    (b"\x95", K_FRAME), (b".", K_STOP), (b"ILFSVgp", K_TEXT), (b"\x8b", K_LONG4), (b"\x8f", K_SET),
+                    (b"\x90", K_ADDITEMS), (b"s", K_SETITEM),
+                    # a class or a persistent object: the scan ends, and the unpickler's own refusal
+                    # (find_class, persistent_load) names what was asked for; all before it was charged
+                    (b"c\x93i\x82\x83\x84PQ", K_CLASS),
+                    # calls of what a class opcode fetched, out-of-band buffers: never in a snapshot
+                    (b"oRb\x81\x92\x97\x98", K_REFUSED)):
+    for _op in _ops:
+        _KIND[_op] = _kind
+_INT_WIDTH = {0x4A: 4, 0x4B: 1, 0x4D: 2}
+# the width of a length prefix (strings, bytes) or of a memo index
+_SIZE_WIDTH = {0x58: 4, 0x8D: 8, 0x54: 4, 0x55: 1, 0x42: 4, 0x43: 1, 0x8E: 8, 0x96: 8, 0x71: 1, 0x72: 4}
 _RUN_CHUNK = 4096
-# opcode -> width of its length prefix (strings and bytes) or of its argument (fixed-size scalars)
-_SIZED = {0x58: 4, 0x8C: 1, 0x8D: 8, 0x54: 4, 0x55: 1, 0x42: 4, 0x43: 1, 0x8E: 8, 0x96: 8}   # X, \x8c, \x8d, T, U, B, C
-_FIXED = {0x4A: 4, 0x4B: 1, 0x4D: 2, 0x47: 8}                                            # BININT, BININT1, 2, BINFLOAT
-_LINE = {0x49: "INT", 0x4C: "LONG", 0x46: "FLOAT", 0x53: "STRING", 0x56: "UNICODE"}
+_REFUSED_NAMES = {0x6F: "OBJ", 0x52: "REDUCE", 0x62: "BUILD", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", 0x97: "NEXT_BUFFER",
+                  0x98: "READONLY_BUFFER"}
+
+
+def _run_end(data: bytes, start: int, op: int, width: int) -> int:
+    """Where a run of one fixed-width opcode that starts at ``start`` ends: every width-th byte compared in C, a
+    growing chunk at a time (the frame lists of a real snapshot are runs of hundreds of memo gets)."""
+    count, step, mark = 0, 32, bytes((op,))
+    while True:
+        chunk = data[start + count * width:start + (count + step) * width:width]
+        lead = len(chunk) - len(chunk.lstrip(mark))
+        count += lead
+        if lead < step:
+            return start + count * width
+        step = min(step * 4, _RUN_CHUNK)
 
 
 def scan(data: bytes, budget: int) -> int:
     """One pass over the pickle's opcodes before anything is built (the opcodes of pickletools, protocols 0-5),
     simulating the unpickler's stack; the estimated bytes it will build, or RefusedPickle.
 
-    What it bounds: every opcode that needs a class or a buffer is refused; a memo index must be the next one
-    or an earlier one (the C unpickler grows its memo table to twice any index it is given: LONG_BINPUT
-    0xffffffff in a 9-byte file asks for 64 GiB); integers beyond MAX_INT_BYTES; what the objects would take
-    in memory, estimated per opcode, against ``budget``; and how deep tuples and frozensets nest. The C
-    unpickler builds iteratively, but it hashes each dict key and set element as it stores it, and hashing a
-    tuple recurses in C without a recursion check: a tuple nested a million deep as a dict key kills the
-    process with SIGSEGV. Lists, dicts and sets cannot be hashed, so their nesting costs memory only (charged).
-    References (memo gets) are charged a stack slot each; a run of them, the bulk of a real snapshot's frame
-    lists, is skipped with one regular-expression match."""
-    n = len(data)
+    What it bounds: a memo index must be the next one or an earlier one (the C unpickler grows its memo table
+    to twice any index it is given: LONG_BINPUT 0xffffffff in a 9-byte file asks for 64 GiB); integers beyond
+    MAX_INT_BYTES; what the objects would take in memory, estimated per opcode, against ``budget``; and how
+    deep tuples and frozensets nest. The C unpickler builds iteratively, but it hashes each dict key and set
+    element as it stores it, and hashing a tuple recurses in C without a recursion check: a tuple nested a
+    million deep as a dict key kills the process with SIGSEGV. Lists, dicts and sets cannot be hashed, so their
+    nesting costs memory only (charged). An opcode that needs a class ends the scan: the unpickler's own
+    find_class/persistent_load refuses it, and names it. Validity (a get of a memo entry never stored, a stack
+    that underflows) is the unpickler's to check: it stops at the first invalid opcode, and the scan never
+    under-counts what comes before it. Memo gets cost a stack slot each; runs of them are skipped in C."""
     stack: list[int] = []      # per stack item: how deep tuples/frozensets nest in it (0 for scalars and mutables)
+    push = stack.append
     marks: list[int] = []
     memo_size = 0
     memo_depth = 0             # the deepest hashable nesting stored in the memo (what a get may push)
     cost = 0
     pos = 0
-
-    def pop_mark() -> list[int]:
-        if not marks:
-            raise RefusedPickle("an opcode needs a MARK that is not there (not a valid pickle)")
-        m = marks.pop()
-        items = stack[m:]
-        del stack[m:]
-        return items
-
-    def top(k: int) -> None:
-        if len(stack) - (marks[-1] if marks else 0) < k:
-            raise RefusedPickle("an opcode needs more on the stack than is there (not a valid pickle)")
-
-    while True:
-        if pos >= n:
-            raise RefusedPickle("it ends before its STOP opcode (truncated)")
-        op = data[pos]
-        pos += 1
-        if op == 0x6A or op == 0x68:                  # LONG_BINGET, BINGET: a run of them at once
-            width, start = _GET_WIDTH[op], pos - 1
-            count, step, mark = 0, 32, _GET_BYTE[op]
-            while True:   # the run's length: every width-th byte from its start, in C, a growing chunk at a time
-                chunk = data[start + count * width:start + (count + step) * width:width]
-                lead = len(chunk) - len(chunk.lstrip(mark))
-                count += lead
-                if lead < step:
-                    break
-                step = min(step * 4, _RUN_CHUNK)
-            end = start + count * width
-            if end > n:
-                raise RefusedPickle("it ends inside an opcode (truncated)")
-            if not memo_size:
-                raise RefusedPickle("it reads the memo before storing anything in it (not a valid pickle)")
-            stack.extend([memo_depth] * count)
-            cost += _REF * count
-            pos = end
-        elif op == 0x94:                              # MEMOIZE
-            top(1)
-            memo_size += 1
-            memo_depth = max(memo_depth, stack[-1])
-            cost += 2 * _REF
-        elif op == 0x28:                              # MARK
-            marks.append(len(stack))
-        elif op in _SIZED:
-            width = _SIZED[op]
-            if pos + width > n:
-                raise RefusedPickle("it ends inside an opcode (truncated)")
-            size = int.from_bytes(data[pos:pos + width], "little")
-            pos += width + size
-            if pos > n:
-                raise RefusedPickle("a string or bytes object runs past the end of the file (truncated)")
-            stack.append(0)
-            cost += _STR + size + _REF
-        elif op == 0x75 or op == 0x65 or op == 0x90:  # SETITEMS, APPENDS, ADDITEMS
-            items = pop_mark()
-            if not stack:
-                raise RefusedPickle("it adds items to nothing (not a valid pickle)")
-            if op == 0x75:
-                if len(items) % 2:
-                    raise RefusedPickle("SETITEMS with an odd number of items (not a valid pickle)")
-                cost += _PAIR * (len(items) // 2)
-            else:
-                cost += (_ITEM if op == 0x65 else _PAIR) * len(items)
-        elif op in _FIXED:
-            pos += _FIXED[op]
-            stack.append(0)
-            cost += _INT + _REF
-        elif op == 0x8A or op == 0x8B:                # LONG1, LONG4
-            width = 1 if op == 0x8A else 4
-            size = int.from_bytes(data[pos:pos + width], "little", signed=op == 0x8B)
-            if not 0 <= size <= MAX_INT_BYTES:
-                raise RefusedPickle(f"it holds an integer of {size:,} bytes; a snapshot's integers fit in 8 (at most "
-                                    f"{MAX_INT_BYTES:,} are read)")
-            pos += width + size
-            stack.append(0)
-            cost += _INT + size + _REF
-        elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
-            stack.append(0)
-            cost += (_DICT if op == 0x7D else _LIST if op == 0x5D else _SET) + _REF
-        elif op in (0x4E, 0x88, 0x89, 0x29):          # NONE, NEWTRUE, NEWFALSE, EMPTY_TUPLE
-            stack.append(0 if op != 0x29 else 1)
-            cost += _REF
-        elif op in (0x85, 0x86, 0x87):                # TUPLE1, TUPLE2, TUPLE3
-            k = op - 0x84
-            top(k)
-            depth = 1 + max(stack[-k:])
-            del stack[-k:]
-            stack.append(depth)
-            cost += _TUPLE + 8 * k + _REF
-            if depth > MAX_HASHED_DEPTH:
-                raise RefusedPickle(f"it nests tuples more than {MAX_HASHED_DEPTH} deep; a snapshot nests them "
-                                    "at most one deep (hashing deeper ones could crash the reader)")
-        elif op in (0x74, 0x91, 0x6C, 0x64):          # TUPLE, FROZENSET, LIST, DICT (from the MARK)
-            items = pop_mark()
-            if op == 0x64 and len(items) % 2:
-                raise RefusedPickle("DICT with an odd number of items (not a valid pickle)")
-            hashed = op in (0x74, 0x91)
-            depth = 1 + max(items, default=0) if hashed else 0
-            stack.append(depth)
-            cost += {0x74: _TUPLE + 8 * len(items), 0x91: _SET + _PAIR * len(items), 0x6C: _LIST + _ITEM * len(items),
-                     0x64: _DICT + _PAIR * len(items) // 2}[op] + _REF
-            if depth > MAX_HASHED_DEPTH:
-                raise RefusedPickle(f"it nests tuples or frozensets more than {MAX_HASHED_DEPTH} deep; a snapshot "
-                                    "nests them at most one deep (hashing deeper ones could crash the reader)")
-        elif op == 0x71 or op == 0x72:                # BINPUT, LONG_BINPUT
-            width = 1 if op == 0x71 else 4
-            index = int.from_bytes(data[pos:pos + width], "little")
-            pos += width
-            top(1)
-            if index > memo_size:
-                raise RefusedPickle(f"it stores memo entry {index:,} while it has stored {memo_size:,} (a pickler "
-                                    "numbers them in order; this would make the unpickler allocate a table that "
-                                    "large)")
-            memo_size += index == memo_size
-            memo_depth = max(memo_depth, stack[-1])
-            cost += 2 * _REF
-        elif op == 0x61 or op == 0x73:                # APPEND, SETITEM
-            k = 1 if op == 0x61 else 2
-            top(k + 1)
-            del stack[-k:]
-            cost += _ITEM if op == 0x61 else _PAIR
-        elif op == 0x30:                              # POP
-            if marks and len(stack) == marks[-1]:
-                marks.pop()
-            elif stack:
-                stack.pop()
-            else:
-                raise RefusedPickle("POP on an empty stack (not a valid pickle)")
-        elif op == 0x31:                              # POP_MARK
-            pop_mark()
-        elif op == 0x32:                              # DUP
-            top(1)
-            stack.append(stack[-1])
-            cost += _REF
-        elif op == 0x80:                              # PROTO
-            pos += 1
-        elif op == 0x95:                              # FRAME: a length prefix only
-            pos += 8
-        elif op == 0x2E:                              # STOP
-            if len(stack) != 1 or marks:
-                raise RefusedPickle("its STOP leaves the stack unbalanced (not a valid pickle)")
-            return cost
-        elif op in _LINE or op in (0x67, 0x70):       # text protocol: INT LONG FLOAT STRING UNICODE, GET, PUT
-            end = data.find(b"\n", pos, pos + MAX_TEXT_ARG)
-            if end < 0:
-                raise RefusedPickle("a text opcode's argument has no end within 64 KiB (not a snapshot)")
-            arg = data[pos:end]
-            pos = end + 1
-            if op in (0x67, 0x70):
-                if not arg.isdigit() or len(arg) > 12:
-                    raise RefusedPickle("a memo index that is not a number (not a valid pickle)")
-                index = int(arg)
-                if op == 0x70:
-                    top(1)
-                    if index > memo_size:
-                        raise RefusedPickle(f"it stores memo entry {index:,} while it has stored {memo_size:,}")
-                    memo_size += index == memo_size
-                    memo_depth = max(memo_depth, stack[-1])
-                    cost += 2 * _REF
+    kinds = _KIND
+    try:
+        while cost <= budget:
+            op = data[pos]
+            k = kinds[op]
+            if k == K_GET1 or k == K_GET4:                  # BINGET, LONG_BINGET
+                width = 2 if k == K_GET1 else 5
+                if data[pos + width] == op:               # a run: skipped in C
+                    end = _run_end(data, pos, op, width)
+                    count = (end - pos) // width
+                    stack.extend([memo_depth] * count)
+                    cost += _REF * count
+                    pos = end
                 else:
-                    stack.append(memo_depth)
+                    push(memo_depth)
                     cost += _REF
+                    pos += width
                 continue
-            if op in (0x49, 0x4C) and len(arg) > 3 * MAX_INT_BYTES:
-                raise RefusedPickle(f"it holds an integer of {len(arg):,} digits; a snapshot's integers have at most 19")
-            stack.append(0)
-            cost += _STR + 4 * len(arg) + _REF
-        elif op in _CLASS_OPS:
-            return cost
-        elif op in _REFUSED_OPS:
-            raise RefusedPickle(_refusal(_REFUSED_OPS[op]))
-        else:
-            raise RefusedPickle(f"it holds the byte 0x{op:02x} where an opcode belongs (not a valid pickle)")
-        if cost > budget:
-            raise RefusedPickle(f"what it builds would take more than {budget / 2**20:,.0f} MiB in memory "
-                                f"(estimated while reading, before building it; the reader allows {BUILD_RATIO}x the "
-                                f"pickle's size plus {BUILD_FLOOR >> 20} MiB): a snapshot of this size is far smaller "
-                                "in memory, so the file is crafted or corrupted")
+            pos += 1
+            if k == K_MEMO:
+                memo_size += 1
+                if stack[-1] > memo_depth:
+                    memo_depth = stack[-1]
+                cost += 2 * _REF
+            elif k == K_MARK:
+                marks.append(len(stack))
+            elif k == K_INT:
+                pos += _INT_WIDTH[op]
+                push(0)
+                cost += _INT + _REF
+            elif k == K_SETITEMS or k == K_APPENDS or k == K_ADDITEMS:
+                m = marks.pop()
+                cost += (_PAIR // 2 if k == K_SETITEMS else _ITEM if k == K_APPENDS else _PAIR) * (len(stack) - m)
+                del stack[m:]
+            elif k == K_DICT or k == K_LIST or k == K_SET:
+                push(0)
+                cost += (_DICT if k == K_DICT else _LIST if k == K_LIST else _SET) + _REF
+            elif k == K_STR1:
+                size = data[pos]
+                pos += 1 + size
+                push(0)
+                cost += _STR + size + _REF
+            elif k == K_LONG1 or k == K_LONG4:
+                width = 1 if k == K_LONG1 else 4
+                size = int.from_bytes(data[pos:pos + width], "little", signed=k == K_LONG4)
+                if not 0 <= size <= MAX_INT_BYTES:
+                    raise RefusedPickle(f"it holds an integer of {size:,} bytes; a snapshot's integers fit in 8 (at "
+                                        f"most {MAX_INT_BYTES:,} are read)")
+                pos += width + size
+                push(0)
+                cost += _INT + size + _REF
+            elif k == K_APPEND or k == K_SETITEM:
+                del stack[-1 if k == K_APPEND else -2:]
+                cost += _ITEM if k == K_APPEND else _PAIR
+            elif k == K_CONST:
+                push(1 if op == 0x29 else 0)              # EMPTY_TUPLE is a tuple
+                cost += _REF
+            elif k == K_FLOAT:
+                pos += 8
+                push(0)
+                cost += _FLOAT + _REF
+            elif k == K_TUPLE_N:                           # TUPLE1, TUPLE2, TUPLE3
+                count = op - 0x84
+                if len(stack) - (marks[-1] if marks else 0) < count:
+                    raise RefusedPickle("a tuple opcode needs more on the stack than is there (not a valid pickle)")
+                depth = 1 + max(stack[-count:])
+                del stack[-count:]
+                push(depth)
+                cost += _TUPLE + 8 * count + _REF
+                if depth > MAX_HASHED_DEPTH:
+                    raise RefusedPickle(_too_deep())
+            elif k == K_SIZED:
+                width = _SIZE_WIDTH[op]
+                size = int.from_bytes(data[pos:pos + width], "little")
+                pos += width + size
+                if pos > len(data):
+                    raise RefusedPickle("a string or bytes object runs past the end of the file (truncated)")
+                push(0)
+                cost += _STR + size + _REF
+            elif k == K_MARKED:                            # TUPLE, FROZENSET, LIST, DICT: from the MARK
+                m = marks.pop()
+                items = len(stack) - m
+                depth = 1 + max(stack[m:], default=0) if op in (0x74, 0x91) else 0
+                del stack[m:]
+                push(depth)
+                cost += {0x74: _TUPLE + 8 * items, 0x91: _SET + _PAIR * items, 0x6C: _LIST + _ITEM * items,
+                         0x64: _DICT + _PAIR * items // 2}[op] + _REF
+                if depth > MAX_HASHED_DEPTH:
+                    raise RefusedPickle(_too_deep())
+            elif k == K_PUT:                               # BINPUT, LONG_BINPUT
+                width = _SIZE_WIDTH[op]
+                memo_size = _memo_put(int.from_bytes(data[pos:pos + width], "little"), memo_size)
+                pos += width
+                if stack[-1] > memo_depth:
+                    memo_depth = stack[-1]
+                cost += 2 * _REF
+            elif k == K_POP:
+                if marks and len(stack) == marks[-1]:
+                    marks.pop()
+                else:
+                    stack.pop()
+            elif k == K_POP_MARK:
+                del stack[marks.pop():]
+            elif k == K_DUP:
+                push(stack[-1])
+                cost += _REF
+            elif k == K_PROTO:
+                pos += 1
+            elif k == K_FRAME:                             # a length prefix only
+                pos += 8
+            elif k == K_STOP:
+                return cost
+            elif k == K_TEXT:                              # INT LONG FLOAT STRING UNICODE GET PUT: one line each
+                end = data.find(b"\n", pos, pos + MAX_TEXT_ARG)
+                if end < 0:
+                    raise RefusedPickle("a text opcode's argument has no end within 64 KiB (not a snapshot)")
+                arg = data[pos:end]
+                pos = end + 1
+                if op == 0x67 or op == 0x70:              # GET, PUT
+                    if not arg.isdigit() or len(arg) > 12:
+                        raise RefusedPickle("a memo index that is not a number (not a valid pickle)")
+                    if op == 0x70:
+                        memo_size = _memo_put(int(arg), memo_size)
+                        memo_depth = max(memo_depth, stack[-1])
+                        cost += 2 * _REF
+                    else:
+                        push(memo_depth)
+                        cost += _REF
+                    continue
+                if op in (0x49, 0x4C) and len(arg) > 3 * MAX_INT_BYTES:
+                    raise RefusedPickle(f"it holds an integer of {len(arg):,} digits; a snapshot's integers have "
+                                        "at most 19")
+                push(0)
+                cost += _STR + 4 * len(arg) + _REF
+            elif k == K_CLASS:
+                return cost
+            elif k == K_REFUSED:
+                raise RefusedPickle(_refusal(_REFUSED_NAMES[op]))
+            else:
+                raise RefusedPickle(f"it holds the byte 0x{op:02x} where an opcode belongs (not a valid pickle)")
+    except IndexError:
+        raise RefusedPickle("it ends early, or an opcode finds the stack or the MARK it needs missing (truncated, or "
+                            "not a valid pickle)") from None
+    raise RefusedPickle(f"what it builds would take more than {budget / 2**20:,.0f} MiB in memory (estimated while "
+                        f"reading, before building it; the reader allows {BUILD_RATIO}x the pickle's size plus "
+                        f"{BUILD_FLOOR >> 20} MiB): a snapshot of this size is far smaller in memory, so the file is "
+                        "crafted or corrupted")
+
+
+def _memo_put(index: int, memo_size: int) -> int:
+    if index > memo_size:
+        raise RefusedPickle(f"it stores memo entry {index:,} while it has stored {memo_size:,} (a pickler numbers "
+                            "them in order; the unpickler would allocate a table that large)")
+    return memo_size + (index == memo_size)
+
+
+def _too_deep() -> str:
+    return (f"it nests tuples or frozensets more than {MAX_HASHED_DEPTH} deep; a snapshot nests them at most one deep "
+            "(hashing deeper ones could crash the reader)")
 
 
 def _refusal(opcode: str) -> str:
