@@ -271,12 +271,16 @@ class Dropped:
     with them the verdict and the hot rank) are all kept, whatever order the log prints them in."""
     heap: list = field(default_factory=list)       # (pressure, order, key) of the kept series; stale entries skipped
     order: int = 0
-    ranks: bytearray = field(default_factory=lambda: bytearray(RANK_LIMIT // 8))   # bit per dropped rank
+    ranks: bytearray = field(default_factory=bytearray)   # bit per dropped rank, grown on the first drop
     unnamed: int = 0                               # dropped series that name no rank (one per file)
     reports: int = 0                               # reports not kept (of dropped ranks)
 
     def mark(self, key, dropped: bool) -> None:
         if isinstance(key, int) and 0 <= key < RANK_LIMIT:
+            if (key >> 3) >= len(self.ranks):
+                if not dropped:
+                    return
+                self.ranks.extend(bytes((key >> 3) + 1 - len(self.ranks)))
             if dropped:
                 self.ranks[key >> 3] |= 1 << (key & 7)
             else:
