@@ -131,6 +131,9 @@ def hostile_files() -> list[tuple[str, bytes]]:
            "blocks": [{"size": 512, "state": "inactive"} for _ in range(1000)]}
     entry = {"action": "alloc", "addr": 1 << 40, "size": 512, "stream": 0}
     return [
+        # a quarter and the whole: linear time takes ~4x as long for the whole, quadratic took ~16x
+        (f"{expandable_segments // 4:,} expandable segments",
+         pickle.dumps(expandable_snapshot(expandable_segments // 4), 4)),
         (f"{expandable_segments:,} expandable segments", pickle.dumps(expandable_snapshot(expandable_segments), 4)),
         ("memo index 2**31 (9 bytes)", b"\x80\x04K\x01r\xff\xff\xff\x7f."),
         ("10M empty dicts in a list", b"\x80\x04](" + b"}" * 10_000_000 + b"e."),
