@@ -644,6 +644,7 @@ class Proof:
     segments: SegmentCheck = field(default_factory=SegmentCheck)
     first_divergence: tuple[int, str, str] | None = None   # (trace index, model chose, allocator did)
     chosen: list = field(default_factory=list)             # (trace index, chosen address or None)
+    not_proven: str = ""                                   # why no proof was attempted ("" when it was)
 
     @property
     def agreement(self) -> float:
@@ -789,6 +790,31 @@ def load_start(alloc: Allocator, start: StartState) -> int:
     return orphans
 
 
+def empty_cache_calls(trace) -> set[int]:
+    """Trace indices where the program called torch.cuda.empty_cache() (DeviceCachingAllocator::emptyCache ->
+    release_cached_blocks): a run of segment_free/segment_unmap entries that no segment_alloc, segment_map or
+    oom follows within the same malloc. Inside malloc the same release (release_available_cached_blocks,
+    release_cached_blocks) is followed by the retried cudaMalloc or the OOM."""
+    from . import model as M
+    act = trace.action
+    n, out, i = len(act), set(), 0
+    release = (M.SEGMENT_FREE, M.SEGMENT_UNMAP)
+    while i < n:
+        if act[i] in release:
+            j = i
+            while j < n and act[j] in release:
+                j += 1
+            k = j
+            while k < n and act[k] == M.FREE_COMPLETED:
+                k += 1
+            if not (k < n and act[k] in (M.SEGMENT_ALLOC, M.SEGMENT_MAP, M.OOM)):
+                out.add(i)
+            i = j
+        else:
+            i += 1
+    return out
+
+
 def deferred_frees(trace) -> list[bool]:
     """Per entry: a free_requested whose free_completed does not follow at once waited on other streams'
     events (DeviceCachingAllocator::free: insert_events when stream_uses is not empty, else free_block now)."""
@@ -822,10 +848,16 @@ def prove(trace, start: StartState, settings: Settings, keep_choices: bool = Tru
     recorded one (see the module docstring: the device's answers and, after a divergence, the state are the
     file's)."""
     from . import model as M
-    alloc = Allocator(settings, RecordedDevice())
-    load_start(alloc, start)
     proof = Proof()
     act, addr, size, stream, pools = trace.action, trace.addr, trace.size, trace.stream, trace.pool
+    odd = sum(1 for i in range(len(act)) if act[i] == M.ALLOC and addr[i] % K_MIN_BLOCK)
+    if odd:   # every block the allocator hands out starts at a multiple of kMinBlockSize within its segment
+        proof.allocations = sum(1 for a in act if a == M.ALLOC)
+        proof.not_proven = (f"{odd} allocation address(es) are not multiples of 512 bytes: not addresses a CUDA "
+                            "caching allocator hands out (a generated or anonymised file); nothing to prove against")
+        return proof
+    alloc = Allocator(settings, RecordedDevice())
+    load_start(alloc, start)
     deferred = deferred_frees(trace)
     grants: list[tuple[int, int, int]] = []         # segment_alloc entries not yet used: (address, size, stream)
     maps: list[tuple[int, int, int]] = []           # segment_map entries not yet used

@@ -161,6 +161,7 @@ def replay(trace: M.Trace, start: A.StartState, settings: A.Settings, capacity: 
     where: dict[int, A.Block] = dict(alloc.live)       # the file's address -> the model's block
     act, addr, size, stream, pools = trace.action, trace.addr, trace.size, trace.stream, trace.pool
     deferred = A.deferred_frees(trace)
+    empty_cache = A.empty_cache_calls(trace)
     end = len(act) if request is None else request
     failed_at = None
     for i in range(end):
@@ -179,6 +180,8 @@ def replay(trace: M.Trace, start: A.StartState, settings: A.Settings, capacity: 
             b = where.pop(addr[i], None)
             if b is not None and (b.allocated or b.pending):
                 alloc.free_block(b)
+        elif i in empty_cache:
+            alloc.release_cached_blocks()
     st = alloc.stats
     note = f"{orphans} block(s) alive at the start lie in no known segment" if orphans else ""
     if failed_at is not None:
