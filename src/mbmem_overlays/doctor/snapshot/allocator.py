@@ -712,6 +712,18 @@ def load_start(alloc: Allocator, start: StartState) -> int:
             cursor = a + size
         if cursor < hi:
             pieces.append(Block(cursor, hi - cursor, stream, pool, seg))
+        if seg is None and not pool.small:
+            # Every block of a large-pool segment is over 1 MiB (should_split leaves a remainder only when it is
+            # larger than kSmallSize; merging only grows blocks), so a free gap of 1 MiB or less after a block
+            # is part of it: a block freed after the ring started whose size the backward replay estimated
+            # from its request (it took the whole free block).
+            kept: list[Block] = []
+            for b in pieces:
+                if kept and b.free_and_idle() and b.size <= K_SMALL_SIZE and not kept[-1].free_and_idle():
+                    kept[-1].size += b.size
+                    continue
+                kept.append(b)
+            pieces = kept
         for b in pieces:
             b.prev = prev
             if prev is not None:
