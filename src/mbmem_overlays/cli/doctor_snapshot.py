@@ -180,6 +180,8 @@ def report(args, paths: list[str]) -> Outcome:
             continue
         validator = plan.validator if plan is not None and r is best else None
         adv = A.advise(r.report, args.recipe, validator)
+        if r.what_if is not None:
+            adv = A.with_replay(adv, r.report, r.what_if)
         plan_lines = list(plan.lines) if plan is not None and r is best else None
         text = R.render(r.report, adv, opts.top, plan_lines)
         extra = _headroom(r.report, opts)

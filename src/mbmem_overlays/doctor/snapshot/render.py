@@ -271,7 +271,7 @@ WHAT_IF_LIMITS = ("limits: the replay makes the recorded requests in the recorde
                   "the recorded one")
 
 
-def _agreement(p) -> str:
+def _agreement(p, n: int) -> str:
     if p.not_proven:
         return f"not proven: {p.not_proven}"
     seg = p.segments
@@ -280,12 +280,12 @@ def _agreement(p) -> str:
     if p.first_divergence is None:
         return text + "; no divergence"
     i, chose, did = p.first_divergence
-    return text + f"; first divergence at trace entry {i}: the model chose {chose}, the allocator {did}"
+    return text + f"; first divergence at trace entry {i + 1} of {n}: the model chose {chose}, the allocator {did}"
 
 
 def _outcome(s) -> str:
     if s.failed_at is not None:
-        return f"runs out earlier, at trace entry {s.failed_at}"
+        return f"runs out earlier, at trace entry {s.failed_at + 1}"
     if s.served is None:
         return "-"
     if s.served:
@@ -314,11 +314,12 @@ def what_if_verdict(d) -> str:
 def render_what_if(devices) -> str:
     lines = ["what if (the trace replayed forward through a model of torch's CUDACachingAllocator):"]
     for d in devices:
-        lines.append(f"  device {d.device}: proof on the file: {_agreement(d.proof)}")
+        lines.append(f"  device {d.device}: proof on the file: {_agreement(d.proof, d.entries)}")
         for note in d.notes:
             lines.append(f"  device {d.device}: {shown(note)}")
         cap = gib(d.capacity) if d.capacity is not None else "unknown"
-        req = (f"; the failing request: trace entry {d.request}, {gib(d.request_bytes)}" if d.request is not None
+        req = (f"; the failing request: trace entry {d.request + 1} of {d.entries}, {gib(d.request_bytes)}"
+               if d.request is not None
                else "")
         lines.append(f"  device {d.device}: capacity {cap} ({d.capacity_source}){req}")
         lines.append(f"    {'settings':<44} {'peak reserved':>13} {'peak unalloc':>13} {'largest free':>13}  "
@@ -340,14 +341,14 @@ def what_if_json(devices, with_choices: bool = True) -> list[dict[str, Any]]:
         p = d.proof
         out.append({
             "device": d.device, "capacity_bytes": d.capacity, "capacity_source": d.capacity_source,
-            "request_trace_entry": d.request, "request_bytes": d.request_bytes, "notes": list(d.notes),
+            "request_trace_index": d.request, "request_bytes": d.request_bytes, "notes": list(d.notes),
             "proof": {"allocations": p.allocations, "at_recorded_address": p.at_recorded,
                       "agreement": round(p.agreement, 6), "segments_as_recorded": p.segments.as_recorded,
                       "segments_differed": p.segments.differed, "not_proven": p.not_proven or None,
                       "first_divergence": None if p.first_divergence is None else
-                      {"trace_entry": p.first_divergence[0], "model_chose": p.first_divergence[1],
+                      {"trace_index": p.first_divergence[0], "model_chose": p.first_divergence[1],
                        "allocator_did": p.first_divergence[2]},
-                      "chosen": [{"trace_entry": i, "address": a} for i, a in p.chosen] if with_choices else None},
+                      "chosen": [{"trace_index": i, "address": a} for i, a in p.chosen] if with_choices else None},
             "scenarios": [s.as_json() for s in d.scenarios],
             "verdict": what_if_verdict(d)})
     return out

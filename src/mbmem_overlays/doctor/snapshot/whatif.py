@@ -143,7 +143,7 @@ class Scenario:
         return {"label": self.label, "settings": self.settings.describe(), "peak_reserved_bytes": self.peak_reserved,
                 "peak_reserved_unallocated_bytes": self.peak_unallocated, "largest_free_block_bytes": self.largest_free,
                 "served": self.served, "spare_bytes": self.spare, "short_bytes": self.short,
-                "failed_at_trace_entry": self.failed_at, "note": self.note}
+                "failed_at_trace_index": self.failed_at, "note": self.note}
 
 
 def replay(trace: M.Trace, start: A.StartState, settings: A.Settings, capacity: int | None,
@@ -208,6 +208,7 @@ def replay(trace: M.Trace, start: A.StartState, settings: A.Settings, capacity: 
 @dataclass(frozen=True)
 class DeviceWhatIf:
     device: int
+    entries: int                 # trace entries of the device
     capacity: int | None
     capacity_source: str
     request: int | None          # trace index of the failing request
@@ -255,7 +256,7 @@ def analyse(snap: M.Snapshot, wanted: list[str], gpu_memory: int | None, keep_ch
                              "effect without torch.cuda.set_per_process_memory_fraction (add "
                              "per_process_memory_fraction:F to replay both)")
             scenarios.append(sc)
-        out.append(DeviceWhatIf(device, capacity, source, request, trace.size[request] if request is not None else None,
+        out.append(DeviceWhatIf(device, len(trace), capacity, source, request, trace.size[request] if request is not None else None,
                                 tuple(scenarios), proof, tuple(notes)))
     return out
 
