@@ -281,3 +281,25 @@ def test_cli_what_if_text_and_json():
     assert data["proof"]["agreement"] == 1.0 and data["proof"]["chosen"][0]["address"] > 0
     r = mbmem("doctor", str(FIX / "fragmentation.pickle"), "--what-if", "max_split_size_mb:1", "--json")
     assert r.returncode == 2 and "above 20" in json.loads(r.stdout)["error"]
+
+
+def test_real_shaped_fixture_fragmentation_backed_by_the_replay():
+    """The committed 1F1B fixture: a ring that starts mid-run, two streams, deferred frees, an OOM."""
+    r = mbmem("doctor", str(FIX / "whatif_1f1b_oom.pickle"), "--what-if", "all")
+    assert r.returncode == 0
+    assert "959 at the recorded address (100.0%)" in r.stdout
+    assert "  - with expandable_segments:True the failing request is served with 86.00 MiB to spare (replayed)" \
+        in r.stdout.replace("; also", "\n").splitlines()
+
+
+def test_capacity_backed_by_no_setting_serving_it():
+    G._FRAMES.clear()
+    snap = normalize(G.dump([G.one_f_one_b_run(capacity=17 * GiB, period=7, last=8)]))
+    from mbmem_overlays.doctor.snapshot.advice import advise, with_replay
+    from mbmem_overlays.doctor.snapshot.analyze import analyze
+    report = analyze(snap, "x.pickle")
+    assert report.kind == "capacity"
+    d = W.analyse(snap, ["all"], None)
+    assert d[0].proof.agreement == 1.0 and not d[0].fitting()
+    adv = with_replay(advise(report, None), report, d)
+    assert adv.reasons[-1].startswith("no allocator setting serves it (replayed; tried: expandable_segments:True")

@@ -307,8 +307,13 @@ def what_if_verdict(d) -> str:
     fits = d.fitting()
     if not fits:
         return "no allocator setting serves it (replayed): capacity"
-    best = max(fits, key=lambda s: s.spare)
-    return f"with {best.label} the failing request is served with {gib(best.spare)} to spare (replayed)"
+    fits = sorted(fits, key=lambda s: -s.spare)
+    # expandable segments first when they serve it: NVIDIA's first remedy for fragmentation, at no cost
+    lead = next((s for s in fits if s.settings.expandable_segments and s.label.startswith("expandable_segments")),
+                fits[0])
+    line = f"with {lead.label} the failing request is served with {gib(lead.spare)} to spare (replayed)"
+    others = [f"{s.label} ({gib(s.spare)})" for s in fits if s is not lead]
+    return line + (f"; also served with: {', '.join(others)}" if others else "")
 
 
 def render_what_if(devices) -> str:
@@ -322,11 +327,11 @@ def render_what_if(devices) -> str:
                if d.request is not None
                else "")
         lines.append(f"  device {d.device}: capacity {cap} ({d.capacity_source}){req}")
-        lines.append(f"    {'settings':<44} {'peak reserved':>13} {'peak unalloc':>13} {'largest free':>13}  "
+        lines.append(f"    {'settings':<52} {'peak reserved':>13} {'peak unalloc':>13} {'largest free':>13}  "
                      "the request")
         for s in d.scenarios:
             largest = gib(s.largest_free) if s.largest_free is not None else "-"
-            lines.append(f"    {shown(s.label)[:44]:<44} {gib(s.peak_reserved):>13} {gib(s.peak_unallocated):>13} "
+            lines.append(f"    {shown(s.label)[:52]:<52} {gib(s.peak_reserved):>13} {gib(s.peak_unallocated):>13} "
                          f"{largest:>13}  {_outcome(s)}")
             if s.note:
                 lines.append(f"      note: {shown(s.note)}")
