@@ -274,6 +274,8 @@ WHAT_IF_LIMITS = ("limits: the replay makes the recorded requests in the recorde
 def _agreement(p, n: int) -> str:
     if p.not_proven:
         return f"not proven: {p.not_proven}"
+    if not p.allocations:
+        return "no allocation in the trace: nothing to prove"
     seg = p.segments
     text = (f"{p.allocations} allocation(s) replayed, {p.at_recorded} at the recorded address ({p.agreement:.1%}); "
             f"{seg.as_recorded} of {seg.as_recorded + seg.differed} segment events as recorded")
