@@ -303,3 +303,26 @@ def test_capacity_backed_by_no_setting_serving_it():
     assert d[0].proof.agreement == 1.0 and not d[0].fitting()
     adv = with_replay(advise(report, None), report, d)
     assert adv.reasons[-1].startswith("no allocator setting serves it (replayed; tried: expandable_segments:True")
+
+
+def test_a_trace_no_model_would_follow_is_replayed_and_scored_low():
+    """Allocations at random (aligned) places of four 1 GiB segments: the proof runs through, scores low and
+    names the first divergence; the what-if replay still completes."""
+    import random
+    rng = random.Random(7)
+    segs = [{"device": 0, "address": (1 << 40) + k * (1 << 32), "total_size": 1 << 30, "stream": 0,
+             "segment_type": "large", "blocks": [{"size": 1 << 30, "state": "inactive"}]} for k in range(4)]
+    trace, live = [], []
+    while len(trace) < 3000:
+        if live and rng.random() < 0.5:
+            a = live.pop(rng.randrange(len(live)))
+            trace += [{"action": "free_requested", "addr": a, "size": 4 * MiB},
+                      {"action": "free_completed", "addr": a, "size": 4 * MiB}]
+        else:
+            a = (1 << 40) + rng.randrange(4) * (1 << 32) + rng.randrange(200) * 4 * MiB
+            if a not in live:
+                live.append(a)
+                trace.append({"action": "alloc", "addr": a, "size": 4 * MiB})
+    d = W.analyse(normalize({"segments": segs, "device_traces": [trace]}), ["expandable_segments:True"], None)[0]
+    assert d.proof.allocations > 900 and d.proof.agreement < 0.2 and d.proof.first_divergence[0] == 0
+    assert d.scenarios[1].peak_reserved > 0

@@ -159,9 +159,11 @@ def report(args, paths: list[str]) -> Outcome:
             from ..doctor.snapshot.whatif import analyse
             r.what_if = analyse(r.snap, what_if, None if opts.capacity is None else int(opts.capacity),
                                 keep_choices=bool(args.json))
+            if not args.html:
+                r.snap = None     # the replay is done; the file's objects are not needed any more
         reads.append(r)
         if r.report is not None and (best is None or _rank(r) > _rank(best)):
-            if best is not None and not args.html:
+            if best is not None:
                 best.snap = None
             best = r
         elif r.snap is not None and r is not best:

@@ -112,12 +112,39 @@ class Block:
         return not self.allocated and not self.pending
 
 
+class FreeIndex:
+    """The free mapped blocks of every pool by address (not the allocator's: the proof's look-ups of the file's
+    addresses, kept logarithmic so that a file whose every choice diverges still replays in linear-ish time)."""
+
+    def __init__(self):
+        self.starts: list[int] = []
+        self.at: dict[int, Block] = {}
+
+    def add(self, b: Block) -> None:
+        if b.ptr not in self.at:
+            bisect.insort(self.starts, b.ptr)
+        self.at[b.ptr] = b
+
+    def discard(self, b: Block) -> None:
+        if self.at.get(b.ptr) is b:
+            del self.at[b.ptr]
+            del self.starts[bisect.bisect_left(self.starts, b.ptr)]
+
+    def containing(self, address: int) -> Block | None:
+        i = bisect.bisect_right(self.starts, address) - 1
+        if i < 0:
+            return None
+        b = self.at[self.starts[i]]
+        return b if address < b.ptr + b.size else None
+
+
 class Pool:
     """BlockPool: free mapped blocks ordered by BlockComparatorSize (stream, size, ptr); unmapped blocks of
     expandable segments by BlockComparatorAddress (stream, ptr)."""
 
-    def __init__(self, small: bool, pool_id: tuple):
+    def __init__(self, small: bool, pool_id: tuple, index: FreeIndex | None = None):
         self.small, self.pool_id = small, pool_id
+        self.index = index if index is not None else FreeIndex()
         self.keys: list[tuple[int, int, int]] = []
         self.blocks: dict[tuple[int, int, int], Block] = {}
         self.unmapped_keys: list[tuple[int, int]] = []
@@ -129,12 +156,14 @@ class Pool:
         key = (b.stream, b.size, b.ptr)
         bisect.insort(self.keys, key)
         self.blocks[key] = b
+        self.index.add(b)
         b.gc_base = self.get_free_blocks_call_count
 
     def erase(self, b: Block) -> None:
         key = (b.stream, b.size, b.ptr)
         if self.blocks.pop(key, None) is not None:
             del self.keys[bisect.bisect_left(self.keys, key)]
+            self.index.discard(b)
 
     def insert_unmapped(self, b: Block) -> None:
         key = (b.stream, b.ptr)
@@ -225,13 +254,14 @@ class Allocator:
         self.live: dict[int, Block] = {}        # allocated or pending blocks by address
         self.stats = Stats()
         self.expandable: list[ExpandableSegment] = []
+        self.free_index = FreeIndex()
 
     # -- pools -------------------------------------------------------------------------------------------
     def pool(self, small: bool, pool_id: tuple | None) -> Pool:
         key = (pool_id or DEFAULT_POOL, small)
         p = self.pools.get(key)
         if p is None:
-            p = self.pools[key] = Pool(small, key[0])
+            p = self.pools[key] = Pool(small, key[0], self.free_index)
         return p
 
     def _note(self) -> None:
@@ -603,11 +633,8 @@ class Allocator:
         return best
 
     def free_block_containing(self, address: int, stream: int | None = None) -> Block | None:
-        for pool in self.pools.values():
-            for b in pool.blocks.values():
-                if b.ptr <= address < b.ptr + b.size and (stream is None or b.stream == stream):
-                    return b
-        return None
+        b = self.free_index.containing(address)
+        return b if b is not None and (stream is None or b.stream == stream) else None
 
     def carve(self, b: Block, address: int, size: int, requested: int) -> Block:
         """Allocate at ``address`` inside the free block ``b`` (the file's choice, when the model's differed):
@@ -951,11 +978,7 @@ def prove(trace, start: StartState, settings: Settings, keep_choices: bool = Tru
 
 
 def _free_block_at(alloc: Allocator, address: int) -> Block | None:
-    for pool in alloc.pools.values():
-        for b in pool.blocks.values():
-            if b.ptr == address:
-                return b
-    return None
+    return alloc.free_index.at.get(address)
 
 
 def _unmapped_containing(alloc: Allocator, pool: Pool, address: int) -> Block | None:
