@@ -1,7 +1,9 @@
 """A model of torch's CUDA caching allocator, replayed forward over a snapshot's trace.
 
-Every rule cites the function of c10/cuda/CUDACachingAllocator.cpp (torch v2.14.1's tag; studied at the
-``DeviceCachingAllocator`` of that file) that it follows. The model keeps the allocator's own structures:
+Every rule cites the function of c10/cuda/CUDACachingAllocator.cpp (``DeviceCachingAllocator``) that it follows.
+The file was studied at pytorch/pytorch commit 001074d2, the version nearest to the v2.14.1 tag that could be read
+here (the tag itself could not be fetched); ``max_non_split_rounding_size`` (kLargeBuffer in that file's
+get_free_block, a CUDAAllocatorConfig knob in newer ones) is read from the file's settings when it is there. The model keeps the allocator's own structures:
 per pool (small/large, default or a CUDA graph's private pool) the free blocks ordered by (stream, size,
 address), blocks chained inside their segment (prev/next), expandable segments as chains of mapped and
 unmapped blocks. Pure and standard-library only (no torch, no Bridge).
