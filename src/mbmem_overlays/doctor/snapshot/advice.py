@@ -138,7 +138,7 @@ def with_replay(advice: Advice, report: Report, what_if) -> Advice:
     by the setting that serves the failing request, capacity by no setting serving it."""
     from dataclasses import replace as _replace
 
-    from .render import what_if_verdict
+    from .whatif import verdict_line as what_if_verdict
     oom = report.oom
     device = next((d for d in what_if if oom is not None and d.device == oom.device and d.request is not None), None)
     if device is None:

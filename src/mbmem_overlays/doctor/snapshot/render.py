@@ -12,6 +12,7 @@ from ...core.report import section
 from ...core.text import shown
 from .advice import Advice
 from .analyze import Comparison, DeviceReport, Report, gib
+from .whatif import verdict_line as what_if_verdict
 
 SCHEMA_VERSION = 1
 VERDICT = {"fragmentation": "diagnosed", "capacity": "diagnosed", "other_processes": "diagnosed",
@@ -293,29 +294,6 @@ def _outcome(s) -> str:
     if s.served:
         return f"served, {gib(s.spare)} to spare"
     return f"not served (short by {gib(s.short)})"
-
-
-def what_if_verdict(d) -> str:
-    """One line for a device: which setting would have served the failing request, by how much, or none."""
-    if d.request is None:
-        best = min(d.scenarios, key=lambda s: s.peak_reserved)
-        return (f"no failing request in the trace; the lowest peak reserved is {gib(best.peak_reserved)} with "
-                f"{best.label}")
-    if d.capacity is None:
-        return "capacity unknown: give --gpu-memory to judge the failing request"
-    if d.baseline.served:
-        return ("the model serves the failing request with the file's own settings too: the OOM is not reproduced "
-                "(memory outside the allocator changed, or the model differs here); no setting can be judged")
-    fits = d.fitting()
-    if not fits:
-        return "no allocator setting serves it (replayed): capacity"
-    fits = sorted(fits, key=lambda s: -s.spare)
-    # expandable segments first when they serve it: NVIDIA's first remedy for fragmentation, at no cost
-    lead = next((s for s in fits if s.settings.expandable_segments and s.label.startswith("expandable_segments")),
-                fits[0])
-    line = f"with {lead.label} the failing request is served with {gib(lead.spare)} to spare (replayed)"
-    others = [f"{s.label} ({gib(s.spare)})" for s in fits if s is not lead]
-    return line + (f"; also served with: {', '.join(others)}" if others else "")
 
 
 def render_what_if(devices) -> str:

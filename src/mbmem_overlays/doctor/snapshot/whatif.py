@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from ...core import allocconf
 from . import allocator as A
 from . import model as M
+from .analyze import gib
 from .replay import Replayer, Rounding
 
 # allocator_settings keys torch writes (torch/csrc/cuda/Module.cpp, _cuda_memorySnapshot "allocator_settings")
@@ -259,6 +260,29 @@ def analyse(snap: M.Snapshot, wanted: list[str], gpu_memory: int | None, keep_ch
         out.append(DeviceWhatIf(device, len(trace), capacity, source, request, trace.size[request] if request is not None else None,
                                 tuple(scenarios), proof, tuple(notes)))
     return out
+
+
+def verdict_line(d: DeviceWhatIf) -> str:
+    """One line for a device: which setting would have served the failing request, by how much, or none."""
+    if d.request is None:
+        best = min(d.scenarios, key=lambda s: s.peak_reserved)
+        return (f"no failing request in the trace; the lowest peak reserved is {gib(best.peak_reserved)} with "
+                f"{best.label}")
+    if d.capacity is None:
+        return "capacity unknown: give --gpu-memory to judge the failing request"
+    if d.baseline.served:
+        return ("the model serves the failing request with the file's own settings too: the OOM is not reproduced "
+                "(memory outside the allocator changed, or the model differs here); no setting can be judged")
+    fits = d.fitting()
+    if not fits:
+        return "no allocator setting serves it (replayed): capacity"
+    fits = sorted(fits, key=lambda s: -s.spare)
+    # expandable segments first when they serve it: NVIDIA's first remedy for fragmentation, at no cost
+    lead = next((s for s in fits if s.settings.expandable_segments and s.label.startswith("expandable_segments")),
+                fits[0])
+    line = f"with {lead.label} the failing request is served with {gib(lead.spare)} to spare (replayed)"
+    others = [f"{s.label} ({gib(s.spare)})" for s in fits if s is not lead]
+    return line + (f"; also served with: {', '.join(others)}" if others else "")
 
 
 def check_values(wanted: list[str]) -> str | None:
