@@ -391,6 +391,7 @@ class Allocator:
             return None
         b.allocated = False
         self.stats.allocated -= b.size
+        self._note()                      # reserved-but-unallocated peaks when a block is freed
         if deferred:
             b.pending = True
         else:
@@ -402,6 +403,7 @@ class Allocator:
         if b.allocated:
             self.stats.allocated -= b.size
             b.allocated = False
+            self._note()
         b.pending = False
         self.live.pop(b.ptr, None)
         for other in (b.prev, b.next):
