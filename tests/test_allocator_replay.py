@@ -326,3 +326,9 @@ def test_a_trace_no_model_would_follow_is_replayed_and_scored_low():
     d = W.analyse(normalize({"segments": segs, "device_traces": [trace]}), ["expandable_segments:True"], None)[0]
     assert d.proof.allocations > 900 and d.proof.agreement < 0.2 and d.proof.first_divergence[0] == 0
     assert d.scenarios[1].peak_reserved > 0
+
+
+@pytest.mark.parametrize("name", ["segment_list.pickle", "empty.pickle"])
+def test_what_if_without_a_trace_says_so(name):
+    r = mbmem("doctor", str(FIX / name), "--what-if", "all")
+    assert r.returncode == 0 and "nothing to replay" in r.stdout

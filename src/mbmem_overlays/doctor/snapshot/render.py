@@ -298,6 +298,9 @@ def _outcome(s) -> str:
 
 def render_what_if(devices) -> str:
     lines = ["what if (the trace replayed forward through a model of torch's CUDACachingAllocator):"]
+    if not devices:
+        lines.append("  no device has trace entries: nothing to replay (the snapshot was taken without "
+                     "_record_memory_history)")
     for d in devices:
         lines.append(f"  device {d.device}: proof on the file: {_agreement(d.proof, d.entries)}")
         for note in d.notes:
