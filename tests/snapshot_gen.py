@@ -410,6 +410,38 @@ def peak_run(device: int = 0, act: int = 256 * MiB, steps: int = 3) -> Allocator
     return a
 
 
+def one_f_one_b_run(capacity: int = 14 * GiB, period: int = 5, last: int = 6, ring: int = 3000) -> Allocator:
+    """A real-shaped what-if case (issue 34): the trace ring starts mid-run, two streams (an all-gather on stream
+    1 whose frees wait on events), sequence lengths that vary per microbatch, 1F1B (the next microbatch's forward
+    before the previous one's activations are freed), then a longer sequence that does not fit."""
+    def forward(a: Allocator, seq: int) -> list[int]:
+        keep = []
+        for layer in range(6):
+            keep.append(a.malloc(seq * 48 * MiB + 4096 * layer, "qkv", stream=0))
+            keep.append(a.malloc(seq * 96 * KiB, "qkv", stream=0))
+            comm = a.malloc(seq * 6 * MiB, "allgather", stream=1)
+            a.free(comm, pending=True)
+            tmp = a.malloc(seq * 20 * MiB, "core_attn", stream=0)
+            a.complete(comm)
+            keep.append(a.malloc(seq * 64 * MiB, "fc1", stream=0))
+            a.free(tmp)
+        return keep
+    a = Allocator(0, capacity=capacity, max_entries=ring)
+    model_state(a, params=2 * GiB)
+    previous: list[int] = []
+    try:
+        for step in range(150):
+            current = forward(a, 1 + (step * 3) % period)
+            for addr in reversed(previous):
+                a.free(addr)
+            previous = current
+        forward(a, last)
+    except SimOOM:
+        pass
+    a.snapshot_marker()
+    return a
+
+
 def write(path: Path, obj: object) -> None:
     data = pickle.dumps(obj, protocol=4)
     if path.suffix == ".gz":
@@ -430,6 +462,7 @@ FIXTURES = {
     "legacy_history.pickle": lambda: dump([peak_run()], "legacy"),
     "segment_list.pickle": lambda: dump([peak_run()], "segment_list"),
     "empty.pickle": lambda: {"segments": [], "device_traces": [[]]},
+    "whatif_1f1b_oom.pickle": lambda: dump([one_f_one_b_run()]),
     "regression_before.pickle": lambda: dump([peak_run(act=256 * MiB)]),
     "regression_after.pickle": lambda: _with_settings(dump([oom_run(capacity=40 * GiB, act=768 * MiB)]),
                                                       PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512",

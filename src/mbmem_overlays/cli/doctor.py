@@ -49,6 +49,9 @@ def register(sub) -> None:
     p.add_argument("--plot", metavar="FILE", help="run report: per-rank bars to FILE (.png, .pdf or .svg)")
     p.add_argument("--html", metavar="FILE", help="snapshot: an offline, self-contained HTML picture to FILE")
     p.add_argument("--against", metavar="SNAPSHOT", help="snapshot: compare with this one (what grew, by site)")
+    p.add_argument("--what-if", action="append", metavar="SETTINGS",
+                   help="snapshot: replay the trace under these allocator settings (e.g. expandable_segments:True, "
+                        "or all); repeat for several")
     p.add_argument("--top", default="10", metavar="N", help="snapshot: how many allocation sites to show (default 10)")
     p.add_argument("--force", action="store_true", help="replace an existing --plot/--html file")
     p.add_argument("--json", action="store_true", help="machine-readable output (has schema_version)")

@@ -84,6 +84,13 @@ def _options(args, paths: list[str]) -> Options | str:
         from ..doctor.read import expand
         if len(expand(args.logs)) == len(paths):
             return "--plot draws the run report of job logs; for a snapshot use --html FILE"
+    if getattr(args, "what_if", None):
+        from ..doctor.snapshot.whatif import check_values
+        if args.against:
+            return "--what-if replays one snapshot; run it without --against"
+        problem = check_values(args.what_if)
+        if problem:
+            return problem
     if args.against and args.html:
         return "--html draws one snapshot; run it without --against"
     if args.against and len(paths) != 1:
@@ -98,6 +105,7 @@ class _Read:
     error: str | None = None
     report: Any = None
     snap: Any = None
+    what_if: Any = None
 
 
 def _read(path: str, capacity: float | None, keep: bool) -> _Read:
@@ -145,7 +153,14 @@ def report(args, paths: list[str]) -> Outcome:
         return _compare(args, paths[0], opts)
     reads, best = [], None
     for path in paths:
-        r = _read(path, opts.capacity, keep=bool(args.html))
+        what_if = getattr(args, "what_if", None)
+        r = _read(path, opts.capacity, keep=bool(args.html or what_if))
+        if what_if and r.snap is not None:
+            from ..doctor.snapshot.whatif import analyse
+            r.what_if = analyse(r.snap, what_if, None if opts.capacity is None else int(opts.capacity),
+                                keep_choices=bool(args.json))
+            if not args.html:
+                r.snap = None     # the replay is done; the file's objects are not needed any more
         reads.append(r)
         if r.report is not None and (best is None or _rank(r) > _rank(best)):
             if best is not None:
@@ -167,12 +182,18 @@ def report(args, paths: list[str]) -> Outcome:
             continue
         validator = plan.validator if plan is not None and r is best else None
         adv = A.advise(r.report, args.recipe, validator)
+        if r.what_if is not None:
+            adv = A.with_replay(adv, r.report, r.what_if)
         plan_lines = list(plan.lines) if plan is not None and r is best else None
         text = R.render(r.report, adv, opts.top, plan_lines)
         extra = _headroom(r.report, opts)
+        if r.what_if is not None:
+            extra.append(R.render_what_if(r.what_if))
         texts.append(text + ("\n" + "\n".join(extra) if extra else ""))
         obj = R.as_json(r.report, adv, opts.top, plan.data if plan is not None and r is best else None)
-        if extra:
+        if r.what_if is not None:
+            obj["what_if"] = R.json_safe(R.what_if_json(r.what_if))
+        if extra and not extra[0].startswith("what if"):
             obj["headroom"] = extra[0]
         objects.append(obj)
         codes.append(R.exit_code(r.report))

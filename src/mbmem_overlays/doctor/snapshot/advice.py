@@ -131,3 +131,30 @@ def advise(report: Report, recipe: str | None, validator: Validator | None = Non
             continue
         return Advice(tuple(remedies[i:]), text, f"{status}; {keep}", (*reasons, *skipped))
     return Advice((), None, "every remedy is already in effect in the recipe's config", (*reasons, *skipped))
+
+
+def with_replay(advice: Advice, report: Report, what_if) -> Advice:
+    """The verdict backed (or questioned) by --what-if's replay of the failing device (whatif.py): fragmentation
+    by the setting that serves the failing request, capacity by no setting serving it."""
+    from dataclasses import replace as _replace
+
+    from .whatif import verdict_line as what_if_verdict
+    oom = report.oom
+    device = next((d for d in what_if if oom is not None and d.device == oom.device and d.request is not None), None)
+    if device is None:
+        return advice
+    line = what_if_verdict(device)
+    tried = ", ".join(s.label for s in device.scenarios[1:]) or "none (give --what-if all)"
+    fits = device.fitting()
+    if device.baseline.served or device.capacity is None:
+        text = f"replayed: {line}"
+    elif report.kind == "fragmentation":
+        text = (line if fits else
+                f"replayed: none of the settings tried serves the failing request ({tried}): the fragmentation "
+                "reading is not confirmed by the replay")
+    elif report.kind == "capacity":
+        text = (f"no allocator setting serves it (replayed; tried: {tried})" if not fits else
+                f"replayed: {line}; the figures read capacity, the replay finds a setting that fits")
+    else:
+        text = f"replayed: {line}"
+    return _replace(advice, reasons=(*advice.reasons, text))

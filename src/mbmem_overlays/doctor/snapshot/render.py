@@ -14,6 +14,7 @@ from ...core.text import shown
 from .advice import Advice
 from .analyze import Comparison, DeviceReport, Report, gib
 from .model import shown_value
+from .whatif import verdict_line as what_if_verdict
 
 SCHEMA_VERSION = 1
 VERDICT = {"fragmentation": "diagnosed", "capacity": "diagnosed", "other_processes": "diagnosed",
@@ -284,3 +285,80 @@ def json_safe(value: Any) -> Any:
     if t in (list, tuple):
         return [json_safe(v) for v in value]
     return value
+
+
+# -- --what-if: the trace replayed through the allocator model (whatif.py) -------------------------------------
+WHAT_IF_LIMITS = ("limits: the replay makes the recorded requests in the recorded order under every setting (a "
+                  "program that adapts to free memory would ask otherwise); memory outside the allocator (NCCL, the "
+                  "CUDA context, other processes) is taken as constant; the layout before the trace's first entry is "
+                  "the recorded one")
+
+
+def _agreement(p, n: int) -> str:
+    if p.not_proven:
+        return f"not proven: {p.not_proven}"
+    if not p.allocations:
+        return "no allocation in the trace: nothing to prove"
+    seg = p.segments
+    text = (f"{p.allocations} allocation(s) replayed, {p.at_recorded} at the recorded address ({p.agreement:.1%}); "
+            f"{seg.as_recorded} of {seg.as_recorded + seg.differed} segment events as recorded")
+    if p.first_divergence is None:
+        return text + "; no divergence"
+    i, chose, did = p.first_divergence
+    return text + f"; first divergence at trace entry {i + 1} of {n}: the model chose {chose}, the allocator {did}"
+
+
+def _outcome(s) -> str:
+    if s.failed_at is not None:
+        return f"runs out earlier, at trace entry {s.failed_at + 1}"
+    if s.served is None:
+        return "-"
+    if s.served:
+        return f"served, {gib(s.spare)} to spare"
+    return f"not served (short by {gib(s.short)})"
+
+
+def render_what_if(devices) -> str:
+    lines = ["what if (the trace replayed forward through a model of torch's CUDACachingAllocator):"]
+    if not devices:
+        lines.append("  no device has trace entries: nothing to replay (the snapshot was taken without "
+                     "_record_memory_history)")
+    for d in devices:
+        lines.append(f"  device {d.device}: proof on the file: {_agreement(d.proof, d.entries)}")
+        for note in d.notes:
+            lines.append(f"  device {d.device}: {shown(note)}")
+        cap = gib(d.capacity) if d.capacity is not None else "unknown"
+        req = (f"; the failing request: trace entry {d.request + 1} of {d.entries}, {gib(d.request_bytes)}"
+               if d.request is not None
+               else "")
+        lines.append(f"  device {d.device}: capacity {cap} ({d.capacity_source}){req}")
+        lines.append(f"    {'settings':<52} {'peak reserved':>13} {'peak unalloc':>13} {'largest free':>13}  "
+                     "the request")
+        for s in d.scenarios:
+            largest = gib(s.largest_free) if s.largest_free is not None else "-"
+            lines.append(f"    {shown(s.label)[:52]:<52} {gib(s.peak_reserved):>13} {gib(s.peak_unallocated):>13} "
+                         f"{largest:>13}  {_outcome(s)}")
+            if s.note:
+                lines.append(f"      note: {shown(s.note)}")
+        lines.append(f"  verdict (device {d.device}): {what_if_verdict(d)}")
+    lines.append("  " + WHAT_IF_LIMITS)
+    return "\n".join(lines)
+
+
+def what_if_json(devices, with_choices: bool = True) -> list[dict[str, Any]]:
+    out = []
+    for d in devices:
+        p = d.proof
+        out.append({
+            "device": d.device, "capacity_bytes": d.capacity, "capacity_source": d.capacity_source,
+            "request_trace_index": d.request, "request_bytes": d.request_bytes, "notes": list(d.notes),
+            "proof": {"allocations": p.allocations, "at_recorded_address": p.at_recorded,
+                      "agreement": round(p.agreement, 6), "segments_as_recorded": p.segments.as_recorded,
+                      "segments_differed": p.segments.differed, "not_proven": p.not_proven or None,
+                      "first_divergence": None if p.first_divergence is None else
+                      {"trace_index": p.first_divergence[0], "model_chose": p.first_divergence[1],
+                       "allocator_did": p.first_divergence[2]},
+                      "chosen": [{"trace_index": i, "address": a} for i, a in p.chosen] if with_choices else None},
+            "scenarios": [s.as_json() for s in d.scenarios],
+            "verdict": what_if_verdict(d)})
+    return out
