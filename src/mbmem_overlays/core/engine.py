@@ -255,11 +255,10 @@ def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[di
     plan: dict[str, tuple[str, str | None, str]] = {}
     problems: list[Problem] = []
     for claim in env_claims:
-        targets = [claim.var]
-        if claim.merge is not None and claim.var == allocconf.PRIMARY_VAR:
-            targets += [v for v in allocconf.SIBLING_VARS if effective.get(v)]
+        # the variable torch reads first, starting from the value it reads now (core/allocconf.py, issue 33 #9)
+        targets = allocconf.merge_targets(claim.var, effective) if claim.merge is not None else [claim.var]
         for var in targets:
-            current = plan[var][2] if var in plan else effective.get(var)
+            current = plan[var][2] if var in plan else allocconf.base_value(var, effective)
             if claim.merge is not None:
                 try:
                     new, conflicts = allocconf.merged(var, current, dict(claim.merge))
