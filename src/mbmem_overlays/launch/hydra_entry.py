@@ -160,6 +160,14 @@ def startup(argv: list[str]) -> list[str]:
     for whatever Hydra still refuses. Exits 2 with a message (never a traceback) when something is wrong."""
     global SWEEP_START_ENV
     SWEEP_START_ENV = dict(os.environ)
+    gone = console.cwd_problem()
+    if gone is not None:  # before Hydra, whose own message blames the config path (issue 33 #14)
+        as_json = any(a.lstrip("+").replace(" ", "").lower() == "run.json=true" for a in argv[1:])
+        print(f"train.py: {console.CWD_GONE}; {console.CWD_FIX}", file=sys.stderr)
+        if as_json:
+            from ..core.report import render_error_json
+            print(render_error_json(UsageError([gone]), EXIT_USAGE))
+        sys.exit(console.finish(EXIT_USAGE, "train.py"))
     _quiet_foreign_plugins()
     flags, rest, flag_problems = split_flags(argv[1:])
     argv = [argv[0], *flags, *rest]   # Hydra's argparse takes flags only before the overrides: any order works
