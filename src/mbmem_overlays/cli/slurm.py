@@ -6,6 +6,7 @@ import), then validation, then the log folder and the script file. Nothing is wr
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from ..core.text import shown
@@ -49,7 +50,7 @@ def register(sub) -> None:
 def _launch_requirement_fix(requirement: str) -> str:
     # "checkpoint.pretrained_checkpoint=<path ...> (why)" -> "--set checkpoint.pretrained_checkpoint=<path ...>"
     setting = requirement.split(" (", 1)[0]
-    return f"--set {setting}"
+    return f"--set {shlex.quote(setting)}"
 
 
 def _refuse(args, message: str, code: int, problems=()) -> int:

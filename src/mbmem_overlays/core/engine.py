@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib.metadata
 import os
+import shlex
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +147,7 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
         for pname, pvalue in value.items():
             if not isinstance(pname, str):
                 problems.append(Problem((oname,), key, pname, f"parameter names must be text, got {short_repr(pname)}",
-                                        f"see `mbmem explain {oname}`", check="param"))
+                                        f"see `mbmem explain {quoted_word(oname)}`", check="param"))
                 continue
             why = value_problem(pvalue)
             if why:  # an interpolation, a number out of range, a control character (core/values.py)
@@ -177,13 +178,13 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
                     f"{spec.name} has no parameter {pname!r}" + (f"; did you mean {close[0]!r}?" if close else "")
                     + f" (parameters: {known})",
                     f"use {quoted_word(f'mem.{spec.name}.{close[0]}={hydra_text(value)}')}" if close
-                    else f"see `mbmem explain {spec.name}`",
+                    else f"see `mbmem explain {quoted_word(spec.name)}`",
                     check="param"))
                 continue
             coerced, err = coerce_param(spec.params[pname], value)
             if err:  # reported; the default stays so the remaining checks still see a well-typed value
                 problems.append(Problem((spec.name,), f"mem.{spec.name}.{pname}", value,
-                                        f"parameter {pname} {err}", spec.params[pname].help or f"see `mbmem explain {spec.name}`",
+                                        f"parameter {pname} {err}", spec.params[pname].help or f"see `mbmem explain {quoted_word(spec.name)}`",
                                         check="param"))
                 continue
             values[pname] = coerced
@@ -280,7 +281,7 @@ def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[di
                     problems.append(Problem(
                         (claim.overlay, CONFIG), f"${var}", current,
                         f"{claim.overlay} needs {var}={new} but it is set to {current!r}",
-                        f"unset {var} or export {var}={new}", check="env"))
+                        f"unset {var} or export {var}={shlex.quote(new)}", check="env"))
                     continue
                 if var in plan and plan[var][2] != new:
                     problems.append(Problem((plan[var][0], claim.overlay), f"${var}", plan[var][2],
@@ -529,7 +530,7 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
         if env is None and var in process_env and process_env[var] != new:
             report.warnings.append(
                 f"{var}={process_env[var]!r} is set in this process's environment and wins over cfg.env_vars at "
-                f"launch (Bridge applies env_vars with setdefault); export {var}={new} or pass env=os.environ")
+                f"launch (Bridge applies env_vars with setdefault); export {var}={shlex.quote(new)} or pass env=os.environ")
         if isinstance(recipe_env, Mapping) and str(recipe_env.get(var)) != new:
             report.changes.append(Change(overlay, f"env_vars.{var}", recipe_env.get(var), new))
     changed_by = {c.overlay for c in report.changes}

@@ -39,7 +39,7 @@ from ..core.report import (
     EXIT_USAGE,
     SCHEMA_VERSION,
 )
-from ..core.text import shown
+from ..core.text import quoted_word, shown
 from ..core.values import MAX_WORLD_SIZE, parse_count, text_problem, value_fix, value_problem
 from .process import env_name_problems, export_environment, prepare_snapshot_folder
 
@@ -440,7 +440,7 @@ def selected_overlays(mem: Any, catalog: Catalog) -> tuple[list[str], dict[str, 
             problems.append(Problem((name,), f"mem.{name}", node,
                                     f"mem.{name} holds the overlay's parameters, not a value",
                                     f"select it with +mem={name} and set a parameter with mem.{name}.<param>=value "
-                                    f"(`mbmem explain {name}` lists them)"))
+                                    f"(`mbmem explain {quoted_word(name)}` lists them)"))
             continue
         node = dict(node or {})
         if RESERVED_KEY not in node:  # no file was loaded here: `+mem.<name>.<param>=` made the node, not +mem=

@@ -28,8 +28,11 @@ def hydra_word(path: str, value: Any) -> str:
     The plain form (``[a,b]``, ``true``, ``null``) is tried first; a text Hydra would read as something else
     (``1e-4``, ``a:b``) is single-quoted. The round trip is checked with Hydra's own parser."""
     from ..bridge.overrides import parse_override
-    from ..core.values import hydra_text, plain
+    from ..core.errors import short_repr
+    from ..core.values import MAX_OVERRIDE_CHARS, hydra_text, plain
     key = f"++{path[2:]}" if path.startswith("++") else path
+    if len(f"{key}={hydra_text(value)}") > MAX_OVERRIDE_CHARS:  # one line, never the value whole (issue 33 #19)
+        raise OverlayError([too_long_problem(path.lstrip("+"), value, len(f"{key}={hydra_text(value)}"))])
     for text in (hydra_text(value), _quoted(value)):
         if text is None:
             continue
@@ -40,8 +43,22 @@ def hydra_word(path: str, value: Any) -> str:
         except OverlayError:
             continue
     raise OverlayError([Problem(("launcher",), path.lstrip("+"), value,
-                                f"{value!r} has no KEY=VALUE form that Hydra reads back unchanged",
+                                f"{short_repr(value)} has no KEY=VALUE form that Hydra reads back unchanged",
                                 "set this field in a recipe instead of on the launcher's command line")])
+
+
+def too_long_problem(path: str, value: Any, length: int) -> Problem:
+    """A value too long for one launcher override (core/values.py MAX_OVERRIDE_CHARS): the rank list of
+    ``memory_snapshot ranks=all`` past about 900 GPUs, for one. Bridge's ProfilingConfig.profile_ranks is a plain
+    list (``rank in profile_ranks``), so no shorter override means "every rank"."""
+    from ..core.values import MAX_OVERRIDE_CHARS
+    count = f" ({len(value)} entries)" if isinstance(value, (list, tuple)) else ""
+    fix = ("use mem.memory_snapshot.ranks=auto or pipeline_ends, or name the ranks you need; or launch with train.py "
+           "or mbmem slurm, which resolve ranks=all inside the job" if path == "profiling.profile_ranks"
+           else f"set {path} in a recipe instead of on the launcher's command line")
+    return Problem(("launcher",), path, f"<{type(value).__name__}{count}>",
+                   f"{path}{count} needs {length:,} characters as a launcher override, more than the "
+                   f"{MAX_OVERRIDE_CHARS:,} one override may have", fix, check="launcher")
 
 
 def _quoted(value: Any) -> str | None:
