@@ -15,8 +15,12 @@ forms live in ``launch/nemo_run.py`` (importable without NeMo-Run) so the plugin
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
+
+from ..core import allocconf
+from ..core.text import shown
 
 from .common import (
     EXIT_INCOMPLETE,
@@ -77,8 +81,9 @@ def run(args) -> int:
         raise OverlayError(problems)
     world, _ = world_size_for(cfg, args.world_size)
     try:
-        # env={}: the job's environment must not depend on the shell that prints the arguments (as mbmem slurm)
-        report = apply_overlay(cfg, names, env={}, params=params, world_size=world,
+        # The job's environment does not depend on the shell that prints the arguments (as mbmem slurm), except for
+        # the allocator variables: their keys are kept in the one torch will read (core/allocconf.py, issue 33 #9).
+        report = apply_overlay(cfg, names, env=allocconf.allocator_env(os.environ), params=params, world_size=world,
                                locked={path: new for path, _, new in changes}, validate=True, catalog=catalog)
     except ValidationRejected as exc:
         report = exc.report
@@ -108,6 +113,9 @@ def run(args) -> int:
     else:
         print(" ".join(shlex.quote(w) for w in argv))
     print(f"# validated for world size {world}: {v.verdict}", file=sys.stderr)
+    note = allocconf.in_effect_note(env)
+    if note:  # which allocator variable the job's torch reads (a PYTORCH_ALLOC_CONF given beside it is ignored)
+        print(f"# {shown(note)}", file=sys.stderr)
     if code == EXIT_INCOMPLETE:
         print("\n".join(validation_lines(v)[1:]), file=sys.stderr)
     return code

@@ -319,3 +319,13 @@ def in_effect_note(env: dict[str, str]) -> str | None:
 def async_backend(settings: dict[str, str]) -> bool:
     """``backend:cudaMallocAsync``: the native caching allocator, and every NATIVE_ONLY_KEYS setting, is unused."""
     return settings.get("backend") == "cudaMallocAsync"
+
+
+def allocator_env(environ) -> dict[str, str]:
+    """The allocator variables of ``environ`` (a shell's, an executor's), text only: what a rendered launch (mbmem
+    args, mbmem slurm, the NeMo-Run plugin) starts its merge from, so the keys torch reads in the environment the job
+    comes from are kept in the variable it will read there (issue 33 #9). Nothing else of ``environ`` is used."""
+    try:
+        return {v: str(environ[v]) for v in ALLOCATOR_VARS if v in environ}
+    except Exception:  # noqa: BLE001  an executor whose env_vars is not a mapping: nothing to carry
+        return {}

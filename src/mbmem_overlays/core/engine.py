@@ -197,7 +197,8 @@ def unselected_problem(overlay: str, key: str, value: Any) -> Problem:
     says this in these words: the API, ``mbmem``, and train.py for ``mem.<overlay>.<param>=`` without
     ``+mem=<overlay>``, where Hydra's own hint ``+mem.<overlay>.<param>=`` would have selected it)."""
     return Problem((overlay,), key, value, f"parameters for {overlay!r}, which is not selected",
-                   f"add {overlay} to the overlays (+mem={overlay} / --overlay {overlay}), or drop these parameters",
+                   f"add {quoted_word(overlay)} to the overlays ({quoted_word(f'+mem={overlay}')} / "
+                   f"--overlay {quoted_word(overlay)}), or drop these parameters",
                    check="param")
 
 

@@ -14,6 +14,7 @@ run/experiment.py ``_add_single_job``), before anything is submitted, so a refus
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,7 +114,7 @@ def _task_config(task: Any) -> Any:
     return cfg if hasattr(cfg, "model") and hasattr(cfg, "to_dict") else None
 
 
-def _apply_to_script(plugin: Any, task: Any, world: int | None) -> Report:
+def _apply_to_script(plugin: Any, task: Any, world: int | None, job_env: dict[str, str] | None = None) -> Report:
     """A ``run.Script`` (Bridge's run_recipe.py, or any script taking its overrides): build the recipe with the
     script's own overrides (they are the user's: locked), apply, append the overlays' overrides to its args."""
     from ..api import apply_overlay
@@ -131,7 +132,7 @@ def _apply_to_script(plugin: Any, task: Any, world: int | None) -> Report:
     if problems:
         raise OverlayError(problems)
     write_all(cfg, changes)
-    report = apply_overlay(cfg, plugin.overlays, env={}, params=plugin.params, world_size=world,
+    report = apply_overlay(cfg, plugin.overlays, env=dict(job_env or {}), params=plugin.params, world_size=world,
                            locked={path: new for path, _, new in changes}, validate=plugin.validate)
     task.args = [*task.args, *launcher_overrides(report)]
     return report
@@ -142,12 +143,16 @@ def _setup(plugin: Any, task: Any, executor: Any) -> None:
     executor; raises (nothing submitted) on any problem or Bridge rejection, with apply_overlay's message."""
     from ..api import apply_overlay
     world = plugin.world_size or _executor_world_size(executor)
+    # The allocator variables the job will have (this process's, which a local executor passes on, then the
+    # executor's own): the overlays' keys are merged into the one torch reads (core/allocconf.py, issue 33 #9).
+    from ..core.allocconf import allocator_env
+    job_env = {**allocator_env(os.environ), **allocator_env(getattr(executor, "env_vars", None) or {})}
     cfg = _task_config(task)
     if cfg is not None:
-        report = apply_overlay(cfg, plugin.overlays, env={}, params=plugin.params, world_size=world,
+        report = apply_overlay(cfg, plugin.overlays, env=dict(job_env), params=plugin.params, world_size=world,
                                validate=plugin.validate)
     elif hasattr(task, "inline") and hasattr(task, "args"):
-        report = _apply_to_script(plugin, task, world)
+        report = _apply_to_script(plugin, task, world, job_env)
     else:
         raise OverlayError([Problem(("nemo_run",), "task", type(task).__name__,
                                     "the task carries no ConfigContainer (run.Partial(fn, config=cfg)) and is not "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from ..allocconf import (
     ALLOCATOR_VARS,
     NATIVE_ONLY_KEYS,
@@ -10,6 +12,7 @@ from ..allocconf import (
     expandable_segments_on,
     in_effect_note,
     parse,
+    render,
     var_in_effect,
 )
 from .facts import MEM_SKILL, SURFACE
@@ -58,6 +61,16 @@ def allocator_settings_torch_accepts(view, c):
                         f"fix {var} in your environment (or cfg.env_vars), or unset it")
         return
     yield "note: " + in_effect_note(view.env)
+    for other in (v for v in ALLOCATOR_VARS if v != var and v in view.env and v != "PYTORCH_HIP_ALLOC_CONF"):
+        try:
+            theirs = parse(other, view.env[other])
+        except AllocConfError:
+            continue  # an ignored variable torch never parses
+        lost = {k: v for k, v in theirs.items() if settings.get(k) != v}
+        if lost:  # e.g. the recipe's env_vars create PYTORCH_CUDA_ALLOC_CONF and shadow the user's PYTORCH_ALLOC_CONF
+            keep = render({**lost, **settings})
+            yield (f"{other} has {render(lost)}, which torch ignores: it reads {var} first (set here, or by the "
+                   f"recipe's env_vars). To keep them: export {var}={shlex.quote(keep)}")
     if async_backend(settings):
         ignored = [k for k in settings if k in NATIVE_ONLY_KEYS and k != "expandable_segments"]
         if ignored:
