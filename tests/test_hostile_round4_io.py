@@ -136,6 +136,18 @@ def test_user_alloc_conf_is_kept_in_the_variable_torch_reads():
         assert plan["PYTORCH_ALLOC_CONF"][2] == f"{user},expandable_segments:True"  # the two never disagree
 
 
+def test_the_users_variable_wins_over_a_recipe_that_creates_the_primary():
+    """Bridge's recipes put PYTORCH_CUDA_ALLOC_CONF in cfg.env_vars (applied with setdefault): at launch it would
+    shadow the user's PYTORCH_ALLOC_CONF. The merge keeps both, the user's keys winning."""
+    claim = engine.EnvClaim("expandable_segments", "PYTORCH_CUDA_ALLOC_CONF", merge={"expandable_segments": "True"})
+    process = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512,garbage_collection_threshold:0.7"}
+    effective = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6", **process}
+    plan, problems = engine._env_plan([claim], effective, process)
+    assert not problems
+    assert plan["PYTORCH_CUDA_ALLOC_CONF"][2] == \
+        "max_split_size_mb:512,garbage_collection_threshold:0.7,expandable_segments:True"
+
+
 def test_a_set_but_empty_primary_is_what_torch_reads():
     claim = engine.EnvClaim("expandable_segments", "PYTORCH_CUDA_ALLOC_CONF", merge={"expandable_segments": "True"})
     plan, _ = engine._env_plan([claim], {"PYTORCH_CUDA_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": "max_split_size_mb:512"})
@@ -182,10 +194,11 @@ def test_expandable_segments_under_cuda_malloc_async_is_refused_not_applied():
 def test_apply_keeps_the_users_settings_and_refuses_the_async_backend(recipe, clean_env):
     from mbmem_overlays import apply_overlay
     cfg = recipe("llama3_8b_pretrain_config")
-    cfg.env_vars = {}
+    cfg.env_vars = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}
     env = {**clean_env, "PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
     report = apply_overlay(cfg, "expandable_segments", env=env)
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    kept = "max_split_size_mb:512,garbage_collection_threshold:0.6,expandable_segments:True"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == kept and cfg.env_vars["PYTORCH_CUDA_ALLOC_CONF"] == kept
     assert any(n.startswith("torch reads PYTORCH_CUDA_ALLOC_CONF=") for n in report.notes)
     cfg = recipe("llama3_8b_pretrain_config")
     cfg.env_vars = {}

@@ -284,13 +284,30 @@ def var_in_effect(env: dict[str, str]) -> str | None:
     return next((v for v in READ_ORDER if v in env), None)
 
 
-def base_value(var: str, env: dict[str, str]) -> str | None:
-    """What a key-wise merge into ``var`` starts from: for PYTORCH_CUDA_ALLOC_CONF not yet set, the value torch
-    reads now from another variable (it would stop being read once PYTORCH_CUDA_ALLOC_CONF exists)."""
-    if var == PRIMARY_VAR and var not in env:
-        current = var_in_effect(env)
-        return env[current] if current is not None else None
-    return env.get(var)
+def base_value(var: str, env: dict[str, str], process: dict[str, str] | None = None) -> str | None:
+    """What a key-wise merge into ``var`` starts from, ``env`` being what the job will have (the recipe's env_vars
+    under the process's environment) and ``process`` the process's own environment, when known.
+
+    For PYTORCH_CUDA_ALLOC_CONF not set in the process: the keys of the variable torch reads there now (the user's
+    PYTORCH_ALLOC_CONF), so that creating PYTORCH_CUDA_ALLOC_CONF does not make torch drop them; when the recipe's
+    env_vars also set PYTORCH_CUDA_ALLOC_CONF (which would shadow the user's variable at launch), its keys are added,
+    the user's winning a key both name (the process's environment wins over env_vars, as Bridge's setdefault)."""
+    if var != PRIMARY_VAR:
+        return env.get(var)
+    if process is not None and PRIMARY_VAR not in process:
+        user = var_in_effect(process)
+        if user is not None:
+            if PRIMARY_VAR not in env:
+                return process[user]
+            try:
+                theirs, recipe = parse(user, process[user]), parse(PRIMARY_VAR, env[PRIMARY_VAR])
+            except AllocConfError:
+                return process[user]  # refused with its own message when the merge parses it
+            return render({**theirs, **{k: v for k, v in recipe.items() if k not in theirs}})
+    if PRIMARY_VAR in env:
+        return env[PRIMARY_VAR]
+    current = var_in_effect(env)
+    return env[current] if current is not None else None
 
 
 def merge_targets(var: str, env: dict[str, str]) -> list[str]:

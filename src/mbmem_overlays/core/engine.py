@@ -252,7 +252,8 @@ def _field_conflicts(field_claims: list[FieldClaim], locked: Mapping[str, Any]) 
     return by_path, problems
 
 
-def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[dict[str, tuple[str, str | None, str]], list[Problem]]:
+def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str],
+              process: dict[str, str] | None = None) -> tuple[dict[str, tuple[str, str | None, str]], list[Problem]]:
     """var -> (overlay, old, new) for every variable whose value changes or is required."""
     plan: dict[str, tuple[str, str | None, str]] = {}
     problems: list[Problem] = []
@@ -260,7 +261,7 @@ def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[di
         # the variable torch reads first, starting from the value it reads now (core/allocconf.py, issue 33 #9)
         targets = allocconf.merge_targets(claim.var, effective) if claim.merge is not None else [claim.var]
         for var in targets:
-            current = plan[var][2] if var in plan else allocconf.base_value(var, effective)
+            current = plan[var][2] if var in plan else allocconf.base_value(var, effective, process)
             if claim.merge is not None:
                 try:
                     new, conflicts = allocconf.merged(var, current, dict(claim.merge))
@@ -495,7 +496,8 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
     name_problems = env_name_problems(env_claims)
     problems += name_problems
     bad_vars = {(p.overlays[0], p.field[1:]) for p in name_problems}
-    env_plan, env_problems = _env_plan([c for c in env_claims if (c.overlay, c.var) not in bad_vars], effective)
+    env_plan, env_problems = _env_plan([c for c in env_claims if (c.overlay, c.var) not in bad_vars], effective,
+                                       process_env)
     problems += env_problems
 
     # 3. every check runs on the final prospective state

@@ -355,7 +355,7 @@ def static_env(overlays: list[str], catalog: Catalog, inherited: dict[str, str] 
         for var, value in catalog.resolve(name).env.items():
             if isinstance(value, dict):
                 for target in allocconf.merge_targets(var, inherited):
-                    base = env[target] if target in env else allocconf.base_value(target, inherited)
+                    base = env[target] if target in env else allocconf.base_value(target, inherited, inherited)
                     try:
                         env[target], _ = allocconf.merged(target, base, {k: str(v) for k, v in value.items()})
                     except allocconf.AllocConfError as exc:  # the inherited value: torch would refuse it too
