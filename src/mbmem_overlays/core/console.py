@@ -19,6 +19,8 @@ import os
 import sys
 
 
+EXIT_OUTPUT = 74  # sysexits.h EX_IOERR; core/report.py re-exports it with the other exit codes
+
 # What a failing write to a pipe, a terminal or a file reports; ENOSPC/EDQUOT/EFBIG: full disk or quota.
 _OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF}
 
@@ -133,7 +135,6 @@ def output_failed(prog: str, exc: BaseException | None = None) -> int:
         print(f"{prog}: cannot write to standard output ({why}); the output is incomplete", file=sys.stderr)
     except (OSError, ValueError, AttributeError):  # stderr is gone too: the exit code still says it
         pass
-    from .report import EXIT_OUTPUT  # here, not at the top: core/rules import this module, and report imports them
     return EXIT_OUTPUT
 
 
