@@ -22,5 +22,4 @@ def main(cfg) -> None:
 if __name__ == "__main__":
     console.guard_stdout()
     sys.argv = startup(sys.argv)
-    main()
-    sys.exit(console.finish(finish(), "train.py"))
+    sys.exit(console.run_entry(lambda: (main(), finish())[1], "train.py"))  # --help to a closed stdout: 74

@@ -157,7 +157,8 @@ def test_expandable_segments_respects_pytorch_alloc_conf(recipe, clean_env):
     clean_env["PYTORCH_ALLOC_CONF"] = "roundup_power2_divisions:16"
     apply_overlay(recipe(L8), "expandable_segments", env=clean_env)
     assert clean_env["PYTORCH_ALLOC_CONF"] == "roundup_power2_divisions:16,expandable_segments:True"
-    assert clean_env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    # torch 2.14.1 reads PYTORCH_CUDA_ALLOC_CONF first: the user's keys must be in it too (issue 33 #9)
+    assert clean_env["PYTORCH_CUDA_ALLOC_CONF"] == "roundup_power2_divisions:16,expandable_segments:True"
 
 
 def test_malformed_allocator_setting_is_refused(recipe, clean_env):

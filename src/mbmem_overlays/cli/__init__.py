@@ -33,6 +33,12 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise CommandLineError(self, message)
 
+    def _print_message(self, message: str, file=None) -> None:
+        """argparse's, without its ``except OSError: pass``: ``--help`` to a closed or full stdout is exit 74
+        like any other output (issue 33 #15), not 0 with nothing printed."""
+        if message:
+            (file or sys.stdout).write(message)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="mbmem", description="Validated memory overlays for Megatron Bridge.")
@@ -44,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(exc: BaseException, code: int, prefix: str, as_json: bool) -> int:
-    print(shown(f"{prefix}: {exc}", one_line=False), file=sys.stderr)  # argparse echoes arguments raw
+def _fail(exc: BaseException, code: int, prefix: str, as_json: bool, one_line: str | None = None) -> int:
+    print(one_line or shown(f"{prefix}: {exc}", one_line=False), file=sys.stderr)  # argparse echoes arguments raw
     if as_json:
         from ..core.report import render_error_json
         print(render_error_json(exc, code))
@@ -68,11 +74,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     parser = build_parser()
     as_json = "--json" in argv
+    gone = console.cwd_problem()
+    if gone is not None:  # every relative path would fail somewhere else, as a traceback or a "bug" (issue 33 #14)
+        return _fail(UsageError([gone]), EXIT_USAGE, "mbmem", as_json, one_line=f"mbmem: {console.CWD_GONE}; "
+                     f"{console.CWD_FIX}")
     try:
         args = parser.parse_args(argv)
     except CommandLineError as exc:
         exc.parser.print_usage(sys.stderr)
         return _fail(exc, EXIT_USAGE, f"{exc.parser.prog}: error", as_json)
+    except SystemExit as exc:  # --help: printed; main's flush decides between 0 and 74
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     as_json = bool(getattr(args, "json", False))
     prefix = f"mbmem {args.command}"
     try:

@@ -15,13 +15,18 @@ forms live in ``launch/nemo_run.py`` (importable without NeMo-Run) so the plugin
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
+
+from ..core import allocconf
+from ..core.text import shown
 
 from .common import (
     EXIT_INCOMPLETE,
     EXIT_REJECTED,
     EXIT_USAGE,
+    UsageError,
     add_recipe_options,
     build_with_overrides,
     read_request,
@@ -40,6 +45,27 @@ def register(sub) -> None:
     p.set_defaults(fn=run)
 
 
+def ranks_all_problem(catalog, names: list[str], params: dict[str, object], world_size: int | None):
+    """``memory_snapshot`` with ``ranks=all`` at a world size whose rank list no launcher override can carry
+    (launch/nemo_run.py too_long_problem), found from the command line alone; None when it fits or is unknown."""
+    from ..core.values import hydra_text
+    from ..launch.nemo_run import too_long_problem
+    try:
+        selected = {catalog.resolve(n).name: n for n in names}
+    except Exception:  # noqa: BLE001  an unknown name was already refused by read_request
+        return None
+    if "memory_snapshot" not in selected or not world_size:
+        return None
+    given = [v for k, v in params.items() if k.rsplit(".", 1)[0] in ("memory_snapshot", selected["memory_snapshot"])
+             and k.rsplit(".", 1)[-1] == "ranks"]
+    if given != ["all"]:
+        return None
+    ranks = list(range(world_size))
+    length = len(f"profiling.profile_ranks={hydra_text(ranks)}")
+    from ..core.values import MAX_OVERRIDE_CHARS
+    return too_long_problem("profiling.profile_ranks", ranks, length) if length > MAX_OVERRIDE_CHARS else None
+
+
 def run(args) -> int:
     from ..api import apply_overlay
     from ..bridge.recipes import world_size_for
@@ -47,13 +73,17 @@ def run(args) -> int:
     from ..core.report import exit_code, to_dict, validation_lines
     from ..launch.nemo_run import env_words, launcher_overrides
     catalog, names, user_overrides, params = read_request(args)
+    early = ranks_all_problem(catalog, names, params, args.world_size)
+    if early is not None:  # before the 20-30 s import: the rank list could never be passed (issue 33 #19)
+        raise UsageError([early])
     cfg, changes, problems = build_with_overrides(args.recipe, user_overrides)
     if problems:
         raise OverlayError(problems)
     world, _ = world_size_for(cfg, args.world_size)
     try:
-        # env={}: the job's environment must not depend on the shell that prints the arguments (as mbmem slurm)
-        report = apply_overlay(cfg, names, env={}, params=params, world_size=world,
+        # The job's environment does not depend on the shell that prints the arguments (as mbmem slurm), except for
+        # the allocator variables: their keys are kept in the one torch will read (core/allocconf.py, issue 33 #9).
+        report = apply_overlay(cfg, names, env=allocconf.allocator_env(os.environ), params=params, world_size=world,
                                locked={path: new for path, _, new in changes}, validate=True, catalog=catalog)
     except ValidationRejected as exc:
         report = exc.report
@@ -66,11 +96,14 @@ def run(args) -> int:
         return code
     if v.launch_requirements:  # a placeholder stood in during validation; the job has none (as mbmem slurm)
         lines = ["mbmem args: the job needs what validation only had a placeholder for:"]
-        lines += [f"  - {r}\n    fix: add --set {r.split(' (', 1)[0]}" for r in v.launch_requirements]
+        lines += [f"  - {r}\n    fix: add --set {shlex.quote(r.split(' (', 1)[0])}" for r in v.launch_requirements]
         print("\n".join(lines), file=sys.stderr)
         return EXIT_USAGE
     env = dict(sorted(report.env_to_export.items()))
-    overrides = [*user_overrides, *launcher_overrides(report)]
+    try:
+        overrides = [*user_overrides, *launcher_overrides(report)]
+    except OverlayError as exc:  # a value no launcher override can carry: the command line asked for it (exit 2)
+        raise UsageError(exc.problems) from None
     words = {"env": env_words(env), "overrides": overrides}
     argv = words[args.only] if args.only else [*words["env"], *overrides]
     if args.json:
@@ -80,6 +113,9 @@ def run(args) -> int:
     else:
         print(" ".join(shlex.quote(w) for w in argv))
     print(f"# validated for world size {world}: {v.verdict}", file=sys.stderr)
+    note = allocconf.in_effect_note(env)
+    if note:  # which allocator variable the job's torch reads (a PYTORCH_ALLOC_CONF given beside it is ignored)
+        print(f"# {shown(note)}", file=sys.stderr)
     if code == EXIT_INCOMPLETE:
         print("\n".join(validation_lines(v)[1:]), file=sys.stderr)
     return code

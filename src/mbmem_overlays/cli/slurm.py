@@ -6,7 +6,11 @@ import), then validation, then the log folder and the script file. Nothing is wr
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
+
+from ..core import allocconf
 
 from ..core.text import shown
 from .common import (EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE, add_recipe_options, build_with_overrides,
@@ -49,7 +53,7 @@ def register(sub) -> None:
 def _launch_requirement_fix(requirement: str) -> str:
     # "checkpoint.pretrained_checkpoint=<path ...> (why)" -> "--set checkpoint.pretrained_checkpoint=<path ...>"
     setting = requirement.split(" (", 1)[0]
-    return f"--set {setting}"
+    return f"--set {shlex.quote(setting)}"
 
 
 def _refuse(args, message: str, code: int, problems=()) -> int:
@@ -94,7 +98,7 @@ def run(args) -> int:
     code = EXIT_OK
     standard = slurm.standard_env()
     if args.no_validate:
-        env = slurm.static_env(overlays, catalog)
+        env = slurm.static_env(overlays, catalog, allocconf.allocator_env(os.environ))
         verdict = "not validated (--no-validate); train.py validates again inside the job"
     else:
         from ..api import apply_overlay
@@ -106,7 +110,10 @@ def run(args) -> int:
             # The job's environment is the script's own exports, not the rendering shell's: validate with exactly
             # those (e.g. Megatron FSDP refuses the standard CUDA_DEVICE_MAX_CONNECTIONS=1).
             standard = slurm.standard_env(cfg)
-            report = apply_overlay(cfg, overlays, env=dict(standard), params=params, world_size=world,
+            # ... and the allocator variables the job inherits (sbatch exports the submitting shell's environment):
+            # their keys stay in the variable torch reads (core/allocconf.py, issue 33 #9)
+            report = apply_overlay(cfg, overlays, env={**standard, **allocconf.allocator_env(os.environ)},
+                                   params=params, world_size=world,
                                    locked={path: new for path, _, new in changes}, validate=True, catalog=catalog)
         except ValidationRejected as exc:
             report = exc.report

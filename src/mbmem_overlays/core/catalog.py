@@ -281,7 +281,7 @@ def _read_text(c: _Checker) -> str | None:
     """The file's text, read with a bound, never blocking: a fifo or device named *.yaml is refused, and a file
     swapped for one between the check and the read too (O_NONBLOCK, then fstat on what was opened)."""
     path = c.path
-    fix = f"remove or rename {path}; overlay files are mem/<name>.yaml"
+    fix = f"remove or rename {shlex.quote(str(path))}; overlay files are mem/<name>.yaml"
     if not path.is_file():
         c.bad("file", None, f"{path} is not a regular file (a directory, a fifo, a device or a broken link named "
               "*.yaml)", fix)
@@ -314,7 +314,7 @@ def _read_yaml(c: _Checker) -> Any:
         _header_problem(c, text)
         data = safeyaml.load(text)
     except OSError as exc:
-        c.bad("file", None, f"cannot read {path}: {exc.strerror or exc}", f"check the file's permissions, or remove {path}")
+        c.bad("file", None, f"cannot read {path}: {exc.strerror or exc}", f"check the file's permissions, or remove {shlex.quote(str(path))}")
         return _UNREADABLE
     except UnicodeDecodeError:
         c.bad("file", None, f"{path} is not UTF-8 text", "save the file as UTF-8")
@@ -529,7 +529,7 @@ def _check_file(path: Path, builtin: bool) -> tuple[OverlaySpec | None, list[Pro
         return None, c.problems, (path.stem,)
     if not isinstance(data, dict) or not isinstance(data.get(RESERVED_KEY), dict):
         c.bad(RESERVED_KEY, None, f"overlay file {path} has no '{RESERVED_KEY}:' mapping",
-              f"start from a built-in overlay, e.g. {builtin_overlay_dir() / 'mem' / 'expandable_segments.yaml'}")
+              f"start from a built-in overlay, e.g. {shlex.quote(str(builtin_overlay_dir() / 'mem' / 'expandable_segments.yaml'))}")
         return None, c.problems, (path.stem,)
     decl = data[RESERVED_KEY]
     for key in decl:

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib.metadata
 import os
+import shlex
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +147,7 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
         for pname, pvalue in value.items():
             if not isinstance(pname, str):
                 problems.append(Problem((oname,), key, pname, f"parameter names must be text, got {short_repr(pname)}",
-                                        f"see `mbmem explain {oname}`", check="param"))
+                                        f"see `mbmem explain {quoted_word(oname)}`", check="param"))
                 continue
             why = value_problem(pvalue)
             if why:  # an interpolation, a number out of range, a control character (core/values.py)
@@ -177,13 +178,13 @@ def normalize_params(specs: list[OverlaySpec], params: Mapping[str, Any] | None,
                     f"{spec.name} has no parameter {pname!r}" + (f"; did you mean {close[0]!r}?" if close else "")
                     + f" (parameters: {known})",
                     f"use {quoted_word(f'mem.{spec.name}.{close[0]}={hydra_text(value)}')}" if close
-                    else f"see `mbmem explain {spec.name}`",
+                    else f"see `mbmem explain {quoted_word(spec.name)}`",
                     check="param"))
                 continue
             coerced, err = coerce_param(spec.params[pname], value)
             if err:  # reported; the default stays so the remaining checks still see a well-typed value
                 problems.append(Problem((spec.name,), f"mem.{spec.name}.{pname}", value,
-                                        f"parameter {pname} {err}", spec.params[pname].help or f"see `mbmem explain {spec.name}`",
+                                        f"parameter {pname} {err}", spec.params[pname].help or f"see `mbmem explain {quoted_word(spec.name)}`",
                                         check="param"))
                 continue
             values[pname] = coerced
@@ -196,7 +197,8 @@ def unselected_problem(overlay: str, key: str, value: Any) -> Problem:
     says this in these words: the API, ``mbmem``, and train.py for ``mem.<overlay>.<param>=`` without
     ``+mem=<overlay>``, where Hydra's own hint ``+mem.<overlay>.<param>=`` would have selected it)."""
     return Problem((overlay,), key, value, f"parameters for {overlay!r}, which is not selected",
-                   f"add {overlay} to the overlays (+mem={overlay} / --overlay {overlay}), or drop these parameters",
+                   f"add {quoted_word(overlay)} to the overlays ({quoted_word(f'+mem={overlay}')} / "
+                   f"--overlay {quoted_word(overlay)}), or drop these parameters",
                    check="param")
 
 
@@ -250,16 +252,16 @@ def _field_conflicts(field_claims: list[FieldClaim], locked: Mapping[str, Any]) 
     return by_path, problems
 
 
-def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[dict[str, tuple[str, str | None, str]], list[Problem]]:
+def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str],
+              process: dict[str, str] | None = None) -> tuple[dict[str, tuple[str, str | None, str]], list[Problem]]:
     """var -> (overlay, old, new) for every variable whose value changes or is required."""
     plan: dict[str, tuple[str, str | None, str]] = {}
     problems: list[Problem] = []
     for claim in env_claims:
-        targets = [claim.var]
-        if claim.merge is not None and claim.var == allocconf.PRIMARY_VAR:
-            targets += [v for v in allocconf.SIBLING_VARS if effective.get(v)]
+        # the variable torch reads first, starting from the value it reads now (core/allocconf.py, issue 33 #9)
+        targets = allocconf.merge_targets(claim.var, effective) if claim.merge is not None else [claim.var]
         for var in targets:
-            current = plan[var][2] if var in plan else effective.get(var)
+            current = plan[var][2] if var in plan else allocconf.base_value(var, effective, process)
             if claim.merge is not None:
                 try:
                     new, conflicts = allocconf.merged(var, current, dict(claim.merge))
@@ -281,7 +283,7 @@ def _env_plan(env_claims: list[EnvClaim], effective: dict[str, str]) -> tuple[di
                     problems.append(Problem(
                         (claim.overlay, CONFIG), f"${var}", current,
                         f"{claim.overlay} needs {var}={new} but it is set to {current!r}",
-                        f"unset {var} or export {var}={new}", check="env"))
+                        f"unset {var} or export {var}={shlex.quote(new)}", check="env"))
                     continue
                 if var in plan and plan[var][2] != new:
                     problems.append(Problem((plan[var][0], claim.overlay), f"${var}", plan[var][2],
@@ -494,7 +496,8 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
     name_problems = env_name_problems(env_claims)
     problems += name_problems
     bad_vars = {(p.overlays[0], p.field[1:]) for p in name_problems}
-    env_plan, env_problems = _env_plan([c for c in env_claims if (c.overlay, c.var) not in bad_vars], effective)
+    env_plan, env_problems = _env_plan([c for c in env_claims if (c.overlay, c.var) not in bad_vars], effective,
+                                       process_env)
     problems += env_problems
 
     # 3. every check runs on the final prospective state
@@ -530,7 +533,7 @@ def plan_overlays(cfg: Any, overlays: str | Iterable[str] = (), *, env: Mapping[
         if env is None and var in process_env and process_env[var] != new:
             report.warnings.append(
                 f"{var}={process_env[var]!r} is set in this process's environment and wins over cfg.env_vars at "
-                f"launch (Bridge applies env_vars with setdefault); export {var}={new} or pass env=os.environ")
+                f"launch (Bridge applies env_vars with setdefault); export {var}={shlex.quote(new)} or pass env=os.environ")
         if isinstance(recipe_env, Mapping) and str(recipe_env.get(var)) != new:
             report.changes.append(Change(overlay, f"env_vars.{var}", recipe_env.get(var), new))
     changed_by = {c.overlay for c in report.changes}

@@ -6,7 +6,9 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
-from .text import shown
+from .text import bounded, shown
+
+MAX_PROBLEMS_SHOWN = 20  # in the text of an error; --json lists all of them
 
 # Values in problems come from user input (YAML files, --set, the API): a 5,000-digit integer makes
 # repr() raise (Python's int-to-str digit limit), a recursive YAML anchor or a huge list makes it
@@ -38,8 +40,8 @@ class Problem:
         command (issue 22 #9)."""
         who = shown(" + ".join(str(o) for o in self.overlays))
         # the message on one line: a file or folder name with a newline in it must not start a line of its own
-        text = (f"[{who}] {shown(self.field)}={short_repr(self.value)}: {shown(self.message)}"
-                f"\n    fix: {shown(self.fix)}")
+        text = (f"[{who}] {shown(bounded(self.field, 200))}={short_repr(self.value)}: {shown(bounded(self.message))}"
+                f"\n    fix: {shown(bounded(self.fix, 500))}")  # bounded: one place caps every message (issue 33 #19)
         if self.source:
             text += f"\n    source: {shown(self.source)}"
         return text
@@ -52,7 +54,10 @@ class OverlayError(ValueError):
         self.problems = list(problems)
         count = len(self.problems)
         head = f"{count} problem{'s' if count != 1 else ''} found; nothing was changed:"
-        super().__init__("\n".join([head, *(p.render() for p in self.problems)]))
+        shown_problems = [p.render() for p in self.problems[:MAX_PROBLEMS_SHOWN]]
+        if count > MAX_PROBLEMS_SHOWN:
+            shown_problems.append(f"... and {count - MAX_PROBLEMS_SHOWN} more problems (all of them under --json)")
+        super().__init__("\n".join([head, *shown_problems]))
 
 
 class ValidationRejected(OverlayError):

@@ -14,13 +14,16 @@ from typing import Any
 
 from .engine import Report
 from .errors import OverlayError, short_repr
-from .text import shown
+from .text import MAX_MESSAGE_CHARS, bounded, shown
+
+# An error's whole text under --json: its problems, each bounded (core/text.py), up to errors.MAX_PROBLEMS_SHOWN.
+MAX_ERROR_CHARS = 40 * MAX_MESSAGE_CHARS
 
 EXIT_OK = 0          # passed: our rules and Bridge's validation accept the config
 EXIT_REJECTED = 1    # rejected by our rules or by Bridge's validation; nothing was changed
 EXIT_USAGE = 2       # bad arguments or input files
 EXIT_INCOMPLETE = 3  # our rules passed, but Bridge's validation stopped at a check this host cannot run
-EXIT_OUTPUT = 74     # standard output is closed or full (`| head -0`, `> /dev/full`): sysexits.h EX_IOERR
+from .console import EXIT_OUTPUT  # noqa: E402  standard output is closed or full (`| head -0`, `> /dev/full`)
 
 SCHEMA_VERSION = 1   # of every --json / run.json=true object; bump when a key changes meaning
 
@@ -144,17 +147,18 @@ def render_json(report: Report, **extra: Any) -> str:
 def error_dict(message: str, code: int, *, problems: Iterable[Any] = (), **extra: Any) -> dict[str, Any]:
     """The JSON object of a failed command: never an empty stdout under --json."""
     return {"schema_version": SCHEMA_VERSION, "ok": False, "exit_code": code,
-            "error": message, "problems": [_json_safe(asdict(p)) for p in problems], **extra}
+            "error": bounded(message, MAX_ERROR_CHARS), "problems": [_json_safe(asdict(p)) for p in problems], **extra}
 
 
 def _json_safe(problem: dict[str, Any]) -> dict[str, Any]:
     """A problem's value as JSON can hold it: a value json cannot write (an integer over Python's int-digit
     limit, a recursive structure) becomes its bounded repr (errors.short_repr)."""
     try:
-        json.dumps(problem["value"], default=repr)
+        if len(json.dumps(problem["value"], default=repr)) > MAX_MESSAGE_CHARS:  # a huge value: bounded too
+            problem = {**problem, "value": short_repr(problem["value"])}
     except (ValueError, TypeError, RecursionError):
         problem = {**problem, "value": short_repr(problem["value"])}
-    return problem
+    return {**problem, **{k: bounded(problem[k]) for k in ("message", "fix") if isinstance(problem.get(k), str)}}
 
 
 def render_error_json(exc: BaseException, code: int, **extra: Any) -> str:

@@ -58,3 +58,20 @@ def quoted_word(word: str) -> str:
     value in it (``$(...)``, ``;``, quotes) stays text in the shell (issue 22 #2b)."""
     import shlex
     return shlex.quote(word)
+
+
+# The most characters one message, fix or error text may have when printed or put in JSON (issue 33 #19): a value
+# that expands (a rank list of thousands of GPUs, a log excerpt, a file's field) never makes a many-KB message.
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(text: object, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were cut (never raises: a value whose str() fails
+    is named by its type)."""
+    try:
+        s = text if isinstance(text, str) else str(text)
+    except Exception:  # an int over the digit limit, a hostile __str__
+        return f"<{type(text).__name__}>"
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]} ... ({len(s) - limit:,} more characters not shown)"

@@ -82,6 +82,15 @@ def gib(n: float | None) -> str:
     return "unknown" if n is None else f"{n / GiB:.2f} GiB"
 
 
+def _alloc_in_effect(f) -> str | None:
+    """The allocator setting torch read in the job: of the variables the log shows, the one torch 2.14.1 reads first
+    (PYTORCH_CUDA_ALLOC_CONF, even empty; core/allocconf.py), so a remedy merges into what was in effect."""
+    from ..core import allocconf
+    seen = {var: s.value for var, s in f.alloc_conf.items()}
+    var = allocconf.var_in_effect(seen)
+    return seen[var] if var is not None else None
+
+
 def at(where: str) -> str:
     return f"[{where}]"
 
@@ -310,7 +319,7 @@ def capacity_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
 
 
 def defrag_remedy(ctx: Context, f: Findings) -> C.Remedy:
-    current = next((s.value for s in f.alloc_conf.values()), None)
+    current = _alloc_in_effect(f)
     if ctx.torch is not None and ctx.torch < (1, 10):  # max_split_size_mb arrived in torch 1.10
         return C.Remedy("upgrade_torch", f"torch {ctx.torch[0]}.{ctx.torch[1]} has neither expandable_segments nor "
                         "max_split_size_mb: upgrade torch (>= 2.1 for expandable_segments)", cost="an upgrade",
@@ -368,7 +377,7 @@ def registration_remedy(f: Findings, ctx: Context) -> tuple[C.Remedy, list[str]]
         r = C.Remedy("drop_expandable", "drop the expandable_segments overlay and keep NCCL user buffers",
                      remove_overlays=("expandable_segments",), cost="fragmentation relief is lost")
     elif ctx.expandable and f.alloc_conf:
-        current = next(iter(f.alloc_conf.values())).value
+        current = _alloc_in_effect(f) or ""
         r = C.Remedy("drop_expandable", "run without expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF and keep NCCL "
                      f"user buffers (remove it where it is set {at(ctx.expandable_source.split('[')[-1].rstrip(']'))})",
                      env=C.alloc_env_without(current, "expandable_segments"), cost="fragmentation relief is lost")

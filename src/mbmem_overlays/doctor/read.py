@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from ..core.text import quoted_word
+
 BLOCK = 4 << 20
 MAX_CARRY = 4 * BLOCK          # a line still without a newline after this many bytes is cut here
 MAX_LINE = 16 << 10            # lines longer than this are parsed in windows around their triggers
@@ -103,7 +105,7 @@ def _kind(mode: int) -> str | None:
 
 def skipped_problem(path: str, kind: str) -> str:
     return (f"{path}: is {kind}, not a log file; skipped (the doctor reads regular files, and standard input "
-            f"as -: `cat {path} | mbmem doctor -`)")
+            f"as -: `cat -- {quoted_word(path)} | mbmem doctor -`)")
 
 
 def _open_regular(path: str, src: Source) -> BinaryIO | None:

@@ -39,7 +39,7 @@ from ..core.report import (
     EXIT_USAGE,
     SCHEMA_VERSION,
 )
-from ..core.text import shown
+from ..core.text import quoted_word, shown
 from ..core.values import MAX_WORLD_SIZE, parse_count, text_problem, value_fix, value_problem
 from .process import env_name_problems, export_environment, prepare_snapshot_folder
 
@@ -160,6 +160,14 @@ def startup(argv: list[str]) -> list[str]:
     for whatever Hydra still refuses. Exits 2 with a message (never a traceback) when something is wrong."""
     global SWEEP_START_ENV
     SWEEP_START_ENV = dict(os.environ)
+    gone = console.cwd_problem()
+    if gone is not None:  # before Hydra, whose own message blames the config path (issue 33 #14)
+        as_json = any(a.lstrip("+").replace(" ", "").lower() == "run.json=true" for a in argv[1:])
+        print(f"train.py: {console.CWD_GONE}; {console.CWD_FIX}", file=sys.stderr)
+        if as_json:
+            from ..core.report import render_error_json
+            print(render_error_json(UsageError([gone]), EXIT_USAGE))
+        sys.exit(console.finish(EXIT_USAGE, "train.py"))
     _quiet_foreign_plugins()
     flags, rest, flag_problems = split_flags(argv[1:])
     argv = [argv[0], *flags, *rest]   # Hydra's argparse takes flags only before the overrides: any order works
@@ -432,7 +440,7 @@ def selected_overlays(mem: Any, catalog: Catalog) -> tuple[list[str], dict[str, 
             problems.append(Problem((name,), f"mem.{name}", node,
                                     f"mem.{name} holds the overlay's parameters, not a value",
                                     f"select it with +mem={name} and set a parameter with mem.{name}.<param>=value "
-                                    f"(`mbmem explain {name}` lists them)"))
+                                    f"(`mbmem explain {quoted_word(name)}` lists them)"))
             continue
         node = dict(node or {})
         if RESERVED_KEY not in node:  # no file was loaded here: `+mem.<name>.<param>=` made the node, not +mem=

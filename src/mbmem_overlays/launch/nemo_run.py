@@ -14,6 +14,7 @@ run/experiment.py ``_add_single_job``), before anything is submitted, so a refus
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,8 +29,11 @@ def hydra_word(path: str, value: Any) -> str:
     The plain form (``[a,b]``, ``true``, ``null``) is tried first; a text Hydra would read as something else
     (``1e-4``, ``a:b``) is single-quoted. The round trip is checked with Hydra's own parser."""
     from ..bridge.overrides import parse_override
-    from ..core.values import hydra_text, plain
+    from ..core.errors import short_repr
+    from ..core.values import MAX_OVERRIDE_CHARS, hydra_text, plain
     key = f"++{path[2:]}" if path.startswith("++") else path
+    if len(f"{key}={hydra_text(value)}") > MAX_OVERRIDE_CHARS:  # one line, never the value whole (issue 33 #19)
+        raise OverlayError([too_long_problem(path.lstrip("+"), value, len(f"{key}={hydra_text(value)}"))])
     for text in (hydra_text(value), _quoted(value)):
         if text is None:
             continue
@@ -40,8 +44,22 @@ def hydra_word(path: str, value: Any) -> str:
         except OverlayError:
             continue
     raise OverlayError([Problem(("launcher",), path.lstrip("+"), value,
-                                f"{value!r} has no KEY=VALUE form that Hydra reads back unchanged",
+                                f"{short_repr(value)} has no KEY=VALUE form that Hydra reads back unchanged",
                                 "set this field in a recipe instead of on the launcher's command line")])
+
+
+def too_long_problem(path: str, value: Any, length: int) -> Problem:
+    """A value too long for one launcher override (core/values.py MAX_OVERRIDE_CHARS): the rank list of
+    ``memory_snapshot ranks=all`` past about 900 GPUs, for one. Bridge's ProfilingConfig.profile_ranks is a plain
+    list (``rank in profile_ranks``), so no shorter override means "every rank"."""
+    from ..core.values import MAX_OVERRIDE_CHARS
+    count = f" ({len(value)} entries)" if isinstance(value, (list, tuple)) else ""
+    fix = ("use mem.memory_snapshot.ranks=auto or pipeline_ends, or name the ranks you need; or launch with train.py "
+           "or mbmem slurm, which resolve ranks=all inside the job" if path == "profiling.profile_ranks"
+           else f"set {path} in a recipe instead of on the launcher's command line")
+    return Problem(("launcher",), path, f"<{type(value).__name__}{count}>",
+                   f"{path}{count} needs {length:,} characters as a launcher override, more than the "
+                   f"{MAX_OVERRIDE_CHARS:,} one override may have", fix, check="launcher")
 
 
 def _quoted(value: Any) -> str | None:
@@ -96,7 +114,7 @@ def _task_config(task: Any) -> Any:
     return cfg if hasattr(cfg, "model") and hasattr(cfg, "to_dict") else None
 
 
-def _apply_to_script(plugin: Any, task: Any, world: int | None) -> Report:
+def _apply_to_script(plugin: Any, task: Any, world: int | None, job_env: dict[str, str] | None = None) -> Report:
     """A ``run.Script`` (Bridge's run_recipe.py, or any script taking its overrides): build the recipe with the
     script's own overrides (they are the user's: locked), apply, append the overlays' overrides to its args."""
     from ..api import apply_overlay
@@ -114,7 +132,7 @@ def _apply_to_script(plugin: Any, task: Any, world: int | None) -> Report:
     if problems:
         raise OverlayError(problems)
     write_all(cfg, changes)
-    report = apply_overlay(cfg, plugin.overlays, env={}, params=plugin.params, world_size=world,
+    report = apply_overlay(cfg, plugin.overlays, env=dict(job_env or {}), params=plugin.params, world_size=world,
                            locked={path: new for path, _, new in changes}, validate=plugin.validate)
     task.args = [*task.args, *launcher_overrides(report)]
     return report
@@ -125,12 +143,16 @@ def _setup(plugin: Any, task: Any, executor: Any) -> None:
     executor; raises (nothing submitted) on any problem or Bridge rejection, with apply_overlay's message."""
     from ..api import apply_overlay
     world = plugin.world_size or _executor_world_size(executor)
+    # The allocator variables the job will have (this process's, which a local executor passes on, then the
+    # executor's own): the overlays' keys are merged into the one torch reads (core/allocconf.py, issue 33 #9).
+    from ..core.allocconf import allocator_env
+    job_env = {**allocator_env(os.environ), **allocator_env(getattr(executor, "env_vars", None) or {})}
     cfg = _task_config(task)
     if cfg is not None:
-        report = apply_overlay(cfg, plugin.overlays, env={}, params=plugin.params, world_size=world,
+        report = apply_overlay(cfg, plugin.overlays, env=dict(job_env), params=plugin.params, world_size=world,
                                validate=plugin.validate)
     elif hasattr(task, "inline") and hasattr(task, "args"):
-        report = _apply_to_script(plugin, task, world)
+        report = _apply_to_script(plugin, task, world, job_env)
     else:
         raise OverlayError([Problem(("nemo_run",), "task", type(task).__name__,
                                     "the task carries no ConfigContainer (run.Partial(fn, config=cfg)) and is not "

@@ -346,13 +346,21 @@ def render(*, recipe: str, overlays: list[str], sets: list[str], nodes: int, gpu
     return template_environment().get_template(TEMPLATE.name).render(**values)
 
 
-def static_env(overlays: list[str], catalog: Catalog) -> dict[str, str]:
-    """The overlays' environment without a config (used with --no-validate)."""
+def static_env(overlays: list[str], catalog: Catalog, inherited: dict[str, str] | None = None) -> dict[str, str]:
+    """The overlays' environment without a config (used with --no-validate); allocator keys are merged into the
+    variable torch reads first, starting from what it reads in ``inherited`` (core/allocconf.py)."""
     env: dict[str, str] = {}
+    inherited = dict(inherited or {})
     for name in overlays:
         for var, value in catalog.resolve(name).env.items():
             if isinstance(value, dict):
-                env[var], _ = allocconf.merged(var, env.get(var), {k: str(v) for k, v in value.items()})
+                for target in allocconf.merge_targets(var, inherited):
+                    base = env[target] if target in env else allocconf.base_value(target, inherited, inherited)
+                    try:
+                        env[target], _ = allocconf.merged(target, base, {k: str(v) for k, v in value.items()})
+                    except allocconf.AllocConfError as exc:  # the inherited value: torch would refuse it too
+                        raise OverlayError([Problem((name,), f"${target}", base, str(exc),
+                                                    f"fix {target} in your environment, or unset it")]) from None
             else:
                 env[var] = str(value)
     return env

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 
+from ..console import CWD_FIX, CWD_GONE, cwd_missing
+from ..text import quoted_word as q
 from .facts import data_parallel_size
 from .registry import check, resolver
 
@@ -40,7 +42,11 @@ def run_folder(view) -> str:
     if dirs:
         folder = os.path.normpath(dirs[0])
         return os.path.dirname(folder) if os.path.basename(folder) in ("checkpoints", "tb_logs") else folder
-    return os.path.join(os.getcwd(), "nemo_experiments", "default")
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:  # a deleted working directory: memory_snapshot_folder refuses the relative path
+        return os.path.join("nemo_experiments", "default")
+    return os.path.join(cwd, "nemo_experiments", "default")
 
 
 def pipeline_stage_first_ranks(view) -> tuple[int, int] | None:
@@ -199,29 +205,33 @@ def memory_snapshot_folder(view, c):
         return
     if path == NEMO_RUN_MOUNT or path.startswith(NEMO_RUN_MOUNT + "/"):
         if not os.path.isdir(NEMO_RUN_MOUNT):
-            yield (f"memory snapshots go to {path}: {NEMO_RUN_MOUNT} exists only inside a NeMo-Run container "
+            yield (f"memory snapshots go to {q(path)}: {NEMO_RUN_MOUNT} exists only inside a NeMo-Run container "
                    "(Bridge's default); elsewhere set mem.memory_snapshot.path (or leave it auto)")
+        return
+    if not os.path.isabs(path) and cwd_missing():
+        yield c.problem(who, "profiling.memory_snapshot_path", path,
+                        f"the snapshot path {q(path)} is relative, and {CWD_GONE}", CWD_FIX)
         return
     target = os.path.abspath(path)
     folder = os.path.dirname(target)
     if os.path.isdir(target):
-        yield c.problem(who, "profiling.memory_snapshot_path", path, f"{path} is a folder, not a file name",
-                        f"name a file inside it, e.g. {os.path.join(path, SNAPSHOT_FILE)}")
+        yield c.problem(who, "profiling.memory_snapshot_path", path, f"{q(path)} is a folder, not a file name",
+                        f"name a file inside it, e.g. mem.memory_snapshot.path={q(os.path.join(path, SNAPSHOT_FILE))}")
         return
     existing = next((p for p in (folder, *_parents(folder)) if os.path.exists(p)), None)
     if existing is not None and not os.path.isdir(existing):
         yield c.problem(who, "profiling.memory_snapshot_path", path,
-                        f"{existing} is a file, so the snapshot folder {folder} cannot exist", fix)
+                        f"{q(existing)} is a file, so the snapshot folder {q(folder)} cannot exist", fix)
     elif existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == folder else f"cannot be created ({existing} is not writable)"
-        yield c.problem(who, "profiling.memory_snapshot_path", path, f"the snapshot folder {folder} {what} here",
+        what = "is not writable" if existing == folder else f"cannot be created ({q(existing)} is not writable)"
+        yield c.problem(who, "profiling.memory_snapshot_path", path, f"the snapshot folder {q(folder)} {what} here",
                         fix + " (checked on this host; a job node must see the same folder)")
     elif existing != folder:
-        yield (f"memory snapshots: the folder {folder} does not exist yet; Bridge opens the file without creating "
-               f"folders, so create it before the job starts (mkdir -p {folder}) or an OOM loses its snapshot")
+        yield (f"memory snapshots: the folder {q(folder)} does not exist yet; Bridge opens the file without creating "
+               f"folders, so create it before the job starts (mkdir -p -- {q(folder)}) or an OOM loses its snapshot")
     if not os.path.isabs(path):
-        yield (f"note: the snapshot path {path} is relative: it is resolved against the job's working directory "
-               f"(here that is {target})")
+        yield (f"note: the snapshot path {q(path)} is relative: it is resolved against the job's working directory "
+               f"(here that is {q(target)})")
 
 
 def _parents(folder: str) -> list[str]:
@@ -270,5 +280,6 @@ def memory_history_cost(view, c):
     yield (f"note: memory history on rank(s) {shown}" + (f" ({how})" if how else "") + ": a Python stack is "
            f"captured at every allocation (the last {RING_ENTRIES:,} events are kept), which slows "
            "allocation-heavy steps on those ranks; each snapshot holds every segment and block plus that ring, up "
-           f"to hundreds of MB. Files: {base}_oom_rank-<R>{ext} on OOM, {base}_<R>{ext} at iteration "
-           f"profile_step_end; read them with `mbmem doctor {base}_*{ext}`")
+           f"to hundreds of MB. Files: {q(base + '_oom_rank-')}<R>{q(ext) if ext else ''} on OOM, {q(base + '_')}<R>"
+           f"{q(ext) if ext else ''} at iteration profile_step_end; read them with "
+           f"`mbmem doctor {q(base + '_')}*{q(ext) if ext else ''}`")
