@@ -351,7 +351,7 @@ def test_peft_without_a_checkpoint_is_not_passed(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "PASSED" not in out.stderr + out.stdout
     assert "PEFT requires a pretrained checkpoint" in out.stderr
-    assert "--set checkpoint.pretrained_checkpoint=" in out.stderr
+    assert "--set 'checkpoint.pretrained_checkpoint=" in out.stderr  # the placeholder is shell-quoted (issue 33 #8)
     assert not (tmp_path / "job.sh").exists()
     checkpoint = tmp_path / "base_model"
     checkpoint.mkdir()
