@@ -31,6 +31,10 @@ QUIET_ENV = "MBMEM_QUIET"  # set to 1 to silence the progress lines (stdout is n
 EXIT_STACK = 69  # EX_UNAVAILABLE of sysexits.h: the stack a command needs is not installed or does not import
 STACK_PACKAGES = (("torch", "torch"), ("megatron-core", "megatron.core"), ("megatron-bridge", "megatron.bridge"))
 INSTALL_DOC = "docs/install.md"
+# What prepare() imports: Bridge itself, and the config module every command needs (ConfigContainer,
+# runtime_config_update). A Bridge next to a megatron-core it does not pair with imports its top level and fails
+# here (Bridge 0.6.0 + megatron-core 0.18.2: No module named 'megatron.training.models.gpt').
+BRIDGE_MODULES = ("megatron.bridge", "megatron.bridge.training.config")
 
 
 class StackError(Exception):
@@ -118,15 +122,12 @@ def prepare(offline: bool = True) -> None:
     """Make ``import megatron.bridge`` work here: TE shim, offline HF configs, quiet logs.
 
     Raises ``StackError`` (one line naming the versions) when the stack is missing or does not import; prints
-    ``version_note`` once when it is outside the supported matrix."""
+    ``version_note`` once (stderr) when it imports but is outside the supported matrix."""
     if "megatron.bridge" in sys.modules:
         return
     stack = installed()
     if stack.missing:
         raise StackError(missing_message(stack))
-    note = version_note(stack)
-    if note:
-        print(note, file=sys.stderr, flush=True)
     te_compat.install()
     if offline and not os.environ.get("MBMEM_USE_USER_HF"):
         hf_offline.activate()
@@ -137,7 +138,8 @@ def prepare(offline: bool = True) -> None:
     try:
         with progress("importing Megatron Bridge (about 30 s)"), \
                 contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-            importlib.import_module("megatron.bridge")
+            for module in BRIDGE_MODULES:
+                importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001  any failure to import is the stack's: one line, never a traceback
         from ..core.rules.versions import checked_against
         why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -148,3 +150,6 @@ def prepare(offline: bool = True) -> None:
         logging.disable(logging.NOTSET)
     for name in ("megatron", "megatron.bridge", "megatron.core", "root", "transformers", ""):
         logging.getLogger(name).setLevel(logging.ERROR)
+    note = version_note(stack)  # after the import: a pair that does not import is the error alone
+    if note:
+        print(note, file=sys.stderr, flush=True)
