@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from mbmem_overlays.bridge import stack
 from mbmem_overlays.core.rules.versions import SUPPORTED
 
 STACK = ("torch", "megatron-core", "megatron-bridge")
-UV = Path(sys.executable).with_name("uv")  # scripts/env and scripts/env_stack put uv in every venv they make
+# uv: scripts/env puts it in .venv; scripts/env_stack's venvs use that one
+UV = next((p for p in (Path(sys.executable).with_name("uv"), ROOT / ".venv" / "bin" / "uv") if p.exists()),
+          Path(shutil.which("uv") or "uv"))
 EXIT_STACK = 69
 
 
