@@ -72,6 +72,11 @@ def _fields(outcome, enforced: dict[str, Any], catalog) -> list[str]:
     return list(dict.fromkeys(str(f) for f in fields))
 
 
+def _last_line(text: str) -> str:
+    """An error's last non-empty line (a recipe refusal is 'N problems found ...' and then the problem)."""
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+
+
 def _disagreement(outcome, enforced, catalog) -> dict[str, Any]:
     if outcome.oracle is None:
         kind = "we reject, Bridge accepts"
@@ -115,7 +120,7 @@ def run(args) -> int:
     # A Bridge rejection no rule names is a disagreement even where two overlays' claims made the case "stricter".
     shown_cases = s["disagreements"] + [o for o in s["unexplained"] if o.verdict != "disagree"]
     disagreements = [_disagreement(o, enforced, catalog) for o in shown_cases]
-    failed = Counter(f"{o.case.recipe}: {o.detail}" for o in outcomes if o.verdict in ("unbuildable", "error"))
+    failed = Counter(f"{o.case.recipe}: {_last_line(o.detail)}" for o in outcomes if o.verdict in ("unbuildable", "error"))
     incomplete = Counter(o.detail for o in outcomes if o.verdict == "incomplete")
     pct = 100.0 * s["agree"] / s["decided"] if s["decided"] else None
     code = (EXIT_INCOMPLETE if not s["decided"] else EXIT_REJECTED if disagreements or s["unexplained"] else EXIT_OK)
