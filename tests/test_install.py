@@ -144,7 +144,7 @@ def test_a_pair_that_does_not_import_is_one_line_naming_both_versions(tmp_path):
 def test_apply_and_plan_on_two_recipes(bridge):
     assert stack.installed().supported
     for recipe, overlays, world in (("llama3_8b_pretrain", "selective_recompute,dist_optimizer", "8"),
-                                    ("qwen3_8b_peft", "lora_sp_regather,expandable_segments", "8")):
+                                    ("qwen3_8b_peft", "expandable_segments,selective_recompute", "8")):
         out = mbmem("apply", "--recipe", recipe, "--overlay", overlays, "--world-size", world,
                     env={"MBMEM_QUIET": "1"})
         assert out.returncode in (0, 3), out.stderr[-3000:]  # 3: a TE check not checkable on this host
