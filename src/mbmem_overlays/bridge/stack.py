@@ -143,8 +143,13 @@ def prepare(offline: bool = True) -> None:
     except Exception as exc:  # noqa: BLE001  any failure to import is the stack's: one line, never a traceback
         from ..core.rules.versions import checked_against
         why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        fix = ("the pair is a supported one, so a package beside it is broken or missing" if stack.supported else
-               f"the supported pairs are {checked_against()}: install the megatron-core this Bridge release pairs with")
+        absent = exc.name if isinstance(exc, ModuleNotFoundError) and exc.name else ""
+        if absent and not absent.startswith("megatron"):  # a package beside the pair, e.g. transformer_engine
+            fix = f"this Bridge needs {absent.split('.')[0]}, which is not installed here"
+        elif stack.supported:
+            fix = "the pair is a supported one, so a package beside it is broken or missing"
+        else:
+            fix = f"the supported pairs are {checked_against()}: install the megatron-core this Bridge release pairs with"
         raise StackError(f"{stack.describe()} does not import ({why}); {fix} ({INSTALL_DOC})") from None
     finally:
         logging.disable(logging.NOTSET)
