@@ -23,7 +23,8 @@ import importlib.machinery
 import importlib.util
 import sys
 
-_TARGET_MODULE = "megatron.bridge.peft.lora_layers"
+# Bridge 0.6.x imports TE unconditionally in lora_layers.py:20 only; 0.5.1 also in peft/lora.py:22 (docs/install.md).
+_TARGET_MODULES = ("megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora")
 _STUBBED_IMPORT = "transformer_engine"
 
 
@@ -71,7 +72,7 @@ class _StubbingLoader(importlib.machinery.SourceFileLoader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET_MODULE:
+        if fullname not in _TARGET_MODULES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):

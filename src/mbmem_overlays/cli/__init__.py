@@ -11,14 +11,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ..bridge.stack import EXIT_STACK, StackError
 from ..core import console
 from ..core.errors import OverlayError
 from ..core.sizes import SizeError
 from ..core.text import shown
-from . import apply, args, doctor, explain, list_overlays, plan, recommend, slurm
+from . import apply, args, check_stack, doctor, explain, list_overlays, plan, recommend, slurm
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
 
-COMMANDS = (list_overlays, explain, apply, args, doctor, slurm, plan, recommend)
+COMMANDS = (list_overlays, explain, apply, args, doctor, slurm, plan, recommend, check_stack)
 
 
 class CommandLineError(Exception):
@@ -93,3 +94,5 @@ def _main(argv: list[str]) -> int:
         return _fail(exc, EXIT_USAGE, prefix, as_json)
     except OverlayError as exc:
         return _fail(exc, EXIT_REJECTED, prefix, as_json)
+    except StackError as exc:  # Bridge missing or not importable: one line naming the versions (bridge/stack.py)
+        return _fail(exc, EXIT_STACK, prefix, as_json)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bridge.stack import EXIT_STACK, StackError
 from ..core import console
 from ..core.catalog import RESERVED_KEY, Catalog, data_dir, recipe_file
 from ..core.errors import OverlayError, Problem, ValidationRejected, short_repr
@@ -549,6 +550,8 @@ def run(cfg) -> int:
         return _print_error(exc, as_json and rank == 0, EXIT_USAGE)
     except OverlayError as exc:
         return _print_error(exc, as_json and rank == 0, EXIT_REJECTED)
+    except StackError as exc:  # Bridge missing or not importable: one line naming the versions (bridge/stack.py)
+        return _print_error(exc, as_json and rank == 0, EXIT_STACK)
 
 
 def _plan_and_launch(container: dict[str, Any], say, rank: int, problems: list[Problem]) -> int:

@@ -14,6 +14,7 @@ Each check declares:
   are deliberately stricter — see ``doc_only_checks``), or ``silent`` (the stack silently changes or
   ignores the setting; the check only warns or notes, so the user sees it).
 - ``source``: the file and section under shared/reference/ (and upstream code lines) it comes from.
+The Bridge / megatron-core versions each rule was checked against are one table for all rules (``versions.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Check:
     def summary(self) -> str:
         """What the rule checks: the first line of the check function's docstring."""
         return (self.fn.__doc__ or "").strip().splitlines()[0]
+
+    @property
+    def versions(self):
+        """The Bridge / megatron-core releases the rule was checked against (one table for all: versions.py)."""
+        from .versions import rule_versions
+        return rule_versions(self.id)
 
     @property
     def topic(self) -> str:
