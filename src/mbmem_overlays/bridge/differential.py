@@ -339,6 +339,14 @@ def evaluate(case: Case, catalog: Catalog | None = None) -> Outcome:
     result = validate_config(oracle_cfg, world_size=case.world_size, env=env)
     if result.ok and not result.complete:  # the oracle could not decide on this host
         return Outcome(case, "incomplete", tuple(ours), None, None, result.not_checkable[-1], fired)
+    # A field the validation copy had to change on this host (validation.TE_ONLY_CHECKS) that one of our enforced
+    # rejections reads: Bridge's acceptance says nothing about that rule (e.g. optimizer.bf16 against the
+    # precision-aware optimizer, which the copy turns off when TE's FusedAdam is missing).
+    swapped = {entry.split("=", 1)[0] for entry in result.not_checkable}
+    by_id = {c.id: c for c in rules.CHECKS}
+    if result.ok and any(swapped & set(by_id[c].reads) for c in ours if c in enforced and c in by_id):
+        return Outcome(case, "incomplete", tuple(ours), None, None,
+                       next(e for e in result.not_checkable if e.split("=", 1)[0] in swapped), fired)
     oracle = None if result.ok else (result.error or "")
     rule = oracle_rule(oracle) if oracle else None
     ours_enforced = [c for c in ours if c in enforced]
