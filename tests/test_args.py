@@ -134,3 +134,40 @@ def test_only_prints_one_half_and_json_rejection_is_an_object(bridge, capsys):
                  "--set", "model.pipeline_model_parallel_size=2", "--world-size", "8", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and out["ok"] is False and out["exit_code"] == 1 and "launcher" not in out
+
+
+# ----------------------------------------------------------------------------- issue 31: the three new overlays
+@pytest.mark.bridge
+def test_fsdp_and_fine_grained_offload_words_equal_apply_overlay(bridge, capsys):
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from mbmem_overlays import apply_overlay
+    code, out = _args_json(capsys, "--recipe", "llama3_8b_pretrain", "--overlay", "fsdp,offload_modules",
+                           "--world-size", "8", "--param", "fine_grained_offload.modules=[core_attn,attn_proj]")
+    assert code == 0, out
+    launcher = out["launcher"]
+    assert launcher["env"]["NVTE_CPU_OFFLOAD_V1"] == "1"  # the environment Bridge needs with TE >= 2.10
+    assert "checkpoint.ckpt_format=fsdp_dtensor" in launcher["overrides"]
+    assert "ddp.data_parallel_sharding_strategy=optim_grads_params" in launcher["overrides"]
+    by_bridge = bridge.load_recipe("llama3_8b_pretrain")
+    process_config_with_overrides(by_bridge, cli_overrides=launcher["overrides"])
+    by_api = bridge.load_recipe("llama3_8b_pretrain")
+    apply_overlay(by_api, ["megatron_fsdp", "fine_grained_offload"], env={}, world_size=8, validate=True,
+                  params={"fine_grained_offload.modules": ["core_attn", "attn_proj"]})
+    assert snapshot(by_bridge) == snapshot(by_api)
+
+
+@pytest.mark.bridge
+def test_precision_aware_optimizer_dtypes_are_words_bridge_reads_back(bridge, capsys):
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    from mbmem_overlays import apply_overlay
+    code, out = _args_json(capsys, "--recipe", "llama3_8b_pretrain", "--overlay", "bf16_moments", "--world-size", "8")
+    assert code in (0, 3), out  # 3: TE's FusedAdam cannot be checked on a host without TE (docs/exit-codes.md)
+    overrides = out["launcher"]["overrides"]
+    assert "optimizer.exp_avg_dtype=bfloat16" in overrides and "optimizer.exp_avg_sq_dtype=bfloat16" in overrides
+    by_bridge = bridge.load_recipe("llama3_8b_pretrain")
+    process_config_with_overrides(by_bridge, cli_overrides=overrides)
+    by_api = bridge.load_recipe("llama3_8b_pretrain")
+    apply_overlay(by_api, ["precision_aware_optimizer"], env={}, world_size=8)
+    assert snapshot(by_bridge) == snapshot(by_api)

@@ -106,3 +106,46 @@ def test_gpu_tests_are_collected_and_skipped_with_reasons_on_cpu():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:]
     assert f"{len(EXPECTATIONS)} skipped" in out.stdout and "CUDA is not available" in out.stdout
+
+
+# ----------------------------------------------------------------------------- issue 31: judged against the plan, LoRA
+def _with_plan(run_metrics: RunMetrics, baseline: int, planned: int, scale: float = 1.0) -> RunMetrics:
+    ranks = {r: dataclasses.replace(m, peak_allocated=int(m.peak_allocated * scale)) for r, m in run_metrics.ranks.items()}
+    return RunMetrics(run_metrics.name, ranks, {"baseline": baseline, "planned": planned})
+
+
+def test_a_saving_is_judged_against_the_planned_one():
+    b = run("baseline")  # 3.2 GB peak
+    planned = 400_000_000
+    near = _with_plan(b, 5_000_000_000, 5_000_000_000 - planned, scale=(3_200_000_000 - 380_000_000) / 3_200_000_000)
+    v = judge("lora_sp_regather", b, near)
+    assert v.passed and any("planned 381 MiB" in r for r in v.reasons), v.reasons
+    far = _with_plan(b, 5_000_000_000, 5_000_000_000 - planned, scale=0.5)  # 1.6 GB measured, 0.4 GB planned
+    v = judge("lora_sp_regather", b, far)
+    assert not v.passed and any("off by more than 50%" in r for r in v.reasons), v.reasons
+    missing = RunMetrics("x", near.ranks, {"error": "ValueError: no plan"})
+    v = judge("lora_sp_regather", b, missing)
+    assert not v.passed and any("no planned saving" in r and "no plan" in r for r in v.reasons)
+
+
+def test_the_new_overlays_and_lora_are_judged_against_the_plan():
+    for name in ("lora_sp_regather", "megatron_fsdp", "fine_grained_offload", "precision_aware_optimizer"):
+        assert EXPECTATIONS[name].plan_tolerance is not None and EXPECTATIONS[name].note
+    assert EXPECTATIONS["lora_sp_regather"].lora and EXPECTATIONS["lora_sp_regather"].min_gpus == 2
+
+
+def test_plan_json_is_read_beside_the_metrics(tmp_path):
+    (tmp_path / "rank0.json").write_text((RUNS / "baseline" / "rank0.json").read_text())
+    assert load_run(tmp_path).plan == {} and load_run(tmp_path).planned_saving is None
+    (tmp_path / "plan.json").write_text(json.dumps({"baseline": 10, "planned": 4}))
+    assert load_run(tmp_path).planned_saving == 6
+    (tmp_path / "plan.json").write_text("{not json")
+    assert "plan.json" in load_run(tmp_path).plan["error"]
+
+
+def test_lora_runner_needs_the_pretrained_checkpoint():
+    job = parse_job(["--lora", "--overlay", "lora_sp_regather", "--set", "checkpoint.pretrained_checkpoint=/tmp/x"])
+    assert job.lora and job.overlays == ("lora_sp_regather",)
+    with pytest.raises(SystemExit) as exc:
+        parse_job(["--lora"])
+    assert exc.value.code == 2

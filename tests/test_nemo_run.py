@@ -136,3 +136,21 @@ def test_offline_configs_are_found_when_nemo_run_was_imported_first(monkeypatch)
     home = hf_offline.activate()
     assert hub.HF_HUB_CACHE == str(home / "hub") and hub.HF_HUB_OFFLINE is True and hub.HF_HOME == str(home)
     assert any((home / "hub").glob("models--*/snapshots/*/config.json"))
+
+
+@pytest.mark.bridge
+def test_plugin_carries_the_new_overlays_and_their_environment(bridge):
+    import torch
+
+    from mbmem_overlays import apply_overlay
+    names = ["megatron_fsdp", "fine_grained_offload", "precision_aware_optimizer"]
+    cfg, expected = bridge.load_recipe("llama3_8b_pretrain"), bridge.load_recipe("llama3_8b_pretrain")
+    task = nemo_run.Partial(dict, config=cfg)
+    executor = nemo_run.LocalExecutor(ntasks_per_node=8)
+    plugin = MemoryOverlays(overlays=names)
+    plugin.setup(task, executor)
+    apply_overlay(expected, names, env={}, world_size=8, validate=True)
+    assert snapshot(task.config) == snapshot(expected)
+    assert task.config.ddp.use_megatron_fsdp and task.config.optimizer.exp_avg_dtype == torch.bfloat16
+    assert executor.env_vars["NVTE_CPU_OFFLOAD_V1"] == "1"
+    assert executor.env_vars.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"

@@ -415,3 +415,17 @@ def test_megatron_fsdp_job_leaves_cuda_device_max_connections_unset():
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out.stdout and "export PYTORCH_CUDA_ALLOC_CONF" in out.stdout
     plain = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--nodes", "1", "--gpus-per-node", "2", "--no-validate")
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in plain.stdout
+
+
+def test_no_validate_carries_the_new_overlays_environment(tmp_path):
+    # +mem=megatron_fsdp: Bridge refuses the standard CUDA_DEVICE_MAX_CONNECTIONS=1, also without validation here;
+    # +mem=fine_grained_offload: NVTE_CPU_OFFLOAD_V1=1 for Transformer Engine >= 2.10
+    out = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--overlay", "fsdp,fine_grained_offload,bf16_moments",
+                "--nodes", "1", "--gpus-per-node", "8", "--no-validate")
+    assert out.returncode == 0, out.stderr
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out.stdout and "export NVTE_CPU_OFFLOAD_V1=1" in out.stdout
+    assert "+mem=[megatron_fsdp,fine_grained_offload,precision_aware_optimizer]" in out.stdout
+    by_set = mbmem("slurm", "--recipe", "llama3_8b_pretrain", "--set", "ddp.use_megatron_fsdp=true", "--nodes", "1",
+                   "--gpus-per-node", "8", "--no-validate")
+    assert by_set.returncode == 0 and "CUDA_DEVICE_MAX_CONNECTIONS" not in by_set.stdout
+    assert slurm_mod.standard_env(overlays=["dist_optimizer"])["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"

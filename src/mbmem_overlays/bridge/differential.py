@@ -50,7 +50,9 @@ RECIPES = {
 LABELS = sorted(rules.recompute_labels()) + ["attn_everything"]  # one invalid label on purpose
 PRESETS = ("bf16_mixed", "bf16_with_fp8_delayed_scaling_mixed", "bf16_with_fp8_current_scaling_mixed")
 GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
-OFFLOAD_MODULES = ("core_attn", "attn_proj", "expert_fc1", "moe_act", "attn_norm", "mlp_norm", "qkv_linear", "bogus")
+OFFLOAD_MODULES = ("core_attn", "attn_proj", "expert_fc1", "moe_act", "attn_norm", "mlp_norm", "qkv_linear",
+                   "fused_group_mlp", "bogus")
+OPTIMIZER_DTYPES = ("fp32", "fp16", "bf16", "fp8")  # the precision_aware_optimizer overlay's dtype words
 PROCESS_ENVS = (
     {},
     {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"},
@@ -152,6 +154,7 @@ def generate(rng: random.Random, catalog: Catalog | None = None) -> Case:
     if rng.random() < 0.08:
         o["ddp.use_megatron_fsdp"] = True
         o["ddp.data_parallel_sharding_strategy"] = rng.choice(("optim", "optim_grads", "optim_grads_params"))
+    _fsdp_and_optimizer_settings(rng, o, moe)
     if rng.random() < 0.04:  # Bridge's ProfilingConfig.finalize: the two profilers, the profiling window
         o["profiling.use_pytorch_profiler"] = True
         o["profiling.use_nsys_profiler"] = rng.random() < 0.5
@@ -173,12 +176,63 @@ def generate(rng: random.Random, catalog: Catalog | None = None) -> Case:
             o["optimizer.decoupled_weight_decay"] = False
     if "dist_optimizer" in overlays and rng.random() < 0.4:
         params.append(("dist_optimizer.instances", rng.choice((2, 3, 4))))
+    if "megatron_fsdp" in overlays and rng.random() < 0.5:
+        params.append(("megatron_fsdp.strategy", rng.choice(("optim", "optim_grads", "optim_grads_params"))))
+    if "fine_grained_offload" in overlays and rng.random() < 0.7:
+        params.append(("fine_grained_offload.modules", rng.sample(OFFLOAD_MODULES, rng.choice((1, 2, 3)))))
+        if rng.random() < 0.3:
+            params.append(("fine_grained_offload.fraction", rng.choice((0.0, 0.5, 1.0))))
+    if "precision_aware_optimizer" in overlays and rng.random() < 0.6:
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            params.append((f"precision_aware_optimizer.{name}", rng.choice(OPTIMIZER_DTYPES)))
+        if rng.random() < 0.3:
+            params.append(("precision_aware_optimizer.main_params_dtype", rng.choice(("fp32", "fp16"))))
+            params.append(("precision_aware_optimizer.main_grads_dtype", rng.choice(("fp32", "bf16"))))
     if "memory_snapshot" in overlays and rng.random() < 0.6:
         params.append(("memory_snapshot.ranks", rng.choice(("auto", "pipeline_ends", "all", [0, world]))))
         if rng.random() < 0.5:
             params.append(("memory_snapshot.dump_step", rng.choice((5, 100_000))))
     env = rng.choice(PROCESS_ENVS)
     return Case(recipe, world, tuple(o.items()), overlays, tuple(params), tuple(sorted(env.items())))
+
+
+def _fsdp_and_optimizer_settings(rng: random.Random, o: dict[str, Any], moe: bool) -> None:
+    """Settings that meet the Megatron FSDP, fine-grained offloading and precision-aware optimizer rules (with or
+    without their overlays): Bridge's FSDP guards, megatron-core's offload sizes and ncclep gate, the optimizer's
+    dtype and precision conditions."""
+    if rng.random() < 0.05:
+        o["dist.use_torch_fsdp2"] = True
+    if rng.random() < 0.05:
+        o["train.check_weight_hash_across_dp_replicas_interval"] = rng.choice((None, 10))
+    if rng.random() < 0.04:
+        o["checkpoint.ckpt_format"] = "fsdp_dtensor"
+    if rng.random() < 0.04:
+        o["checkpoint.save"] = None
+        o["checkpoint.load"] = None
+    if rng.random() < 0.04:
+        o["dist.use_tp_pp_dp_mapping"] = True
+    if rng.random() < 0.04:
+        o["ddp.fsdp_manual_registration"] = True
+    if rng.random() < 0.04:
+        o["ddp.disable_symmetric_registration"] = True
+    if "model.fine_grained_activation_offloading" in o and rng.random() < 0.2:
+        o[rng.choice(("model.min_offloaded_tensor_size", "model.delta_offload_bytes_across_pp_ranks"))] = -1
+    if moe and o.get("comm_overlap.overlap_moe_expert_parallel_comm") and rng.random() < 0.3:
+        o["model.moe_token_dispatcher_type"] = "flex"
+        o["model.moe_flex_dispatcher_backend"] = "ncclep"
+        if rng.random() < 0.5:  # megatron-core's gate on offloading expert FC1 under this overlap
+            o["model.fine_grained_activation_offloading"] = True
+            o["model.offload_modules"] = ["expert_fc1"]
+    if rng.random() < 0.03:
+        o["optimizer.optimizer"] = "sgd"
+    if rng.random() < 0.04:
+        o[rng.choice(("optimizer.exp_avg_dtype", "optimizer.main_params_dtype"))] = rng.choice(("bfloat16", "float16"))
+    if rng.random() < 0.04:
+        o["optimizer.use_precision_aware_optimizer"] = True
+        o["optimizer.use_distributed_optimizer"] = o["ddp.use_distributed_optimizer"] = rng.random() < 0.8
+    if rng.random() < 0.04:  # no mixed-precision config: the model's and optimizer's own bf16/fp16 flags stand
+        o["mixed_precision"] = None
+        o["optimizer.bf16"] = rng.random() < 0.5
 
 
 @dataclass
@@ -214,6 +268,9 @@ def base_config(case: Case):
     for path, value in case.overrides:
         if path.startswith("comm_overlap.") and cfg.comm_overlap is None:
             path = "model." + path.split(".", 1)[1]  # without a comm-overlap config the model field decides
+        if path.endswith("_dtype") and isinstance(value, str):  # torch dtypes, as Bridge's overrides make them
+            import torch
+            value = getattr(torch, value)
         write(cfg, path, value)
     return cfg
 
@@ -282,6 +339,14 @@ def evaluate(case: Case, catalog: Catalog | None = None) -> Outcome:
     result = validate_config(oracle_cfg, world_size=case.world_size, env=env)
     if result.ok and not result.complete:  # the oracle could not decide on this host
         return Outcome(case, "incomplete", tuple(ours), None, None, result.not_checkable[-1], fired)
+    # A field the validation copy had to change on this host (validation.TE_ONLY_CHECKS) that one of our enforced
+    # rejections reads: Bridge's acceptance says nothing about that rule (e.g. optimizer.bf16 against the
+    # precision-aware optimizer, which the copy turns off when TE's FusedAdam is missing).
+    swapped = {entry.split("=", 1)[0] for entry in result.not_checkable}
+    by_id = {c.id: c for c in rules.CHECKS}
+    if result.ok and any(swapped & set(by_id[c].reads) for c in ours if c in enforced and c in by_id):
+        return Outcome(case, "incomplete", tuple(ours), None, None,
+                       next(e for e in result.not_checkable if e.split("=", 1)[0] in swapped), fired)
     oracle = None if result.ok else (result.error or "")
     rule = oracle_rule(oracle) if oracle else None
     ours_enforced = [c for c in ours if c in enforced]

@@ -38,7 +38,7 @@ TE_ONLY_CHECKS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("is required for overlap_grad_reduce when using", {"comm_overlap.delay_wgrad_compute": False}),
     # The flex MoE dispatcher is validated against the GPU's architecture (flex_dispatcher_backend.py:105),
     # the last step of validate(): on a host without a GPU everything else has been checked by then.
-    ("Found no NVIDIA driver", {"model.moe_token_dispatcher_type": "alltoall"}),
+    ("Found no NVIDIA driver", {"model.moe_token_dispatcher_type": "alltoall", "model.moe_flex_dispatcher_backend": "deepep"}),
 )
 # What only a missing or old Transformer Engine says. Not the bare name: "requires use_transformer_engine_op_fuser",
 # "TransformerEngine only support gelu, ..." or "only supported with transformer_engine implementation" are

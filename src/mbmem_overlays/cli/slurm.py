@@ -96,7 +96,7 @@ def run(args) -> int:
         return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
     counts = slurm.count_problems(dict(nodes=args.nodes, gpus_per_node=args.gpus_per_node))[0]
     code = EXIT_OK
-    standard = slurm.standard_env()
+    standard = slurm.standard_env(overlays=overlays, sets=overrides, catalog=catalog)
     if args.no_validate:
         env = slurm.static_env(overlays, catalog, allocconf.allocator_env(os.environ))
         verdict = "not validated (--no-validate); train.py validates again inside the job"

@@ -11,12 +11,16 @@ Bridge's validation, the overlays' environment exported before CUDA starts) and 
 ``gpt_step.forward_step``. Where Transformer Engine is not installed it also selects Bridge's own TE-free layer
 spec (``gpt_provider.local_layer_spec``) and switches off the fusions that need TE or apex (``TE_FREE``): train.py
 cannot select a layer spec from the command line (a function is not a KEY=VALUE value), which is why this
-runner exists. ``--oom-at N`` makes iteration N allocate past the GPU's free memory inside its forward pass, so
+runner exists. ``--lora`` fine-tunes instead (Bridge's ``finetune()`` with Bridge's ``LoRA`` adapters at their
+defaults, from ``--set checkpoint.pretrained_checkpoint=DIR``): the GPU check pre-trains the tiny model for a few
+steps, saves it, and fine-tunes it with and without ``+mem=lora_sp_regather``. ``--oom-at N`` makes iteration N allocate past the GPU's free memory inside its forward pass, so
 Bridge's OOM observer writes its snapshot (scripts/gpu_check, docs/gpu-check.md). ``train --dry-run`` builds and
 validates the same job on a CPU host and launches nothing.
 
 The recorder is a Bridge training callback (``make_recorder``) that writes ``rank<N>.json`` at the end of
-training; train.py installs it too when ``MBMEM_METRICS_DIR`` is set.
+training; train.py installs it too when ``MBMEM_METRICS_DIR`` is set. Beside it the runner writes ``plan.json``: the
+memory plan's totals for the same configuration without and with the job's overlays (``memory/steps.build_plan``,
+as ``mbmem plan`` computes them), so a smoke test can judge a measured difference against the planned one.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class Job:
     metrics: str | None = None
     oom_at: int | None = None
     dry_run: bool = False
+    lora: bool = False  # fine-tune with Bridge's LoRA from checkpoint.pretrained_checkpoint (Bridge's finetune())
 
 
 def _typed(text: str) -> Any:
@@ -158,6 +163,9 @@ def parse_job(argv: list[str]) -> Job:
     ap.add_argument("--metrics", metavar="DIR", help="write rank<N>.json (memory peaks, step times) here")
     ap.add_argument("--oom-at", type=int, metavar="N", help="provoke a CUDA OOM in iteration N's forward pass")
     ap.add_argument("--dry-run", action="store_true", help="build and validate only (CPU is enough)")
+    ap.add_argument("--lora", action="store_true",
+                    help="fine-tune with Bridge's LoRA adapters (Bridge's finetune()); give the base model with "
+                         "--set checkpoint.pretrained_checkpoint=DIR")
     a = ap.parse_args(argv)
     params: dict[str, dict[str, Any]] = {}
     for item in a.param:
@@ -171,7 +179,9 @@ def parse_job(argv: list[str]) -> Job:
             ap.error(f"--set {item!r}: write KEY=VALUE, e.g. train.train_iters=6")
     if a.oom_at is not None and a.oom_at < 1:
         ap.error("--oom-at: an iteration number from 1")
-    return Job(a.recipe, tuple(a.overlay), params, tuple(a.set), a.metrics, a.oom_at, a.dry_run)
+    if a.lora and not any(item.startswith("checkpoint.pretrained_checkpoint=") for item in a.set):
+        ap.error("--lora: give the base model with --set checkpoint.pretrained_checkpoint=DIR (a saved pre-training run)")
+    return Job(a.recipe, tuple(a.overlay), params, tuple(a.set), a.metrics, a.oom_at, a.dry_run, a.lora)
 
 
 def job_config(job: Job) -> tuple[Any, dict[str, Any]]:
@@ -182,6 +192,9 @@ def job_config(job: Job) -> tuple[Any, dict[str, Any]]:
     from ..bridge.stack import prepare
     prepare()
     cfg = load_recipe(job.recipe)
+    if job.lora:  # before the overlays: lora_sp_regather sets a field of cfg.peft
+        from megatron.bridge.peft.lora import LoRA
+        cfg.peft = LoRA()  # Bridge's defaults: linear_qkv, linear_proj, linear_fc1, linear_fc2 at dim 32
     overrides: dict[str, Any] = {}
     if not have_te():
         from megatron.bridge.models.gpt_provider import local_layer_spec
@@ -202,6 +215,20 @@ def build_job(job: Job, world_size: int):
     return cfg, report
 
 
+def planned_totals(job: Job, world_size: int) -> dict[str, Any]:
+    """The memory plan's most-loaded-GPU totals for ``job``'s configuration: without overlays (``baseline``) and with
+    them (``planned``), in bytes, as ``mbmem plan`` computes them; ``error`` instead when the plan cannot be made."""
+    from ..memory.steps import build_plan
+    try:
+        cfg, locked = job_config(job)
+        plan = build_plan(cfg, list(job.overlays), world=world_size, recipe=job.recipe, params=job.params,
+                          locked=locked)
+        return {"baseline": int(plan.steps[0].breakdown.total), "planned": int(plan.steps[-1].breakdown.total),
+                "overlays": list(job.overlays), "world_size": world_size}
+    except Exception as exc:  # noqa: BLE001 — the run still trains; the judge says the plan was missing
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}
+
+
 def launch(job: Job) -> int:
     """Train ``job`` with Bridge's pretrain (needs CUDA); returns 0 when training ended."""
     import logging
@@ -216,16 +243,21 @@ def launch(job: Job) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for name in ("megatron", "megatron.core", "megatron.bridge"):
         logging.getLogger(name).setLevel(logging.INFO)
+    from megatron.bridge.training.finetune import finetune
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
     callbacks = []
     if job.metrics:
         callbacks.append(make_recorder(job.metrics))
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(job.metrics).mkdir(parents=True, exist_ok=True)
+            (Path(job.metrics) / "plan.json").write_text(json.dumps(planned_totals(job, world), indent=1))
     if job.oom_at:
         callbacks.append(make_oom_provoker(job.oom_at))
-    print(f"[gpu_harness] {job.recipe} with {list(job.overlays) or 'no overlays'}; transformer engine: "
+    print(f"[gpu_harness] {job.recipe}{' LoRA fine-tuning' if job.lora else ''} with "
+          f"{list(job.overlays) or 'no overlays'}; transformer engine: "
           f"{'yes' if have_te() else 'no (local layer spec)'}; exported: {dict(report.env_to_export)}", flush=True)
-    pretrain(cfg, forward_step, callbacks=callbacks or None)
+    (finetune if job.lora else pretrain)(cfg, forward_step, callbacks=callbacks or None)
     return 0
 
 
@@ -233,7 +265,7 @@ def dry_run(job: Job) -> dict[str, Any]:
     """What ``launch`` would train: the changes and Bridge's verdict (CPU is enough)."""
     cfg, report = build_job(job, int(os.environ.get("WORLD_SIZE", "1")))
     profiling = getattr(cfg, "profiling", None)
-    return {"recipe": job.recipe, "overlays": list(job.overlays), "te": have_te(),
+    return {"recipe": job.recipe, "overlays": list(job.overlays), "te": have_te(), "lora": job.lora,
             "changes": [f"{c.target}: {c.old!r} -> {c.new!r}" for c in report.changes],
             "env": dict(report.env_to_export),
             "snapshot_path": getattr(profiling, "memory_snapshot_path", None)
@@ -282,6 +314,14 @@ class RankMetrics:
 class RunMetrics:
     name: str
     ranks: dict[int, RankMetrics] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)  # plan.json: the plan's totals for this run's configuration
+
+    @property
+    def planned_saving(self) -> int | None:
+        """What the plan says the run's overlays save against the same configuration without them, in bytes."""
+        if not isinstance(self.plan.get("baseline"), int) or not isinstance(self.plan.get("planned"), int):
+            return None
+        return self.plan["baseline"] - self.plan["planned"]
 
     @property
     def peak_allocated(self) -> int:
@@ -330,7 +370,14 @@ def load_run(directory: str | os.PathLike, name: str | None = None) -> RunMetric
     expected = json.loads(files[0].read_text()).get("world_size", len(files))
     if len(ranks) != expected:
         raise MetricsError(f"{d}: {len(ranks)} of {expected} ranks wrote metrics; a rank died before the end")
-    return RunMetrics(name or d.name, ranks)
+    plan: dict[str, Any] = {}
+    if (d / "plan.json").is_file():
+        try:
+            loaded = json.loads((d / "plan.json").read_text())
+            plan = loaded if isinstance(loaded, dict) else {"error": "plan.json is not an object"}
+        except ValueError as exc:
+            plan = {"error": f"plan.json: {exc}"}
+    return RunMetrics(name or d.name, ranks, plan)
 
 
 @dataclass(frozen=True)
@@ -341,6 +388,10 @@ class Expectation:
     min_saving: float = 0.02  # a saving smaller than this fraction of the baseline peak is noise
     note: str = ""
     params: tuple[tuple[str, Any], ...] = ()  # overlay parameters that make it meaningful on the tiny model
+    # The measured saving must match the plan's (gpu_harness.planned_totals) within this fraction of the planned
+    # saving, plus PLAN_SLACK_BYTES for allocator rounding; None: not judged against the plan.
+    plan_tolerance: float | None = None
+    lora: bool = False   # the run and its baseline fine-tune a pre-trained tiny model with Bridge's LoRA
 
 
 # What each overlay must show against the baseline (issue: GPU smoke tests). The overlays' own `effect` texts
@@ -354,13 +405,24 @@ EXPECTATIONS = {
     "optimizer_offload": Expectation("lower_allocated", note="Adam moments to the CPU (HybridDeviceOptimizer)"),
     "memory_snapshot": Expectation("unchanged_allocated", note="a diagnostic: allocations are recorded, not changed"),
     "lora_sp_regather": Expectation("lower_allocated", min_gpus=2, needs_te=True, min_saving=0.005,
-                                    note="TP=2 with SP (TE's norm: see sequence_parallel), LoRA recipe"),
+                                    note="LoRA fine-tuning of the pre-trained tiny model at TP=2 with SP (TE's norm: "
+                                         "see sequence_parallel), with and without the re-gather", plan_tolerance=0.5,
+                                    lora=True),
     "dist_optimizer": Expectation("lower_allocated", min_gpus=2, note="DP=2: optimizer state is sharded"),
     "sequence_parallel": Expectation("lower_allocated", min_gpus=2, needs_te=True,
                                      note="TP=2: activations sharded along the sequence; without TE the local spec's "
                                           "torch norm asserts 'sequence parallel not supported by torch LayerNorm'"),
     "expandable_segments": Expectation("allocator_setting", note="visible to the process; smaller reserved-allocated gap"),
+    "megatron_fsdp": Expectation("lower_allocated", min_gpus=2, plan_tolerance=0.5,
+                                 note="DP=2, optim_grads_params: weights, gradients and optimizer state sharded"),
+    "fine_grained_offload": Expectation("lower_allocated", needs_te=True, plan_tolerance=0.5,
+                                        note="Bridge allows it only with the transformer_engine implementation; "
+                                             "modules=[core_attn,attn_proj]",
+                                        params=(("modules", ["core_attn", "attn_proj"]),)),
+    "precision_aware_optimizer": Expectation("lower_allocated", needs_te=True, plan_tolerance=0.5,
+                                             note="bf16 moments need Transformer Engine's FusedAdam"),
 }
+PLAN_SLACK_BYTES = 8 << 20  # allocator rounding and small buffers the plan does not count
 UNCHANGED_TOLERANCE = 0.02  # "unchanged": within this fraction of the baseline peak
 
 
@@ -408,6 +470,18 @@ def judge(overlay: str, baseline: RunMetrics, candidate: RunMetrics) -> Verdict:
                            f"{baseline.reserved_gap / 2**20:.0f} MiB")
         else:
             reasons.append(f"reserved-allocated gap {baseline.reserved_gap / 2**20:.0f} -> {candidate.reserved_gap / 2**20:.0f} MiB")
+    if exp.plan_tolerance is not None:
+        planned = candidate.planned_saving
+        measured = baseline.peak_allocated - candidate.peak_allocated
+        if planned is None:
+            ok = False
+            reasons.append(f"no planned saving to judge against ({candidate.plan.get('error', 'plan.json missing')})")
+        elif abs(measured - planned) > exp.plan_tolerance * abs(planned) + PLAN_SLACK_BYTES:
+            ok = False
+            reasons.append(f"measured saving {measured / 2**20:.0f} MiB vs planned {planned / 2**20:.0f} MiB: "
+                           f"off by more than {exp.plan_tolerance:.0%} (+{PLAN_SLACK_BYTES >> 20} MiB)")
+        else:
+            reasons.append(f"measured saving {measured / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB")
     if st is not None:
         reasons.append(f"step time x{st:.2f} of baseline")
     return Verdict(overlay, ok, tuple(reasons), ratio, st)

@@ -78,8 +78,16 @@ def launcher_overrides(report: Report) -> list[str]:
     words = []
     for change in report.field_changes:
         path = f"++{change.target}" if change.target.startswith("env_vars.") else change.target
-        words.append(hydra_word(path, change.new))
+        words.append(hydra_word(path, launcher_value(change.new)))
     return words
+
+
+def launcher_value(value: Any) -> Any:
+    """``value`` as Bridge's override machinery takes it from text: a torch dtype by its name (``bfloat16``, which
+    Bridge turns back into ``torch.bfloat16``; +mem=precision_aware_optimizer writes dtypes), anything else as is."""
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value).removeprefix("torch.")
+    return value
 
 
 def env_words(env: Mapping[str, str]) -> list[str]:

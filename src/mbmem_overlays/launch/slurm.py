@@ -53,13 +53,30 @@ STANDARD_ENV = {
 }
 
 
-def standard_env(cfg=None) -> dict[str, str]:
-    """STANDARD_ENV for this config: Megatron FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (Bridge config.py
+FSDP_FIELDS = ("ddp.use_megatron_fsdp", "dist.use_megatron_fsdp")
+FSDP_SET = re.compile(r"\+{0,2}(ddp|dist)\.use_megatron_fsdp=(true|True)")
+
+
+def standard_env(cfg=None, *, overlays: Iterable[str] = (), sets: Iterable[str] = (),
+                 catalog: Catalog | None = None) -> dict[str, str]:
+    """STANDARD_ENV for this job: Megatron FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (Bridge config.py
     _validate_and_apply_megatron_fsdp_configs, "FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset"), so
-    an FSDP job leaves it unset."""
+    an FSDP job leaves it unset. FSDP is read from the config when there is one, else (``--no-validate``) from the
+    overlays named (``+mem=megatron_fsdp`` sets both flags) and the ``--set`` overrides."""
     from ..core.paths import read
     env = dict(STANDARD_ENV)
-    if cfg is not None and (read(cfg, "ddp.use_megatron_fsdp", False) or read(cfg, "dist.use_megatron_fsdp", False)):
+    if cfg is not None:
+        fsdp = any(read(cfg, path, False) for path in FSDP_FIELDS)
+    else:
+        specs = []
+        for name in overlays:
+            try:
+                specs.append((catalog or Catalog()).resolve(name))
+            except OverlayError:
+                continue  # an unknown name is reported by option_problems
+        fsdp = any(spec.set.get(path) is True for spec in specs for path in FSDP_FIELDS) \
+            or any(FSDP_SET.fullmatch(s.strip()) for s in sets if isinstance(s, str))
+    if fsdp:
         env.pop("CUDA_DEVICE_MAX_CONNECTIONS")
     return env
 
