@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .facts import MEM_SKILL, NO_GRAPHS, OFFLOAD_SKILL, SELECTIVE_READS, SURFACE, graph_modules, selective_modules
+from .facts import (EP_OVERLAP_READS, MEM_SKILL, NO_GRAPHS, OFFLOAD_SKILL, SELECTIVE_READS, SURFACE, effective_ep_overlap,
+                    graph_modules, selective_modules)
 from .registry import both_on, check
 
 
@@ -119,7 +120,9 @@ INSIDE_MOE = {"moe_act", "expert_fc1", "fused_group_mlp"}
 
 
 def offload_modules(view) -> list[str]:
-    return [str(m) for m in (view.get("model.offload_modules") or [])]
+    """model.offload_modules as a list of labels (a lone text counts as one label, as Hydra's ``a`` for ``[a]``)."""
+    mods = view.get("model.offload_modules") or []
+    return [mods] if isinstance(mods, str) else [str(m) for m in mods]
 
 
 @check(enforced_by="megatron-core",
@@ -149,7 +152,7 @@ def fine_grained_offload_modules(view, c):
     if "attn_proj" in mods and "core_attn" not in mods:
         yield c.problem(who, "model.offload_modules", mods,
                         "attn_proj cannot be set to offload_modules alone without core_attn (its input is core_attn's "
-                        "output, which core_attn's backward needs)", "add core_attn to model.offload_modules")
+                        "output, which core_attn's backward needs)", "add core_attn to model.offload_modules (e.g. mem.fine_grained_offload.modules=[core_attn,attn_proj])")
     recompute_moe = "moe" in selective_modules(view)  # moe_layer_recompute adds it first (C:1835-1846)
     if recompute_moe and INSIDE_MOE & set(mods):
         yield c.problem(view.parties("model.offload_modules", "model.recompute_modules"), "model.offload_modules", mods,
@@ -188,6 +191,19 @@ def fine_grained_offload_cuda_graphs(view, c):
         return
     who = view.parties("model.fine_grained_activation_offloading", "model.cuda_graph_impl")
     mods, scopes = set(offload_modules(view)), graph_modules(view)
+    if impl == "local":  # C transformer_config.py:2598-2609, asserted before the general condition below
+        if mods - INSIDE_MOE:
+            yield c.problem(view.parties("model.offload_modules", "model.cuda_graph_impl"), "model.offload_modules",
+                            sorted(mods), "fine-grained activation offloading with cuda_graph_impl='local' only supports "
+                            f"offload_modules 'expert_fc1', 'moe_act', and 'fused_group_mlp' (not {sorted(mods - INSIDE_MOE)})",
+                            "set model.cuda_graph_impl=transformer_engine, or offload only MoE sub-modules")
+            return
+        if not scopes:
+            yield c.problem(who, "model.cuda_graph_modules", scopes,
+                            "fine-grained activation offloading with cuda_graph_impl='local' is not supported with "
+                            "whole-layer CUDA graph capture", "set model.cuda_graph_modules (e.g. [attn,moe_router]) or "
+                                                              "model.cuda_graph_impl=transformer_engine")
+            return
     partial_moe = impl == "local" and bool(mods) and mods <= INSIDE_MOE and "moe" not in scopes and bool(scopes)
     if impl not in ("transformer_engine", "full_iteration") and not partial_moe:
         yield c.problem(who, "model.cuda_graph_impl", impl,
@@ -264,3 +280,38 @@ def moe_paged_stash_settings(view, c):
         yield c.problem(who, "model.offload_modules", conflict,
                         f"When moe_paged_stash is enabled, offload_modules must not include {conflict}",
                         "remove them from model.offload_modules (paged stash covers those activations)")
+
+
+@check(enforced_by="megatron-core",
+       oracle=("min_offloaded_tensor_size must be non-negative", "delta_offload_bytes_across_pp_ranks must be non-negative"),
+       source=f"{OFFLOAD_SKILL}, Fine-grained activation offloading; C transformer_config.py:1885-1893",
+       reads=("model.fine_grained_activation_offloading", "model.min_offloaded_tensor_size",
+              "model.delta_offload_bytes_across_pp_ranks"))
+def fine_grained_offload_sizes(view, c):
+    """Fine-grained offload: min_offloaded_tensor_size and delta_offload_bytes_across_pp_ranks are non-negative."""
+    if not view.get("model.fine_grained_activation_offloading"):
+        return
+    for path, what in (("model.min_offloaded_tensor_size", "min_offloaded_tensor_size"),
+                       ("model.delta_offload_bytes_across_pp_ranks", "delta_offload_bytes_across_pp_ranks")):
+        value = view.get(path)
+        if isinstance(value, (int, float)) and value < 0:
+            yield c.problem(view.parties(path), path, value, f"{what} must be non-negative (got {value})",
+                            f"set {path}=0 or a positive number of bytes")
+
+
+@check(enforced_by="megatron-core",
+       oracle="overlap_moe_expert_parallel_comm with ncclep does not support offloading",
+       source=f"{OFFLOAD_SKILL}, Fine-grained activation offloading; C transformer_config.py:2715-2735 (the ncclep "
+              "flex backend with EP overlap frees expert FC1's raw input early)",
+       reads=("model.fine_grained_activation_offloading", "model.offload_modules", "model.moe_token_dispatcher_type",
+              "model.moe_flex_dispatcher_backend", *EP_OVERLAP_READS))
+def fine_grained_offload_ncclep_overlap(view, c):
+    """Fine-grained offload of expert_fc1 is not supported with EP overlap on the ncclep flex dispatcher."""
+    if (view.get("model.fine_grained_activation_offloading") and "expert_fc1" in offload_modules(view)
+            and effective_ep_overlap(view) and view.get("model.moe_token_dispatcher_type") == "flex"
+            and view.get("model.moe_flex_dispatcher_backend") == "ncclep"):
+        yield c.problem(view.parties("model.offload_modules", "comm_overlap.overlap_moe_expert_parallel_comm"),
+                        "model.offload_modules", offload_modules(view),
+                        "overlap_moe_expert_parallel_comm with ncclep does not support offloading 'expert_fc1' (the "
+                        "overlap path frees expert FC1's raw bf16 input early)",
+                        "remove expert_fc1 from model.offload_modules (mem.fine_grained_offload.modules)")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .facts import MEM_SKILL, SURFACE, data_parallel_size
-from .registry import check
+from .facts import EP_OVERLAP_READS, MEM_SKILL, SURFACE, data_parallel_size, effective_ep_overlap
+from .registry import check, resolver
 
 LAYOUT = ("model.tensor_model_parallel_size", "model.pipeline_model_parallel_size", "model.context_parallel_size")
 
@@ -203,3 +203,119 @@ def megatron_fsdp_forces_dist_opt(view, c):
                                     and view.get("ddp.use_distributed_optimizer")):
         yield ("note: Megatron FSDP: Bridge turns on optimizer.use_distributed_optimizer and "
                "ddp.use_distributed_optimizer itself (FSDP always shards optimizer state)")
+
+
+CHECKPOINT_IO = ("checkpoint.save", "checkpoint.load")
+
+
+def checkpoint_io(view) -> bool:
+    """Whether the job saves or loads a checkpoint (Bridge checks the format only then: config.py
+    _validate_and_apply_megatron_fsdp_configs and validate())."""
+    return any(view.get(p) is not None for p in CHECKPOINT_IO)
+
+
+@resolver("megatron_fsdp", writes=("checkpoint.ckpt_format",))
+def resolve_megatron_fsdp(view, params):
+    """checkpoint.ckpt_format=fsdp_dtensor when the job saves or loads (checkpoint.save/load set): Bridge asserts that
+    format under Megatron FSDP (config.py _validate_and_apply_megatron_fsdp_configs; skill, Pitfalls 1)."""
+    if checkpoint_io(view) and view.get("checkpoint.ckpt_format") != "fsdp_dtensor":
+        return {"checkpoint.ckpt_format": "fsdp_dtensor"}, {}
+    return {}, {}
+
+
+@check(enforced_by="bridge", oracle="fsdp_dtensor checkpoint format only supports Megatron FSDP",
+       source=f"{SURFACE} §1.8 (Bridge config.py validate(), 1388-1394: checked only when saving or loading)",
+       reads=(*FSDP_READS, "dist.use_torch_fsdp2", "checkpoint.ckpt_format", *CHECKPOINT_IO))
+def fsdp_dtensor_needs_megatron_fsdp(view, c):
+    """The fsdp_dtensor checkpoint format needs Megatron FSDP (and not torch FSDP2) when the job saves or loads."""
+    if view.get("checkpoint.ckpt_format") != "fsdp_dtensor" or not checkpoint_io(view):
+        return
+    if not megatron_fsdp(view) or view.get("dist.use_torch_fsdp2"):
+        yield c.problem(view.parties("checkpoint.ckpt_format", "ddp.use_megatron_fsdp"), "checkpoint.ckpt_format",
+                        "fsdp_dtensor", "fsdp_dtensor checkpoint format only supports Megatron FSDP (this config "
+                        + ("also sets dist.use_torch_fsdp2" if megatron_fsdp(view) else "does not use Megatron FSDP")
+                        + ")", "add +mem=megatron_fsdp (without dist.use_torch_fsdp2), or set "
+                               "checkpoint.ckpt_format=torch_dist")
+
+
+@check(enforced_by="bridge",
+       oracle="check_weight_hash_across_dp_replicas_interval is not supported with the Megatron-FSDP optim_grads_params",
+       source=f"{SURFACE} §1.8 (Bridge config.py _validate_and_apply_megatron_fsdp_configs: sharded weights have no "
+              "replicas to compare)",
+       reads=(*FSDP_READS, "ddp.data_parallel_sharding_strategy", "train.check_weight_hash_across_dp_replicas_interval"))
+def megatron_fsdp_weight_hash_check(view, c):
+    """Megatron FSDP's optim_grads_params strategy cannot check weight hashes across DP replicas."""
+    interval = view.get("train.check_weight_hash_across_dp_replicas_interval")
+    if megatron_fsdp(view) and view.get("ddp.data_parallel_sharding_strategy") == "optim_grads_params" \
+            and interval is not None:
+        yield c.problem(view.parties("ddp.data_parallel_sharding_strategy",
+                                     "train.check_weight_hash_across_dp_replicas_interval"),
+                        "train.check_weight_hash_across_dp_replicas_interval", interval,
+                        "TrainingConfig.check_weight_hash_across_dp_replicas_interval is not supported with the "
+                        "Megatron-FSDP optim_grads_params sharding strategy (each rank holds a different weight shard)",
+                        "set train.check_weight_hash_across_dp_replicas_interval=null, or mem.megatron_fsdp.strategy="
+                        "optim_grads")
+
+
+@check(enforced_by="silent",
+       source=f"{SURFACE} §1.8 (Bridge config.py _validate_and_apply_megatron_fsdp_configs: average_in_collective is "
+              "turned off unless ddp.disable_symmetric_registration, fsdp_manual_registration turned on with "
+              "ddp.nccl_ub, reuse_grad_buf_for_mxfp8_param_ag turned off; nothing raises)",
+       reads=(*FSDP_READS, "ddp.average_in_collective", "ddp.disable_symmetric_registration", "ddp.nccl_ub",
+              "ddp.fsdp_manual_registration", "ddp.reuse_grad_buf_for_mxfp8_param_ag",
+              "optimizer.reuse_grad_buf_for_mxfp8_param_ag"))
+def megatron_fsdp_silent_changes(view, c):
+    """What Bridge silently changes under Megatron FSDP: average_in_collective, manual NCCL registration, mxfp8 reuse (note)."""
+    if not megatron_fsdp(view):
+        return
+    if view.get("ddp.average_in_collective") and not view.get("ddp.disable_symmetric_registration"):
+        yield ("note: Megatron FSDP: Bridge turns ddp.average_in_collective off (not supported with NCCL symmetric "
+               "registration); set ddp.average_in_collective=false (as +mem=megatron_fsdp does) or "
+               "ddp.disable_symmetric_registration=true")
+    if view.get("ddp.nccl_ub") and not view.get("ddp.fsdp_manual_registration"):
+        yield ("note: Megatron FSDP with ddp.nccl_ub: Bridge turns ddp.fsdp_manual_registration on (NCCL user buffers "
+               "are slow without it)")
+    if view.get("ddp.reuse_grad_buf_for_mxfp8_param_ag") or view.get("optimizer.reuse_grad_buf_for_mxfp8_param_ag"):
+        yield ("note: Megatron FSDP: Bridge turns reuse_grad_buf_for_mxfp8_param_ag off (not implemented for Megatron "
+               "FSDP), so MXFP8 parameter all-gathers get their own buffer")
+
+
+@check(enforced_by="silent",
+       source="megatron-core optimizer/__init__.py (no_shard under Megatron FSDP replicates every state); "
+              "nvidia-skills/nemo-mbridge-perf-megatron-fsdp.SKILL.md, Enablement (optim_grads_params)",
+       reads=(*FSDP_READS, "ddp.data_parallel_sharding_strategy", "model.tensor_model_parallel_size",
+              "model.pipeline_model_parallel_size", "model.context_parallel_size"))
+def megatron_fsdp_sharding_strategy(view, c):
+    """Megatron FSDP that shards nothing: strategy no_shard, or one data-parallel rank (warned)."""
+    if not megatron_fsdp(view):
+        return
+    strategy = view.get("ddp.data_parallel_sharding_strategy")
+    if strategy in (None, "no_shard"):
+        yield (f"Megatron FSDP with ddp.data_parallel_sharding_strategy={strategy} shards nothing (every rank keeps "
+               "full weights, gradients and optimizer state); use +mem=megatron_fsdp (strategy optim_grads_params) "
+               "or mem.megatron_fsdp.strategy=optim_grads")
+    dp, cp = data_parallel_size(view), view.get("model.context_parallel_size") or 1
+    if dp is not None and dp * cp <= 1 and "megatron_fsdp" in view.selected:
+        yield (f"megatron_fsdp: the data-parallel size is {dp} (CP {cp}), so there is nothing to shard across; it "
+               "saves no memory at this layout")
+
+
+@check(enforced_by="runtime",
+       source="megatron-core distributed/fsdp/mcore_fsdp_adapter.py FullyShardedDataParallel.__init__ (asserted when "
+              "the model is wrapped, after launch)",
+       reads=(*FSDP_READS, *EP_OVERLAP_READS, "ddp.fsdp_double_buffer", "model.cuda_graph_impl"))
+def megatron_fsdp_ep_overlap(view, c):
+    """Megatron FSDP with MoE EP comm overlap: no FSDP double buffer, no per-layer CUDA graphs (model wrap)."""
+    if not (megatron_fsdp(view) and effective_ep_overlap(view)):
+        return
+    who = view.parties("ddp.use_megatron_fsdp", "comm_overlap.overlap_moe_expert_parallel_comm")
+    if view.get("ddp.fsdp_double_buffer"):
+        yield c.problem(who, "ddp.fsdp_double_buffer", True,
+                        "1F1B overlap with FSDP does not support double buffer (megatron-core asserts it when it wraps "
+                        "the model on the GPUs)", "set ddp.fsdp_double_buffer=false")
+    impl = view.get("model.cuda_graph_impl")
+    if impl not in (None, "none", "full_iteration"):
+        yield c.problem(who, "model.cuda_graph_impl", impl,
+                        f"1F1B overlap with FSDP does not support per-layer CUDA graphs (cuda_graph_impl={impl!r}; "
+                        "megatron-core asserts it when it wraps the model on the GPUs)",
+                        "set model.cuda_graph_impl=full_iteration or none")
