@@ -241,8 +241,9 @@ def test_a_rung_that_saves_nothing_is_listed_apart_never_printed_as_a_step(bridg
 def test_full_recompute_block_is_a_step_when_it_saves(bridge, recipe):
     """README's ladder: full recompute `block` over the fewest layers that fit comes before `uniform`/1."""
     from mbmem_overlays.memory.ladder import recommend
+    # issue 31's levers come before full recompute on the ladder (FSDP alone would fit here): the user keeps them off
     rec = recommend(recipe("llama3_8b_pretrain_config", "tokenizer.use_tokenizer_vocab_size=false"), 8,
-                    parse_size("40GiB"), recipe=L8)
+                    parse_size("40GiB"), recipe=L8, locked=LEVERS_OFF)
     block = next(s for s in rec["steps"] if s["step"].startswith("full_recompute method=block"))
     assert "skipped" not in block and block["saving_bytes"] > 0 and block["fits"]
     assert {"target": "model.recompute_method", "old": None, "new": "block"} in block["changes"]
@@ -275,6 +276,7 @@ def test_the_search_never_offers_an_overlay_that_saves_nothing(bridge, recipe):
     single = [r for r in rows if r["dp"] * r["cp"] == 1]
     assert single and all("dist_optimizer" not in r["overlays"] or "optimizer_offload" in r["overlays"]
                           for r in single)
+    assert not any({"dist_optimizer", "megatron_fsdp"} <= set(r["overlays"]) for r in rows)   # FSDP implies it
     for r in rows[:200]:
         lay = replace_layout(base_lay, r)
         total = P.estimate(shape, lay, _settings(base_st, set(r["overlays"]), shape)).footprint
@@ -282,6 +284,51 @@ def test_the_search_never_offers_an_overlay_that_saves_nothing(bridge, recipe):
             rest = set(r["overlays"]) - {o}
             if not _refused(rest, r["pp"], r["tp"], base_st.dist_optimizer):
                 assert P.estimate(shape, lay, _settings(base_st, rest, shape)).footprint > total + MIN_SAVING
+
+
+LEVERS_OFF = {"ddp.use_megatron_fsdp": False, "optimizer.use_precision_aware_optimizer": False,
+              "model.fine_grained_activation_offloading": False}
+
+
+# ----------------------------------------------------------------------------- issue 31: the levers on the ladder
+@pytest.mark.bridge
+def test_recommend_reaches_megatron_fsdp_where_dp_is_large_and_the_distributed_optimizer_is_not_enough(bridge,
+                                                                                                     capsys):
+    """Llama3-8B on 8 GPUs at DP 8: the distributed optimizer is already on and bf16 moments are not enough; Megatron
+    FSDP is the first step that fits (before `mlp` recompute, PP doubling and offloading), with its cost in words."""
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "55GiB",
+                       "--set", "model.context_parallel_size=1")
+    assert rc == 0 and rec["fits"], rec
+    taken = [s for s in rec["steps"][1:] if "skipped" not in s]
+    assert taken[-1]["step"].startswith("megatron_fsdp strategy=") and taken[-1]["fits"]
+    assert not any(s["fits"] for s in taken[:-1])
+    assert [s["step"] for s in taken[:-1]][-1] == "precision_aware_optimizer"   # the cheap optimizer step first
+    fsdp = taken[-1]
+    assert fsdp["saving_bytes"] > 20 * 2**30 and "all-gathers each layer's weights" in fsdp["cost"]
+    assert {"target": "ddp.use_megatron_fsdp", "old": False, "new": True} in fsdp["changes"]
+    assert "PASSED" in fsdp["validation"] and "+mem=[expandable_segments," in rec["command"]
+    assert any(w.startswith("mem.megatron_fsdp.strategy=") for w in words(rec["command"]))
+
+
+@pytest.mark.bridge
+def test_recommend_reaches_fine_grained_offloading_where_activations_dominate(bridge, capsys):
+    """The same model with PP and the recompute modules pinned by the user: after FSDP, activations are the largest
+    component and module-level offloading (which works with recompute and PP > 1) is the first step that fits; its
+    cost names the host memory per GPU and per node."""
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "45GiB",
+                       "--set", "model.context_parallel_size=1", "--set", "model.pipeline_model_parallel_size=1",
+                       "--overlay", "selective_recompute", "--set", "mem.selective_recompute.modules=[core_attn]")
+    assert rc == 0 and rec["fits"], rec
+    taken = [s for s in rec["steps"][1:] if "skipped" not in s]
+    assert [s["step"].split(" ")[0] for s in taken][-3:] == ["precision_aware_optimizer", "megatron_fsdp",
+                                                            "fine_grained_offload"]
+    offload = taken[-1]
+    assert offload["fits"] and not any(s["fits"] for s in taken[:-1]) and offload["saving_bytes"] > 2**30
+    assert "per GPU" in offload["cost"] and "per node of 8 GPUs" in offload["cost"]
+    assert {"target": "model.fine_grained_activation_offloading", "old": False, "new": True} in offload["changes"]
+    assert "core_attn" in offload["step"]     # attn_proj needs it, although its recompute bypasses its own offload
+    assert "PASSED" in offload["validation"]
+    assert "'mem.fine_grained_offload.modules=" in rec["command"]
 
 
 def replace_layout(lay, row):

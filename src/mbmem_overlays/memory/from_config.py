@@ -275,4 +275,5 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather)
-    return shape, lay, settings
+    from .levers import apply_config   # issue 31's levers (memory/levers.py)
+    return shape, lay, apply_config(cfg, settings)

@@ -4,6 +4,7 @@ configuration (memory/from_config.py), and one GPU's breakdown. Frozen dataclass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 BF16 = 2            # bytes per bf16/fp16 element
 FP32 = 4
@@ -108,6 +109,7 @@ class Settings:
     moe_capacity_factor: float | None = None  # moe_expert_capacity_factor (None: dropless)
     moe_probs_mul: bool = False               # experts weight their activation output by the probs separately
     graph_warmup_steps: int = 0               # cuda_graph_warmup_steps: eager iterations before TE graph capture
+    fine_grained_offload: Any = None          # levers.FineGrainedOffload (model.fine_grained_activation_offloading)
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

@@ -32,6 +32,7 @@ class FineGrainedOffload:
     min_elements: int = MIN_OFFLOADED_ELEMENTS  # model.min_offloaded_tensor_size
     separate_input_norm: bool = False          # the layer's input norm is a module of its own (MLA specs)
     graph_modules: tuple[str, ...] = ()        # model.cuda_graph_modules (as TransformerLayer reads them)
+    delta_bytes: int = 0                       # model.delta_offload_bytes_across_pp_ranks (kept per PP rank)
 
 
 # offload_modules label -> the activation terms (model.layer_activation_terms) whose saved tensors its
@@ -82,7 +83,8 @@ def offload_from_config(m: Any) -> FineGrainedOffload | None:
     return FineGrainedOffload(
         modules=modules, fraction=float(getattr(m, "activation_offload_fraction", 1.0) or 0.0),
         min_elements=int(getattr(m, "min_offloaded_tensor_size", MIN_OFFLOADED_ELEMENTS) or 0),
-        separate_input_norm=bool(getattr(m, "multi_latent_attention", False)), graph_modules=graphs)
+        separate_input_norm=bool(getattr(m, "multi_latent_attention", False)), graph_modules=graphs,
+        delta_bytes=int(getattr(m, "delta_offload_bytes_across_pp_ranks", 0) or 0))
 
 
 def layer_offload_terms(s: P.Shape, lay: P.Layout, st: P.Settings, kind: str) -> tuple[dict[str, float],
@@ -141,7 +143,8 @@ def offloaded_activations(s: P.Shape, lay: P.Layout, st: P.Settings, rank: int) 
     Every in-flight layer-microbatch's offloaded terms leave the GPU, except (PipelineOffloadManager
     post_warmup_callback, fine_grained_activation_offload.py:566-650): one group per module name, the last layer
     of the chunk that runs backward first, so that its reload does not stall the compute stream (the offload
-    margin); then, per chunk, int(n x (1 - activation_offload_fraction)) of its n eligible groups, the last ones
+    margin); then pipeline rank r keeps r x delta_offload_bytes_across_pp_ranks; then, per chunk,
+    int(n x (1 - activation_offload_fraction)) of its n eligible groups, the last ones
     in forward order. The host side is megatron-core's pinned OffloadTensorPool (:115-345): it grows on demand
     and is only reset, never released, between iterations, and the first (warm-up) iteration offloads every
     group (should_bulk_offload returns True while is_warmup, :1066-1072), so it holds every eligible group of
@@ -165,8 +168,28 @@ def offloaded_activations(s: P.Shape, lay: P.Layout, st: P.Settings, rank: int) 
     margin = mean_gpu                                  # one layer of one microbatch, every module's group once
     chunk_groups = max(1.0, groups / max(1, lay.vpp))  # eligible groups of one chunk (one microbatch)
     kept = math.floor(chunk_groups * (1.0 - st.fine_grained_offload.fraction)) / chunk_groups
-    removed = max(0.0, (per_stage * alive * mean_gpu - margin) * (1.0 - kept))
+    # pipeline rank r keeps r x delta_offload_bytes_across_pp_ranks more on the GPU (post_warmup_callback :598-607)
+    balance = rank * st.fine_grained_offload.delta_bytes
+    removed = max(0.0, (per_stage * alive * mean_gpu - margin - balance) * (1.0 - kept))
     return OffloadedActivations(removed, host_layer * alive, margin)
+
+
+def _module_reason(module: str, s: P.Shape, st: P.Settings) -> str:
+    """Why one offload_modules label moves no GPU memory here (no_saving_reason)."""
+    off = st.fine_grained_offload
+    kinds = set(P.layer_kinds(s))
+    recomputed = set(st.modules) if st.recompute == "selective" else set()
+    if module in ("expert_fc1", "moe_act", "fused_group_mlp", "mlp_norm") and not any("moe" in k for k in kinds):
+        return ("the dense MLP's norm is fused into linear_fc1 (an IdentityOp, transformer_layer.py "
+                "_set_offload_modules)" if module == "mlp_norm" else "the model has no MoE layers")
+    if module == "attn_norm" and not off.separate_input_norm:
+        return "the input norm is fused into linear_qkv (an IdentityOp, transformer_layer.py _set_offload_modules)"
+    if module == "core_attn" and "core_attn" in recomputed:
+        return "core_attn is recomputed: its checkpointed path saves q, k, v outside the offload hooks (attention.py)"
+    if module == "core_attn" and "attn_proj" not in off.modules:
+        return "q, k, v only: the kernel's output stays, linear_proj keeps the same tensor"
+    return (f"its saved tensors are recomputed, inside a CUDA graph, or under min_offloaded_tensor_size "
+            f"({off.min_elements:,} elements)")
 
 
 def _module_offloads(s: P.Shape, lay: P.Layout, st: P.Settings, kind: str, module: str) -> bool:
@@ -238,9 +261,12 @@ def no_saving_reason(overlay: str, s: P.Shape, lay: P.Layout, st: P.Settings) ->
         if off.fraction <= 0:
             return "activation_offload_fraction is 0: no group is offloaded after the warm-up iteration"
         if not any(layer_offload_terms(s, lay, st, kind)[0] for kind in set(P.layer_kinds(s))):
-            return (f"none of {list(off.modules)} keeps an activation this model offloads (TE fuses the dense "
-                    "norms into the next GEMM, recomputed or graphed modules save nothing, MoE labels need MoE "
-                    f"layers, tensors under {off.min_elements:,} elements stay)")
+            return "; ".join(f"{m}: {_module_reason(m, s, st)}" for m in off.modules)
+        return ""
+    if overlay == "dist_optimizer":
+        dense, expert = P.data_parallel_shards(lay, st)
+        if dense <= 1 and expert <= 1:
+            return f"DP x CP is {lay.dp * lay.cp}: the distributed optimizer has nothing to shard across"
         return ""
     if overlay == "precision_aware_optimizer":
         if st.lora_rank:
@@ -274,3 +300,28 @@ def search_settings(base: P.Settings, s: set[str], shape: P.Shape) -> P.Settings
         out = replace(out, fine_grained_offload=FineGrainedOffload(search_offload_modules(moe),
                                                                    graph_modules=tuple(base.graph_scopes)))
     return out
+
+
+# ----------------------------------------------------------------------------- the plan's step notes (steps.py)
+SAVES_NOTHING = "saves nothing here"
+MIN_SAVING = 1 << 20   # a step the plan prices at less than 1 MiB saved saves nothing (as memory/ladder.py)
+
+
+def step_note(overlay: str, s: P.Shape, lay: P.Layout, st: P.Settings, saving: float) -> str:
+    """What ``mbmem plan`` says beside the step that adds ``overlay`` (``saving``: bytes it took off the
+    most-loaded GPU): "saves nothing here" with the reason where it changes nothing, and for fine-grained
+    offloading the host memory it needs per GPU and per node."""
+    parts = []
+    reason = no_saving_reason(overlay, s, lay, st)
+    if abs(saving) < MIN_SAVING:
+        parts.append(SAVES_NOTHING + (f": {reason}" if reason else ""))
+    elif overlay == "megatron_fsdp" and reason:
+        # Megatron FSDP at DP x CP 1 shards nothing, but its own buffers keep the gradients in the parameters' dtype
+        # unless ddp.megatron_fsdp_main_grads_dtype says otherwise (apply_config)
+        parts.append(f"shards nothing here ({reason}); the change is Megatron FSDP's gradient buffer dtype "
+                     "(ddp.megatron_fsdp_main_grads_dtype unset: the parameters' dtype, not grad_reduce_in_fp32)")
+    if overlay == "fine_grained_offload" and st.fine_grained_offload is not None:
+        host = max(offloaded_activations(s, lay, st, r).host_per_gpu for r in range(lay.pp))
+        if host:
+            parts.append(host_memory_text(host, lay.world))
+    return "; ".join(parts)

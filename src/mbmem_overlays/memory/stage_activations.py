@@ -76,6 +76,9 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         if st.cpu_offload_layers:
             layers_on_gpu -= min(per_stage, st.cpu_offload_layers) - (1 if st.cpu_offload_double_buffer else 0)
         acts = layers_on_gpu * per_layer * mbs_alive
+        if st.fine_grained_offload is not None:   # the offloaded modules' saved inputs wait on the host
+            from .levers import offloaded_activations
+            acts -= offloaded_activations(s, lay, st, rank).gpu_removed
     if rank == 0:
         acts += hidden_local * mbs_alive  # embedding output
     if rank == lay.pp - 1:
