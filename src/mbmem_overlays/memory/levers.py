@@ -1,7 +1,7 @@
 """The memory levers issue 31 made overlays, as the plan counts them: Megatron FSDP's buffer dtypes, fine-grained
 activation offloading, and the precision-aware optimizer's moment dtypes.
 
-Pure functions over the model's frozen dataclasses (model.py), each term cited to megatron-core 0.19.2 as installed
+Pure functions over the model's frozen dataclasses (inputs.py), each term cited to megatron-core 0.19.2 as installed
 in ``.venv`` (``megatron/core/...``) or Megatron Bridge 0.6.2 (``megatron/bridge/...``). ``apply_config`` is the
 one hook ``model.from_config`` calls: it reads the fields below from a Bridge ``ConfigContainer`` into ``Settings``;
 ``offloaded_activations`` is the one hook ``stage_activations`` calls. What FSDP shards (parameters, gradients,
@@ -16,7 +16,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import model as P
+# the model's own files, not its model.py name space (which imports from_config, which calls apply_config here)
+from .activations import _selected_terms
+from .graphs import GRAPH_SCOPE_TERMS, graphed_blocks
+from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
+from .pipeline import in_flight, layer_kinds, rank_layers
+from .weights import data_parallel_shards
 
 # megatron-core transformer_config.py:1247 (min_offloaded_tensor_size default, in elements) and :1262
 # (activation_offload_fraction default)
@@ -71,7 +76,7 @@ _FP32_TERMS = ("attention_softmax_stats", "moe_router")
 
 
 def _element_bytes(term: str) -> int:
-    return P.FP32 if term in _FP32_TERMS else P.FP8 if term.endswith("_fp8") else P.BF16
+    return FP32 if term in _FP32_TERMS else FP8 if term.endswith("_fp8") else BF16
 
 
 def offload_from_config(m: Any) -> FineGrainedOffload | None:
@@ -87,7 +92,7 @@ def offload_from_config(m: Any) -> FineGrainedOffload | None:
         delta_bytes=int(getattr(m, "delta_offload_bytes_across_pp_ranks", 0) or 0))
 
 
-def layer_offload_terms(s: P.Shape, lay: P.Layout, st: P.Settings, kind: str) -> tuple[dict[str, float],
+def layer_offload_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[dict[str, float],
                                                                                        dict[str, float]]:
     """({term: bytes per token} the GPU no longer holds, {term: bytes per token} the host receives) for one layer
     of ``kind`` and one microbatch, before the fraction and the last-layer margin (offloaded_activations).
@@ -99,10 +104,10 @@ def layer_offload_terms(s: P.Shape, lay: P.Layout, st: P.Settings, kind: str) ->
     off = st.fine_grained_offload
     if off is None or st.recompute == "full":
         return {}, {}
-    terms = P._selected_terms(s, lay, st, kind)
-    graphed = P.graphed_blocks(kind, st.graph_scopes)
-    in_graph = {name for _, module in graphed.items() for name in P.GRAPH_SCOPE_TERMS[module]}
-    tokens = P._tokens(lay)
+    terms = _selected_terms(s, lay, st, kind)
+    graphed = graphed_blocks(kind, st.graph_scopes)
+    in_graph = {name for _, module in graphed.items() for name in GRAPH_SCOPE_TERMS[module]}
+    tokens = _tokens(lay)
     mods = set(off.modules)
     recomputed = set(st.modules) if st.recompute == "selective" else set()
     blocks = kind.split("+")
@@ -137,7 +142,7 @@ class OffloadedActivations:
     kept_margin: float       # the last layer's groups megatron-core keeps on the GPU (included in neither)
 
 
-def offloaded_activations(s: P.Shape, lay: P.Layout, st: P.Settings, rank: int) -> OffloadedActivations:
+def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> OffloadedActivations:
     """Fine-grained activation offloading on pipeline rank ``rank``.
 
     Every in-flight layer-microbatch's offloaded terms leave the GPU, except (PipelineOffloadManager
@@ -151,10 +156,10 @@ def offloaded_activations(s: P.Shape, lay: P.Layout, st: P.Settings, rank: int) 
     the in-flight microbatches."""
     if st.fine_grained_offload is None or st.recompute == "full":
         return OffloadedActivations(0.0, 0.0, 0.0)
-    counts = P.rank_layers(s, lay, rank)
+    counts = rank_layers(s, lay, rank)
     per_stage = sum(counts.values()) or 1
-    alive = P.in_flight(lay, rank)
-    tokens = P._tokens(lay)
+    alive = in_flight(lay, rank)
+    tokens = _tokens(lay)
     gpu_layer = host_layer = 0.0
     groups = 0.0
     for kind, n in counts.items():
@@ -174,10 +179,10 @@ def offloaded_activations(s: P.Shape, lay: P.Layout, st: P.Settings, rank: int) 
     return OffloadedActivations(removed, host_layer * alive, margin)
 
 
-def _module_reason(module: str, s: P.Shape, st: P.Settings) -> str:
+def _module_reason(module: str, s: Shape, st: Settings) -> str:
     """Why one offload_modules label moves no GPU memory here (no_saving_reason)."""
     off = st.fine_grained_offload
-    kinds = set(P.layer_kinds(s))
+    kinds = set(layer_kinds(s))
     recomputed = set(st.modules) if st.recompute == "selective" else set()
     if module in ("expert_fc1", "moe_act", "fused_group_mlp", "mlp_norm") and not any("moe" in k for k in kinds):
         return ("the dense MLP's norm is fused into linear_fc1 (an IdentityOp, transformer_layer.py "
@@ -192,7 +197,7 @@ def _module_reason(module: str, s: P.Shape, st: P.Settings) -> str:
             f"({off.min_elements:,} elements)")
 
 
-def _module_offloads(s: P.Shape, lay: P.Layout, st: P.Settings, kind: str, module: str) -> bool:
+def _module_offloads(s: Shape, lay: Layout, st: Settings, kind: str, module: str) -> bool:
     one = replace(st, fine_grained_offload=replace(st.fine_grained_offload, modules=(module,)))
     return bool(layer_offload_terms(s, lay, one, kind)[1])
 
@@ -210,11 +215,11 @@ def _dtype(value: Any, default: int | None) -> int | None:
     if value is None:
         return default
     name = str(value).replace("torch.", "")
-    return {"float32": P.FP32, "fp32": P.FP32, "bfloat16": P.BF16, "bf16": P.BF16, "float16": P.BF16,
-            "fp16": P.BF16, "uint8": P.FP8, "fp8": P.FP8}.get(name, default)
+    return {"float32": FP32, "fp32": FP32, "bfloat16": BF16, "bf16": BF16, "float16": BF16,
+            "fp16": BF16, "uint8": FP8, "fp8": FP8}.get(name, default)
 
 
-def apply_config(cfg: Any, st: P.Settings) -> P.Settings:
+def apply_config(cfg: Any, st: Settings) -> Settings:
     """The settings model.from_config read, with what these levers change:
 
     - Megatron FSDP keeps its own buffers (megatron_fsdp/param_and_grad_buffer.py
@@ -230,24 +235,24 @@ def apply_config(cfg: Any, st: P.Settings) -> P.Settings:
     out = st
     if st.fsdp is not None:
         params_dtype = getattr(cfg.model, "params_dtype", None)
-        compute = P.BF16 if st.param_bytes == P.FP8 else (_dtype(params_dtype, P.BF16) or P.BF16)
+        compute = BF16 if st.param_bytes == FP8 else (_dtype(params_dtype, BF16) or BF16)
         grads = _dtype(read(cfg, "ddp.megatron_fsdp_main_grads_dtype", None), compute)
         main = read(cfg, "ddp.megatron_fsdp_main_params_dtype", "fp32")
         out = replace(out, grad_bytes=grads or compute, master_bytes=_dtype(main, 0) or 0)
     if st.precision_aware:
         opt = cfg.optimizer
-        first = _dtype(getattr(opt, "exp_avg_dtype", None), P.FP32)
-        second = _dtype(getattr(opt, "exp_avg_sq_dtype", None), P.FP32)
+        first = _dtype(getattr(opt, "exp_avg_dtype", None), FP32)
+        second = _dtype(getattr(opt, "exp_avg_sq_dtype", None), FP32)
         out = replace(out, state_bytes=(first + second) / 2)
     return replace(out, fine_grained_offload=offload_from_config(cfg.model))
 
 
 # ----------------------------------------------------------------------------- "saves nothing here"
-def no_saving_reason(overlay: str, s: P.Shape, lay: P.Layout, st: P.Settings) -> str:
+def no_saving_reason(overlay: str, s: Shape, lay: Layout, st: Settings) -> str:
     """Why ``overlay`` cannot change the plan of this configuration (a step that saves nothing says it); "" when
     nothing in the configuration rules a saving out."""
     if overlay == "megatron_fsdp":
-        dense, expert = P.data_parallel_shards(lay, st)
+        dense, expert = data_parallel_shards(lay, st)
         if dense <= 1 and expert <= 1:
             return (f"DP x CP is {lay.dp * lay.cp}: Megatron FSDP has no data-parallel ranks to shard parameters, "
                     "gradients or optimizer state across")
@@ -260,11 +265,11 @@ def no_saving_reason(overlay: str, s: P.Shape, lay: P.Layout, st: P.Settings) ->
             return "full recompute keeps only each layer's input: the offloaded modules save nothing in forward"
         if off.fraction <= 0:
             return "activation_offload_fraction is 0: no group is offloaded after the warm-up iteration"
-        if not any(layer_offload_terms(s, lay, st, kind)[0] for kind in set(P.layer_kinds(s))):
+        if not any(layer_offload_terms(s, lay, st, kind)[0] for kind in set(layer_kinds(s))):
             return "; ".join(f"{m}: {_module_reason(m, s, st)}" for m in off.modules)
         return ""
     if overlay == "dist_optimizer":
-        dense, expert = P.data_parallel_shards(lay, st)
+        dense, expert = data_parallel_shards(lay, st)
         if dense <= 1 and expert <= 1:
             return f"DP x CP is {lay.dp * lay.cp}: the distributed optimizer has nothing to shard across"
         return ""
@@ -286,17 +291,17 @@ def search_offload_modules(moe: bool) -> tuple[str, ...]:
     return SEARCH_OFFLOAD_ATTENTION + (SEARCH_OFFLOAD_MOE if moe else ())
 
 
-def search_settings(base: P.Settings, s: set[str], shape: P.Shape) -> P.Settings:
+def search_settings(base: Settings, s: set[str], shape: Shape) -> Settings:
     """``base`` with the levers in ``s`` on, as their overlays set them with the parameters search.candidate_for
     passes (Bridge's defaults for the rest: FSDP's fp32 main weights and gradients in the parameters' dtype, bf16
     moments with fp32 masters, offload fraction 1)."""
     out = base
     if "megatron_fsdp" in s and base.fsdp is None:
-        out = replace(out, fsdp=SEARCH_FSDP_STRATEGY, dist_optimizer=True, grad_bytes=P.BF16, master_bytes=P.FP32)
+        out = replace(out, fsdp=SEARCH_FSDP_STRATEGY, dist_optimizer=True, grad_bytes=BF16, master_bytes=FP32)
     if "precision_aware_optimizer" in s and not base.precision_aware:
-        out = replace(out, precision_aware=True, state_bytes=P.BF16, dist_optimizer=True)
+        out = replace(out, precision_aware=True, state_bytes=BF16, dist_optimizer=True)
     if "fine_grained_offload" in s and base.fine_grained_offload is None:
-        moe = any("moe" in k for k in P.layer_kinds(shape))
+        moe = any("moe" in k for k in layer_kinds(shape))
         out = replace(out, fine_grained_offload=FineGrainedOffload(search_offload_modules(moe),
                                                                    graph_modules=tuple(base.graph_scopes)))
     return out
@@ -307,7 +312,7 @@ SAVES_NOTHING = "saves nothing here"
 MIN_SAVING = 1 << 20   # a step the plan prices at less than 1 MiB saved saves nothing (as memory/ladder.py)
 
 
-def step_note(overlay: str, s: P.Shape, lay: P.Layout, st: P.Settings, saving: float) -> str:
+def step_note(overlay: str, s: Shape, lay: Layout, st: Settings, saving: float) -> str:
     """What ``mbmem plan`` says beside the step that adds ``overlay`` (``saving``: bytes it took off the
     most-loaded GPU): "saves nothing here" with the reason where it changes nothing, and for fine-grained
     offloading the host memory it needs per GPU and per node."""
