@@ -61,7 +61,8 @@ CASES = [
     ("allocator/current_capacity.log", "capacity", "diagnosed", "high", ["selective_recompute", "dist_optimizer"],
      ("torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain model.tensor_model_parallel_size=1 "
      "+mem=selective_recompute"), 0),
-    ("allocator/expandable_already_capacity.log", "capacity", "diagnosed", "high", ["dist_optimizer", "full_recompute"],
+    ("allocator/expandable_already_capacity.log", "capacity", "diagnosed", "high",
+     ["dist_optimizer", "precision_aware_optimizer", "megatron_fsdp"],   # issue 31: then FSDP
      "torchrun --nproc_per_node=8 train.py recipe=llama3_8b_pretrain '+mem=[selective_recompute,dist_optimizer]'", 0),
     ("allocator/torch20_old_format.log", "fragmentation", "diagnosed", "high", ["max_split_size_mb"],
      ("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 python pretrain_gpt.py --tensor-model-parallel-size 2 "
@@ -110,7 +111,8 @@ CASES = [
      "+mem=selective_recompute"), 0),
     ("context/slurm_sbatch_victims.log", "capacity", "diagnosed", "high", ["selective_recompute"],
      "srun python train.py recipe=llama3_8b_pretrain +mem=selective_recompute", 0),
-    ("context/cpu_offload_zero_layers.log", "capacity", "diagnosed", "high", ["cpu_offload", "optimizer_offload"],
+    ("context/cpu_offload_zero_layers.log", "capacity", "diagnosed", "high",
+     ["cpu_offload", "precision_aware_optimizer"],
      "python train.py recipe=qwen3_8b_sft +mem=cpu_offload mem.cpu_offload.num_layers=1", 0),
     ("context/megatron_lm_args_table.log", "capacity", "diagnosed", "high", ["sequence_parallel", "selective_recompute"],
      ("torchrun --nproc_per_node 8 --nnodes 4 pretrain_gpt.py --tensor-model-parallel-size 4 "

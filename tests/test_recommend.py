@@ -144,7 +144,9 @@ def test_ladder_covers_sp_mlp_full_recompute_and_optimizer_offload_without_dupli
 @pytest.mark.bridge
 def test_ladder_keeps_the_users_overlays_and_their_parameters(bridge, capsys):
     rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "60GiB",
-                       "--overlay", "recompute", "--set", "mem.recompute.modules=[core_attn]")
+                       "--overlay", "recompute", "--set", "mem.recompute.modules=[core_attn]",
+                       # issue 31's FSDP step would fit first: kept off, so the ladder reaches the wider recompute
+                       "--set", "ddp.use_megatron_fsdp=false")
     taken = [s for s in rec["steps"] if "skipped" not in s]
     assert all("selective_recompute" in s["overlays"] for s in taken)
     wider = next(s for s in rec["steps"] if s["step"].startswith("selective_recompute (wider)"))
@@ -197,10 +199,14 @@ def test_printed_commands_run_as_pasted(bridge, capsys):
     our rules and Bridge's validation pass, exit 0. (Each paste imports Bridge anew: ~40 s.)"""
     # the recipe's own 128256-token vocabulary, not its NullTokenizer's 32000 (Bridge's setup would use the
     # tokenizer's): the larger logits make the ladder need a recompute step with a parameter
+    # bf16 moments kept off, so that the step that fits has a parameter: Megatron FSDP's strategy (issue 31's rung,
+    # before `mlp` recompute) or the recompute modules
     rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80G",
-                       "--set", "train.train_iters=20", "--set", "tokenizer.use_tokenizer_vocab_size=false")
+                       "--set", "train.train_iters=20", "--set", "tokenizer.use_tokenizer_vocab_size=false",
+                       "--set", "optimizer.use_precision_aware_optimizer=false")
     assert rc == 0 and rec["fits"]
-    assert "'mem.selective_recompute.modules=[core_attn,mlp]'" in rec["command"]  # a parameter the ladder chose
+    assert any(w.startswith("mem.megatron_fsdp.strategy=") or w == "mem.selective_recompute.modules=[core_attn,mlp]"
+               for w in words(rec["command"])), rec["command"]   # a parameter the ladder chose
     rc, found = cli_json(capsys, "plan", "--recipe", "llama3_8b_peft", "--world-size", "8", "--gpu-memory", "30GiB",
                          "--search", "--top", "1", "--overlay", "recompute", "--set", "mem.recompute.modules=[core_attn]",
                          "--set", "train.train_iters=20")
@@ -241,8 +247,9 @@ def test_a_rung_that_saves_nothing_is_listed_apart_never_printed_as_a_step(bridg
 def test_full_recompute_block_is_a_step_when_it_saves(bridge, recipe):
     """README's ladder: full recompute `block` over the fewest layers that fit comes before `uniform`/1."""
     from mbmem_overlays.memory.ladder import recommend
+    # issue 31's levers come before full recompute on the ladder (FSDP alone would fit here): the user keeps them off
     rec = recommend(recipe("llama3_8b_pretrain_config", "tokenizer.use_tokenizer_vocab_size=false"), 8,
-                    parse_size("40GiB"), recipe=L8)
+                    parse_size("40GiB"), recipe=L8, locked=LEVERS_OFF)
     block = next(s for s in rec["steps"] if s["step"].startswith("full_recompute method=block"))
     assert "skipped" not in block and block["saving_bytes"] > 0 and block["fits"]
     assert {"target": "model.recompute_method", "old": None, "new": "block"} in block["changes"]
@@ -254,8 +261,9 @@ def test_full_recompute_block_is_a_step_when_it_saves(bridge, recipe):
 def test_a_rejection_names_the_field_that_caused_it(bridge, capsys):
     """LoRA with CP > 1: Bridge refuses finetuning with CP > 1 unless calculate_per_token_loss is set. The search
     names model.context_parallel_size, not the overlays that happened to be applied."""
+    # --top 3: issue 31's FSDP + offloading rows are cheaper than halving DP for CP 2 and pass first
     rc, found = cli_json(capsys, "plan", "--recipe", "llama3_8b_peft", "--world-size", "8", "--gpu-memory", "20GiB",
-                         "--search", "--top", "2")
+                         "--search", "--top", "3")
     reasons = [d["reason"] for d in found["dropped_reasons"]]
     assert rc == 0 and any(r.startswith("model.context_parallel_size=2: ") for r in reasons), reasons
     assert not any("applied:" in r for r in reasons)
@@ -275,6 +283,7 @@ def test_the_search_never_offers_an_overlay_that_saves_nothing(bridge, recipe):
     single = [r for r in rows if r["dp"] * r["cp"] == 1]
     assert single and all("dist_optimizer" not in r["overlays"] or "optimizer_offload" in r["overlays"]
                           for r in single)
+    assert not any({"dist_optimizer", "megatron_fsdp"} <= set(r["overlays"]) for r in rows)   # FSDP implies it
     for r in rows[:200]:
         lay = replace_layout(base_lay, r)
         total = P.estimate(shape, lay, _settings(base_st, set(r["overlays"]), shape)).footprint
@@ -282,6 +291,51 @@ def test_the_search_never_offers_an_overlay_that_saves_nothing(bridge, recipe):
             rest = set(r["overlays"]) - {o}
             if not _refused(rest, r["pp"], r["tp"], base_st.dist_optimizer):
                 assert P.estimate(shape, lay, _settings(base_st, rest, shape)).footprint > total + MIN_SAVING
+
+
+LEVERS_OFF = {"ddp.use_megatron_fsdp": False, "optimizer.use_precision_aware_optimizer": False,
+              "model.fine_grained_activation_offloading": False}
+
+
+# ----------------------------------------------------------------------------- issue 31: the levers on the ladder
+@pytest.mark.bridge
+def test_recommend_reaches_megatron_fsdp_where_dp_is_large_and_the_distributed_optimizer_is_not_enough(bridge,
+                                                                                                     capsys):
+    """Llama3-8B on 8 GPUs at DP 8: the distributed optimizer is already on and bf16 moments are not enough; Megatron
+    FSDP is the first step that fits (before `mlp` recompute, PP doubling and offloading), with its cost in words."""
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "55GiB",
+                       "--set", "model.context_parallel_size=1")
+    assert rc == 0 and rec["fits"], rec
+    taken = [s for s in rec["steps"][1:] if "skipped" not in s]
+    assert taken[-1]["step"].startswith("megatron_fsdp strategy=") and taken[-1]["fits"]
+    assert not any(s["fits"] for s in taken[:-1])
+    assert [s["step"] for s in taken[:-1]][-1] == "precision_aware_optimizer"   # the cheap optimizer step first
+    fsdp = taken[-1]
+    assert fsdp["saving_bytes"] > 20 * 2**30 and "all-gathers each layer's weights" in fsdp["cost"]
+    assert {"target": "ddp.use_megatron_fsdp", "old": False, "new": True} in fsdp["changes"]
+    assert "PASSED" in fsdp["validation"] and "megatron_fsdp]" in rec["command"]
+    assert any(w.startswith("mem.megatron_fsdp.strategy=") for w in words(rec["command"]))
+
+
+@pytest.mark.bridge
+def test_recommend_reaches_fine_grained_offloading_where_activations_dominate(bridge, capsys):
+    """The same model with PP and the recompute modules pinned by the user: after FSDP, activations are the largest
+    component and module-level offloading (which works with recompute and PP > 1) is the first step that fits; its
+    cost names the host memory per GPU and per node."""
+    rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "45GiB",
+                       "--set", "model.context_parallel_size=1", "--set", "model.pipeline_model_parallel_size=1",
+                       "--overlay", "selective_recompute", "--set", "mem.selective_recompute.modules=[core_attn]")
+    assert rc == 0 and rec["fits"], rec
+    taken = [s for s in rec["steps"][1:] if "skipped" not in s]
+    assert [s["step"].split(" ")[0] for s in taken][-3:] == ["precision_aware_optimizer", "megatron_fsdp",
+                                                            "fine_grained_offload"]
+    offload = taken[-1]
+    assert offload["fits"] and not any(s["fits"] for s in taken[:-1]) and offload["saving_bytes"] > 2**30
+    assert "per GPU" in offload["cost"] and "per node of 8 GPUs" in offload["cost"]
+    assert {"target": "model.fine_grained_activation_offloading", "old": False, "new": True} in offload["changes"]
+    assert "core_attn" in offload["step"]     # attn_proj needs it, although its recompute bypasses its own offload
+    assert "PASSED" in offload["validation"]
+    assert "'mem.fine_grained_offload.modules=" in rec["command"]
 
 
 def replace_layout(lay, row):

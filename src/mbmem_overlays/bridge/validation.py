@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,7 +139,10 @@ def _validate_loop(work, ws, env, unchecked, needs) -> ValidationResult:
                 os.environ.update({k: str(v) for k, v in env.items()})
             os.environ["WORLD_SIZE"] = str(ws)
             try:
-                runtime_config_update(attempt)
+                # Bridge's notes (print_rank_0, e.g. Megatron FSDP turning the distributed optimizer on) go to
+                # stderr: stdout carries our report, and --json must stay one object
+                with contextlib.redirect_stdout(sys.stderr):
+                    runtime_config_update(attempt)
             except Exception as exc:  # Bridge/megatron-core raise ValueError, AssertionError, ...
                 message = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
                 for marker, safe in TE_ONLY_CHECKS:

@@ -46,6 +46,11 @@ COST = {
     "full_recompute": "~+33% compute (activation-recompute skill, Full-layer recompute)",
     "cpu_offload": "PCIe transfer per offloaded layer (cpu-offloading skill)",
     "optimizer_offload": "~1.9x step time at 25%, ~4.2x at 100% (cpu-offloading skill, Known Limitations)",
+    "precision_aware_optimizer": "no documented throughput cost; bf16 moments are a convergence choice (TE FusedAdam)",
+    "megatron_fsdp": "'varies' (memory-tuning skill, Parallelism resizing): weight all-gathers and gradient "
+                     "reduce-scatters per layer (megatron-fsdp skill)",
+    "fine_grained_offload": "PCIe copies of the offloaded inputs, overlapped with compute; host memory for every "
+                            "in-flight microbatch (cpu-offloading skill, Known Limitations)",
 }
 
 
@@ -306,6 +311,20 @@ def capacity_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
             and (dp is None or dp > 1):
         out.append(C.Remedy("dist_optimizer", "shard optimizer state across data-parallel ranks",
                             overlay="dist_optimizer", cost=COST["dist_optimizer"]))
+    # issue 31: after the distributed optimizer, halve Adam's moments, then shard gradients and weights too (the
+    # memory-tuning skill's Parallelism resizing: FSDP beside the distributed optimizer); activations: module-level
+    # offloading before full recompute (it works with PP > 1 and with selective recompute: cpu-offloading skill)
+    if _flag(f, "use_precision_aware_optimizer") is not True and "precision_aware_optimizer" not in have:
+        out.append(C.Remedy("precision_aware_optimizer", "keep Adam's moments in bf16 (precision-aware optimizer)",
+                            overlay="precision_aware_optimizer", cost=COST["precision_aware_optimizer"]))
+    if _flag(f, "use_megatron_fsdp") is not True and "megatron_fsdp" not in have and (dp is None or dp > 1):
+        out.append(C.Remedy("megatron_fsdp", "shard gradients and weights too across data-parallel ranks (Megatron "
+                            "FSDP)", overlay="megatron_fsdp", cost=COST["megatron_fsdp"]))
+    if rg not in ("full", "excluded") and _flag(f, "fine_grained_activation_offloading") is not True \
+            and "fine_grained_offload" not in have:
+        out.append(C.Remedy("fine_grained_offload", "offload the attention's saved inputs to host memory "
+                            "(fine-grained activation offloading)", overlay="fine_grained_offload",
+                            params={"modules": "[qkv_linear,core_attn,attn_proj]"}, cost=COST["fine_grained_offload"]))
     if rg not in ("full", "excluded") and "full_recompute" not in have:
         out.append(C.Remedy("full_recompute", "recompute whole layers (full recompute)", overlay="full_recompute",
                             remove_overlays=("selective_recompute",), cost=COST["full_recompute"]))

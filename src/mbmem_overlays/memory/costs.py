@@ -4,11 +4,13 @@ from __future__ import annotations
 
 # The order steps are shown in: the memory-tuning skill's Quick Decision ladder.
 LADDER = ("expandable_segments", "sequence_parallel", "lora_sp_regather", "selective_recompute", "dist_optimizer",
-          "cpu_offload", "full_recompute", "optimizer_offload")
+          "precision_aware_optimizer", "megatron_fsdp", "fine_grained_offload", "cpu_offload", "full_recompute",
+          "optimizer_offload")
 
 MEMORY = "memory-tuning skill"
 RECOMPUTE = "activation-recompute skill"
 OFFLOAD = "cpu-offloading skill"
+FSDP = "megatron-fsdp skill"
 
 # Documented throughput costs (fraction of step time), with their sources (shared/reference/nvidia-skills/).
 COSTS = {
@@ -27,6 +29,18 @@ COSTS = {
     "full_recompute": (0.33, f"replays every layer's forward (~+1/3 compute; {RECOMPUTE}, Full-layer recompute)"),
     "cpu_offload": (0.10, f"PCIe transfer per offloaded layer ({OFFLOAD}, Activation offloading; not measured there)"),
     "optimizer_offload": (0.9, f"~1.9x step time at 25%, ~4.2x at 100% ({OFFLOAD}, Known Limitations)"),
+    # Issue 31's levers. NVIDIA's texts give no measured throughput for them; the number only ranks them in the
+    # search, where the words say what each costs.
+    "precision_aware_optimizer": (0.005, "no documented throughput cost: TE's FusedAdam reads and writes the bf16 "
+                                         "moments in its own kernel; needs Adam, the distributed optimizer and TE "
+                                         "FusedAdam (megatron-core optimizer_config.py); bf16 moments are a "
+                                         "convergence choice to check on your model"),
+    "megatron_fsdp": (0.04, f"'varies' ({MEMORY}, Parallelism resizing): all-gathers each layer's weights in forward "
+                            f"and again in backward and reduce-scatters the gradients ({FSDP}, Enablement); ranked "
+                            "between the distributed optimizer (~1-2%) and PP doubling (~6%)"),
+    "fine_grained_offload": (0.05, f"PCIe (or C2C) copies of the offloaded modules' inputs, overlapped with compute "
+                                   f"on their own streams; works with PP > 1, unlike layer offload ({OFFLOAD}, "
+                                   "Known Limitations; not measured there)"),
 }
 TP_DOUBLING_COST = (0.28, f"doubling TP: -28% on Llama3-70B ({MEMORY}, Quick Decision 4)")
 DP_HALVING_COST = (0.06, f"PP up at the cost of DP: ~6% per halving ({MEMORY}, Quick Decision 5)")

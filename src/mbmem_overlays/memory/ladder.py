@@ -10,9 +10,16 @@ accepted candidate's, so it has passed both already. Order (sources in ``costs.p
 3. LoRA input re-gather (Quick Decision 2)
 4. selective recompute, the architecture's default label (Quick Decision 3)
 5. distributed optimizer (Parallelism resizing, ~1-2%)
+5a. bf16 Adam moments (the precision-aware optimizer): a cheap optimizer-state step after the distributed optimizer
+5b. Megatron FSDP where DP is large and the distributed optimizer is not enough (Parallelism resizing, "FSDP:
+   shards params + grads + optimizer"; megatron-fsdp skill): gradients first (``optim_grads``), then the weights too
+   (``optim_grads_params``, NVIDIA's default)
 6. selective recompute of ``mlp`` (dense) or ``moe`` (MoE) added to 4 (Quick Decision 6; activation-recompute
    skill, Selective Module Decision Table)
 7. PP doubled while DP >= 2 (Quick Decision 5: ~6% per DP halving)
+7a. fine-grained activation offloading where activations are the largest component (cpu-offloading skill, Quick
+   Decision "activation memory dominates" and Known Limitations: the module-level approach works with PP > 1): the
+   fewest modules first, each step saying what the host must hold per GPU and per node
 8. activation CPU offload, PP = 1 only, instead of recompute (Quick Decision 7; cpu-offloading skill)
 9. full recompute ``block``: the fewest layers per stage that fit, else the most tried (activation-recompute
    skill, Full-layer recompute and Quick Decision Guide 5)
@@ -28,7 +35,7 @@ or overlay that caused it (steps.explain_rejection).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.catalog import Catalog
@@ -115,6 +122,94 @@ def dist_optimizer(state: State) -> Proposal:
         return SavesNothing(f"DP x CP is {dp * cp} (world {state.world} / TP{tp} PP{pp} CP{cp}): the distributed "
                             "optimizer has nothing to shard across")
     return [(state.cand.plus("dist_optimizer"), COSTS["dist_optimizer"][1])]
+
+
+def _data_parallel_shards(state: State) -> tuple[int, str]:
+    """(ranks one optimizer instance shards over, the layout in words): what the distributed optimizer and FSDP
+    can split, dense or expert (model.data_parallel_shards)."""
+    from . import model as P
+    _, lay, st = P.from_config(state.cfg, state.world)
+    dense, expert = P.data_parallel_shards(lay, st)
+    return max(dense, expert if getattr(_model(state), "num_moe_experts", None) else 1), f"DP x CP is {lay.dp * lay.cp}"
+
+
+def bf16_moments(state: State) -> Proposal:
+    """The precision-aware optimizer with bf16 moments: half of Adam's state at no documented throughput cost."""
+    from . import model as P
+    if _own(state, "precision_aware_optimizer"):
+        return _own(state, "precision_aware_optimizer")
+    for path in ("optimizer.use_precision_aware_optimizer", "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"):
+        if path in state.start.locked:
+            return f"you set {path} yourself"
+    st = P.from_config(state.cfg, state.world)[2]
+    if st.lora_rank:
+        return SavesNothing("LoRA trains only the adapters: their optimizer state is negligible")
+    if st.precision_aware and st.state_bytes <= P.BF16:
+        return SavesNothing("the Adam moments are already 2 bytes or less")
+    return [(state.cand.plus("precision_aware_optimizer"), COSTS["precision_aware_optimizer"][1])]
+
+
+def megatron_fsdp(state: State) -> Proposal:
+    """Megatron FSDP: the gradients sharded too (optim_grads), then the weights (optim_grads_params)."""
+    if _own(state, "megatron_fsdp"):
+        return _own(state, "megatron_fsdp")
+    for path in ("ddp.use_megatron_fsdp", "dist.use_megatron_fsdp", "ddp.data_parallel_sharding_strategy"):
+        if path in state.start.locked:
+            return f"you set {path} yourself"
+    shards, layout = _data_parallel_shards(state)
+    if shards <= 1:
+        return SavesNothing(f"{layout}: Megatron FSDP has no data-parallel ranks to shard across")
+    return [(state.cand.plus("megatron_fsdp", params={"strategy": s}),
+             f"strategy {s} over {shards} ranks: {COSTS['megatron_fsdp'][1]}") for s in ("optim_grads",
+                                                                                      "optim_grads_params")]
+
+
+def fine_grained_offload(state: State) -> Proposal:
+    """Module-level activation offloading, where activations are the largest component: the fewest modules that
+    keep an activation here first (model.levers.layer_offload_terms), fraction 1."""
+    from . import levers
+    from . import model as P
+    if _own(state, "fine_grained_offload"):
+        return _own(state, "fine_grained_offload")
+    if "model.fine_grained_activation_offloading" in state.start.locked:
+        return "you set model.fine_grained_activation_offloading yourself"
+    shape, lay, st = P.from_config(state.cfg, state.world)
+    b = P.estimate(shape, lay, st)
+    largest = max(("parameters", "gradients", "optimizer", "activations"), key=lambda k: getattr(b, k))
+    if largest != "activations":
+        return (f"activations ({b.activations / 2**30:.1f} GiB) are not the largest component ({largest}, "
+                f"{getattr(b, largest) / 2**30:.1f} GiB): offloading them is not the next step")
+    options = _offload_module_sets(shape, lay, st)
+    if not options:
+        return SavesNothing("no module megatron-core can offload keeps an activation in this configuration")
+    out = []
+    for modules in options:
+        trial = replace(st, fine_grained_offload=levers.FineGrainedOffload(modules, graph_modules=tuple(
+            st.graph_scopes)))
+        host = max(levers.offloaded_activations(shape, lay, trial, r).host_per_gpu for r in range(lay.pp))
+        out.append((state.cand.plus("fine_grained_offload", params={"modules": list(modules), "fraction": 1.0}),
+                    f"{levers.host_memory_text(host, state.world)}; {COSTS['fine_grained_offload'][1]}"))
+    return out
+
+
+def _offload_module_sets(shape, lay, st) -> list[tuple[str, ...]]:
+    """Growing sets of offload_modules that remove something here: the attention's largest saved tensors first,
+    then its input, then the MoE expert inputs (megatron-core's labels; attn_proj only with core_attn)."""
+    from . import levers
+    from . import model as P
+    moe = any("moe" in k for k in P.layer_kinds(shape))
+    ladder = [("core_attn",), ("core_attn", "attn_proj"), ("qkv_linear", "core_attn", "attn_proj")]
+    if moe:
+        inside = () if "moe" in (st.modules if st.recompute == "selective" else ()) else ("expert_fc1", "moe_act")
+        ladder.append(("qkv_linear", "core_attn", "attn_proj", "mlp_norm", *inside))
+    out, seen = [], 0.0
+    for modules in ladder:
+        trial = replace(st, fine_grained_offload=levers.FineGrainedOffload(modules))
+        removed = max(levers.offloaded_activations(shape, lay, trial, r).gpu_removed for r in range(lay.pp))
+        if removed > seen + MIN_SAVING:
+            out.append(modules)
+            seen = removed
+    return out
 
 
 def selective_wide(state: State) -> Proposal:
@@ -220,8 +315,11 @@ LADDER_RUNGS = (
     Rung("lora_sp_regather", lora_regather),
     Rung("selective_recompute", selective_default),
     Rung("dist_optimizer", dist_optimizer),
+    Rung("precision_aware_optimizer", bf16_moments),
+    Rung("megatron_fsdp", megatron_fsdp),
     Rung("selective_recompute (wider)", selective_wide),
     Rung("PP x2 (DP /2)", pipeline_doubling),
+    Rung("fine_grained_offload", fine_grained_offload),
     Rung("cpu_offload", cpu_offload),
     Rung("full_recompute block", full_recompute_block),
     Rung("full_recompute uniform", full_recompute_uniform),
@@ -237,7 +335,8 @@ def _label(rung: Rung, before: Candidate, after: Candidate) -> str:
     overlay = rung.label.split(" ")[0]
     if after.params.get(overlay) and (overlay not in before.overlays
                                       or after.params[overlay] != before.params.get(overlay)):
-        return f"{overlay} " + " ".join(f"{k}={v}" for k, v in after.params[overlay].items())
+        return f"{overlay} " + " ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+                                        for k, v in after.params[overlay].items())
     return rung.label
 
 

@@ -24,10 +24,12 @@ from ..core.catalog import Catalog
 from ..core.engine import apply_overlay
 from ..core.errors import OverlayError
 from ..core.rules import REGATHER_SURFACES
+from . import levers
 from . import model as P
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST
 from .ranges import uncertainty, verdict
-from .steps import Candidate, Rejected, Start, breakdown_of, explain_rejection, first_line, realize, train_command
+from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, first_line, launch_env, realize,
+                    train_command)
 
 # The Bridge fields a layout sets; a field the user set with --set is pinned to the user's value.
 LAYOUT_FIELDS = {"tp": "model.tensor_model_parallel_size", "pp": "model.pipeline_model_parallel_size",
@@ -36,7 +38,8 @@ SP_FIELD = "model.sequence_parallel"
 # expandable_segments is not an option but part of every result: it is free and changes no modelled byte
 # (memory-tuning skill, Quick Decision 1), so two results that differ only in it would be the same layout.
 ALWAYS = ("expandable_segments",)
-OPTIONS = ("selective_recompute", "dist_optimizer", "full_recompute", "cpu_offload", "optimizer_offload")
+OPTIONS = ("selective_recompute", "dist_optimizer", "full_recompute", "cpu_offload", "optimizer_offload",
+           "precision_aware_optimizer", "megatron_fsdp", "fine_grained_offload")
 RECOMPUTE = {"selective_recompute", "full_recompute"}
 MIN_SAVING = 1 << 20   # an overlay whose removal changes the footprint by less saves nothing on that layout
 
@@ -55,13 +58,19 @@ def _choices(values: list[int], field: str, locked: dict[str, Any]) -> list[int]
 def _refused(s: set[str], pp: int, tp: int, dist: bool) -> bool:
     """The rules that decide most combinations, on the dataclasses (the engine and Bridge re-check every
     result): one recompute granularity; activation offload only at PP=1 and without recompute
-    (cpu-offloading skill, Compatibility); re-gather needs TP>1; optimizer offload needs the distributed
-    optimizer (same section)."""
+    (cpu-offloading skill, Compatibility); re-gather needs TP>1; optimizer offload needs the distributed optimizer
+    (same section), which Megatron FSDP and the precision-aware optimizer's overlay turn on (FSDP with
+    dist_optimizer is FSDP alone); layer and fine-grained activation offload exclude each other (transformer_config.py
+    __post_init__)."""
     if RECOMPUTE <= s or ("cpu_offload" in s and (pp > 1 or s & RECOMPUTE)):
         return True
     if "lora_sp_regather" in s and tp == 1:
         return True
-    return "optimizer_offload" in s and not (dist or "dist_optimizer" in s)
+    if {"megatron_fsdp", "dist_optimizer"} <= s or {"cpu_offload", "fine_grained_offload"} <= s:
+        return True
+    # the precision-aware optimizer's overlay turns the distributed optimizer on itself
+    dist = dist or bool(s & {"dist_optimizer", "megatron_fsdp", "precision_aware_optimizer"})
+    return "optimizer_offload" in s and not dist
 
 
 def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int | None = 5, *,
@@ -111,6 +120,7 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
 
 def _settings(base: P.Settings, s: set[str], shape: P.Shape) -> P.Settings:
     """The model's settings with the overlays in ``s`` on top (the parameters ``candidate_for`` passes)."""
+    base = levers.search_settings(base, s, shape)
     return replace(base, dist_optimizer=base.dist_optimizer or "dist_optimizer" in s,
                    recompute="full" if "full_recompute" in s else "selective" if "selective_recompute" in s
                    else base.recompute,
@@ -131,8 +141,9 @@ def _cost(s: set[str], lay: P.Layout, base: P.Layout) -> float:
     return cost
 
 
-def candidate_for(row: dict, locked: dict[str, Any], layers: int) -> Candidate:
-    """The overlays, parameters and layout fields of one search row (the user's fields are left alone)."""
+def candidate_for(row: dict, locked: dict[str, Any], layers: int, moe: bool = False) -> Candidate:
+    """The overlays, parameters and layout fields of one search row (the user's fields are left alone); ``moe``:
+    the model has MoE layers (the offload modules include theirs)."""
     values = {"tp": row["tp"], "pp": row["pp"], "vpp": row["vpp"] if row["vpp"] > 1 else None, "cp": row["cp"]}
     sets = {path: values[k] for k, path in LAYOUT_FIELDS.items() if path not in locked}
     if SP_FIELD not in locked:
@@ -144,6 +155,11 @@ def candidate_for(row: dict, locked: dict[str, Any], layers: int) -> Candidate:
         params["full_recompute"] = {"method": "uniform", "num_layers": 1}
     if "optimizer_offload" in row["overlays"]:
         params["optimizer_offload"] = {"fraction": 1.0}
+    if "megatron_fsdp" in row["overlays"]:
+        params["megatron_fsdp"] = {"strategy": levers.SEARCH_FSDP_STRATEGY}
+    if "fine_grained_offload" in row["overlays"]:
+        params["fine_grained_offload"] = {"modules": list(levers.search_offload_modules(moe)),
+                                          "fraction": 1.0}
     return Candidate(tuple(dict.fromkeys([*ALWAYS, *row["overlays"]])), params, sets)
 
 
@@ -156,7 +172,7 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
     catalog = catalog or Catalog(list(start.overlay_dirs))
     mine = copy.deepcopy(cfg)
     try:  # the user's overlays, for the model's starting settings (the layout is checked per row below)
-        apply_overlay(mine, list(start.overlays), env={}, params=start.params, locked=start.locked, catalog=catalog)
+        apply_overlay(mine, list(start.overlays), env=launch_env(), params=start.params, locked=start.locked, catalog=catalog)
     except OverlayError as exc:
         raise Rejected(f"your overlays are rejected on this recipe: {first_line(exc)}") from None
     rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays)
@@ -171,7 +187,8 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
         if len(results) >= top or checked >= max_checks:
             break
         checked += 1
-        cand = candidate_for(row, start.locked, cfg.model.num_layers)
+        cand = candidate_for(row, start.locked, cfg.model.num_layers,
+                             bool(getattr(cfg.model, "num_moe_experts", None)))
         try:
             work, report = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
         except Rejected as exc:

@@ -23,6 +23,7 @@ from ..core.paths import read
 from ..core.values import hydra_text
 from . import model as P
 from .costs import LADDER
+from .levers import step_note
 from .ranges import uncertainty
 
 
@@ -70,6 +71,13 @@ class Rejected(Exception):
         self.problem = problem
 
 
+def launch_env() -> dict[str, str]:
+    """The environment an overlay is checked against, as ``mbmem apply`` and ``train.py`` read it: this process's
+    (variables the user exported win over cfg.env_vars, as at launch). A copy: what an overlay sets is planned,
+    never exported here."""
+    return dict(os.environ)
+
+
 def first_line(exc: OverlayError) -> str:
     """The first problem of an OverlayError, its message only (the fix is for a user's own command)."""
     problems = getattr(exc, "problems", None) or []
@@ -96,7 +104,7 @@ def realize(cfg: Any, start: Start, cand: Candidate, world: int, *, catalog: Cat
               if start.params.get(n) or cand.params.get(n)}
     try:
         locked = {**start.locked, **(apply_overrides(work, dict(cand.sets)) if cand.sets else {})}
-        report = api_apply_overlay(work, names, env={}, params=params, world_size=world, locked=locked,
+        report = api_apply_overlay(work, names, env=launch_env(), params=params, world_size=world, locked=locked,
                                    validate=validate, catalog=catalog)
     except OverlayError as exc:  # our rules, or (engine >= ValidationRejected) Bridge's validation
         raise Rejected(first_line(exc), next(iter(getattr(exc, "problems", None) or []), None)) from None
@@ -208,7 +216,7 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
     catalog = catalog or Catalog()
     names = sorted({catalog.resolve(n).name for n in overlays},
                    key=lambda n: LADDER.index(n) if n in LADDER else len(LADDER))
-    apply_overlay(copy.deepcopy(cfg), names, env={}, params=params, world_size=world, locked=locked,
+    apply_overlay(copy.deepcopy(cfg), names, env=launch_env(), params=params, world_size=world, locked=locked,
                   catalog=catalog)  # all at once
     steps = [P.Step("baseline", P.estimate(*P.from_config(cfg, world)))]
     work = copy.deepcopy(cfg)
@@ -216,10 +224,13 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
     for name in names:
         applied.append(name)
         work = copy.deepcopy(cfg)
-        apply_overlay(work, applied, env={}, params={k: v for k, v in (params or {}).items()
+        apply_overlay(work, applied, env=launch_env(), params={k: v for k, v in (params or {}).items()
                                                      if k.split(".")[0] in applied or k in applied}, world_size=world,
                       locked=locked, catalog=catalog)
-        steps.append(P.Step(name, P.estimate(*P.from_config(work, world)), P.STEP_NOTES.get(name, "")))
+        shape, lay, st = P.from_config(work, world)
+        b = P.estimate(shape, lay, st)
+        note = P.STEP_NOTES.get(name) or step_note(name, shape, lay, st, steps[-1].breakdown.total - b.total)
+        steps.append(P.Step(name, b, note))
     shape, lay, st = P.from_config(work, world)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st))

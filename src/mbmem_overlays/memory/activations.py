@@ -1,0 +1,160 @@
+"""Activations one layer keeps for its backward, per token of a microbatch, block by block (attention, MLP, MoE,
+Mamba, LoRA), and what selective recompute drops."""
+
+from __future__ import annotations
+
+from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
+
+def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> dict[str, float]:
+    """Bytes kept per token of one microbatch for one layer of ``kind`` on one GPU (before recompute)."""
+    t = lay.tp
+    sp_div = t if lay.sp else 1   # LayerNorm-region tensors are split across TP only with SP
+    gemm_in = FP8 if st.fp8 else BF16
+    frozen = st.lora_rank > 0
+    # A LoRA adapter asks TE for the norm output, which turns off the quantized norm: it is then kept in bf16.
+    ln_out = BF16 if frozen else gemm_in
+
+    def keeps_input(target: str) -> bool:
+        # Transformer Engine saves a GEMM input only for the weight gradient (linear.py / layernorm_linear.py:
+        # backward_needs_input = weight.requires_grad); a frozen base GEMM keeps its input only when a LoRA
+        # adapter on it reads the same tensor.
+        return not frozen or target in st.lora_targets
+
+    def lora_gathered(target: str) -> None:
+        # Under SP, LoRA-A of a column-parallel target reading a norm output keeps the full gathered input until
+        # backward; input re-gather keeps only the sequence-local shard, which the base GEMM keeps anyway
+        # (memory-tuning skill, PEFT + SP input re-gather). Row-parallel adapters read a tensor already kept.
+        if frozen and lay.sp and target in st.lora_targets and target not in st.lora_regather:
+            terms[f"lora_a_gathered_input_{target}"] = BF16 * s.hidden
+
+    terms: dict[str, float] = {}
+    blocks = kind.split("+")
+    # Every block's norm input (the residual stream) is kept for the norm's backward; TE fuses the norm into
+    # the block's first GEMM.
+    for block in blocks:
+        terms[f"{block}_layernorm_input"] = BF16 * s.hidden / sp_div
+    if "attn" in blocks:
+        # the norm output is the QKV GEMM input, kept sequence-local (TE re-gathers it in backward)
+        if keeps_input("linear_qkv"):
+            terms["attention_layernorm_output"] = ln_out * s.hidden / sp_div
+        if s.mla:
+            terms["attention_qkv"] = BF16 * s.heads * (2 * (s.qk_head_dim + s.qk_pos_dim) + s.v_head_dim) / t
+            terms["mla_up_proj_inputs"] = BF16 * (s.kv_lora_rank + (s.q_lora_rank or 0)) / sp_div
+        else:
+            # The attention kernel keeps q, k, v: RoPE returns new q and k, and TE copies the strided v view out
+            # of the QKV output (get_qkv_layout finds no layout for the mix and makes all three contiguous), so
+            # the QKV output itself is freed: together the same size as that output.
+            terms["attention_qkv"] = BF16 * (s.heads + 2 * s.groups) * s.head_dim / t
+            if s.qk_norm:
+                # q/k LayerNorm (Qwen3): TE's norm saves a contiguous copy of its input (ops/basic/rmsnorm.py)
+                terms["attention_qk_norm_inputs"] = BF16 * (s.heads + s.groups) * s.head_dim / t
+        terms["attention_softmax_stats"] = FP32 * s.heads / t
+        # The fused attention kernel keeps its bf16 output for its own backward. linear_proj keeps that same
+        # tensor as its input when it computes a bf16 weight gradient (its own, or an adapter's); under FP8 it
+        # keeps a quantized copy instead. core_attn recompute checkpoints the kernel with only q, k, v saved
+        # (attention.py _checkpointed_attention_forward -> random.py CheckpointFunction save_for_backward(*args)),
+        # so the kernel's copy is then dropped unless linear_proj holds the same tensor.
+        out = BF16 * s.heads * (s.v_head_dim or s.head_dim) / t
+        if (keeps_input("linear_proj") and (frozen or not st.fp8)) or "core_attn_output" in st.without:
+            terms["attention_output"] = out
+        else:
+            terms["attention_kernel_output"] = out
+        if st.fp8 and not frozen:
+            terms["attention_output_fp8"] = FP8 * s.heads * (s.v_head_dim or s.head_dim) / t
+        lora_gathered("linear_qkv")
+    if "mlp" in blocks:
+        if keeps_input("linear_fc1"):
+            terms["mlp_layernorm_output"] = ln_out * s.hidden / sp_div
+        terms["mlp_fc1_output"] = BF16 * (2 if s.gated else 1) * s.ffn / t
+        if s.gated and not st.swiglu_fused:
+            # unfused SwiGLU is silu(a) * (b + glu_linear_offset) (mlp.py glu): autograd keeps silu(a) for the
+            # product's backward, and b + offset too, a new tensor (b is a view of FC1's output, the offset a
+            # Python float: the sum is materialized even at 0.0); a clamped a (activation_func_clamp_value) is
+            # a new tensor that silu keeps as its input
+            terms["mlp_silu_output"] = BF16 * s.ffn / t
+            if "glu_linear_copy" not in st.without:
+                terms["mlp_glu_linear_input"] = BF16 * s.ffn / t
+                if st.glu_clamped:
+                    terms["mlp_glu_clamped_input"] = BF16 * s.ffn / t
+        if keeps_input("linear_fc2"):
+            terms["mlp_act_output"] = (BF16 if frozen else gemm_in) * s.ffn / t
+        lora_gathered("linear_fc1")
+    if "moe" in blocks:
+        # Each rank routes its own sequence-local tokens (megatron-core needs SP with TP for MoE) topk times.
+        # Expert-TP all-gathers the dispatched tokens across its group and splits the FFN: the expert input
+        # grows ETP-fold, the FFN activations per rank stay the same (token_dispatcher.py, alltoall).
+        routed = s.topk / sp_div * st.moe_load
+        # MoE layers have a separate (unfused) pre-MLP norm; the router's gating function saves its output
+        # whether or not the router trains (moe_utils.py RouterGatingLinearFunction)
+        terms["moe_layernorm_output"] = BF16 * s.hidden / sp_div
+        terms["moe_router"] = FP32 * s.experts / sp_div
+        if keeps_input("linear_fc1"):  # grouped GEMMs keep inputs only for a weight gradient (grouped_linear.py)
+            terms["moe_permuted_input"] = routed * lay.etp * BF16 * s.hidden
+        terms["moe_fc1_output"] = routed * BF16 * (2 if s.gated else 1) * s.moe_ffn
+        if s.gated and not st.swiglu_fused:
+            terms["moe_silu_output"] = routed * BF16 * s.moe_ffn
+            if "glu_linear_copy" not in st.without:  # experts.py bias_act_func glu: as the dense MLP's
+                terms["moe_glu_linear_input"] = routed * BF16 * s.moe_ffn
+                if st.glu_clamped:
+                    terms["moe_glu_clamped_input"] = routed * BF16 * s.moe_ffn
+        if st.moe_probs_mul and "glu_linear_copy" not in st.without:
+            # without the fused weighted activation the expert output of the activation is multiplied by the
+            # routing probabilities afterwards (experts.py bias_act_func: intermediate * permuted_probs), and that
+            # product keeps its bf16 input for the probabilities' gradient
+            terms["moe_probs_mul_input"] = routed * BF16 * s.moe_ffn
+        if keeps_input("linear_fc2"):
+            terms["moe_act_output"] = routed * (BF16 if frozen else gemm_in) * s.moe_ffn
+        # unpermute weights each expert output by its routing probability and keeps it for that gradient
+        terms["moe_unpermute_input"] = routed * BF16 * s.hidden
+        if s.shared_ffn:
+            terms["shared_expert"] = (BF16 * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
+            lora_gathered("linear_fc1")  # the shared expert's adapter is an ordinary column-parallel one
+    if "mamba" in blocks:
+        inner = s.mamba_heads * s.mamba_head_dim
+        bc = 2 * s.mamba_groups * s.mamba_state
+        if keeps_input("in_proj"):
+            terms["mamba_layernorm_output"] = ln_out * s.hidden / sp_div
+        # The fused conv1d + chunked-scan kernel (mamba_split_conv1d_scan_combined) keeps its input z, x, B, C,
+        # dt and the scan output, and recomputes the rest in backward; out_proj keeps its input for its weight.
+        terms["mamba_in_proj_output"] = BF16 * (2 * inner + bc + s.mamba_heads) / t
+        terms["mamba_scan_output"] = BF16 * inner / t
+        if keeps_input("out_proj"):
+            terms["mamba_out_proj_input"] = BF16 * inner / t
+        lora_gathered("in_proj")
+    if frozen:
+        terms["lora_intermediates"] = 2 * BF16 * st.lora_rank * len(st.lora_targets)
+    return terms
+
+
+RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recompute skill, Decision Table)
+    "core_attn": ("attention_softmax_stats", "attention_kernel_output"),
+    # the MLP checkpoint (TE: the pre-MLP norm is fused into FC1) keeps only its input
+    "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_glu_linear_input",
+            "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
+    # "layernorm" checkpoints only norms that are separate modules: with TE's fused norm+GEMM the input norm is
+    # an IdentityOp and is skipped (transformer_layer.py: recompute_input_layernorm); MoE's pre-MLP norm is separate
+    "layernorm": ("moe_layernorm_output",),
+    "moe_act": ("moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
+                "moe_act_output"),
+    # The MoE checkpoint's saved input is the pre-MLP norm output (moe/moe_layer.py: tensor_parallel.checkpoint(
+    # custom_forward, False, hidden_states, ...)): it stays unless "layernorm" drops it as well.
+    "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
+            "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
+            "shared_expert"),
+    "shared_experts": ("shared_expert",),
+    "mla_up_proj": ("attention_qkv",),
+}
+
+
+def _selected_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> dict[str, float]:
+    terms = layer_activation_terms(s, lay, st, kind)
+    if st.recompute == "selective":
+        for label in st.modules:
+            for name in RECOMPUTE_DROPS.get(label, ()):
+                terms.pop(name, None)
+    return terms
+
+
+def layer_activation(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> float:
+    """Bytes one layer of ``kind`` keeps per microbatch in eager mode (after selective recompute)."""
+    return sum(_selected_terms(s, lay, st, kind).values()) * _tokens(lay)

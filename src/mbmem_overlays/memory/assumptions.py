@@ -1,0 +1,183 @@
+"""What the plan assumes and where its terms come from, as data: the assumption texts a plan prints (and its
+uncertainty ranges qualify, memory/ranges.py) and the terms added for issue 25 with their sources."""
+
+from __future__ import annotations
+
+# The assumptions a plan's uncertainty ranges qualify (memory/ranges.py); each range names one of these.
+MOE_BALANCE = (
+    "MoE tokens are balanced across experts (each GPU's experts take topk x its tokens); the range for "
+    "activations runs to the most one GPU's experts can receive: capacity factor x that share when tokens beyond "
+    "moe_expert_capacity_factor are dropped (moe_utils.py get_capacity, per source rank and expert), or, dropless, "
+    "every token of the expert-parallel group routed to this GPU's experts; with "
+    "moe_pad_expert_input_to_capacity the load is the capacity itself")
+VOCAB_FROM_TOKENIZER = (
+    "the vocabulary is the one Bridge sets at setup (training/setup.py:293-299, _validate_and_set_vocab_size): "
+    "the tokenizer's, padded to make_vocab_size_divisible_by x TP, when tokenizer.use_tokenizer_vocab_size is set "
+    "(the pretrain recipes' NullTokenizer) or model.vocab_size is None; else model.vocab_size as it is. The "
+    "tokenizer's is tokenizer.vocab_size, or for a Hugging Face tokenizer the model's shipped config.json "
+    "vocab_size (the padded embedding size, which can exceed the tokenizer's own by a few hundred tokens); when "
+    "neither is known (and the recipe presets none) the embedding, output layer and logits are not counted and "
+    "the range says how large a vocabulary still fits")
+FP8_TRANSPOSE = (
+    "FP8 weights keep a transposed FP8 copy (Hopper GEMMs take only the TN layout: TE v2.17.1 tensor/utils.py "
+    "post_all_gather_processing _create_transpose); on a GPU with non-TN FP8 GEMMs (Blackwell) that byte per "
+    "layer weight is not kept: the low end of the parameters' range")
+GRAPH_WARMUP = (
+    "with TE CUDA graphs the first cuda_graph_warmup_steps (W) iterations run eagerly and the graphs are captured "
+    "at the start of iteration W + 1 (Bridge training/train.py:429-438), before that iteration's zero_grad "
+    "(train.py:866-869; megatron-core zeroes the gradients only after capture, cuda_graphs.py:2671-2681 "
+    "_reset_after_capture). With W >= 1 the capture therefore runs beside the Adam moments and the W-th step's "
+    "fp32 gradient copies; with W = 0 it runs before the first step, when FusedAdam has not created its moments "
+    "yet (TE v2.17.1 optimizers/fused_adam.py:615-616 initialize_state on first use). The eager iterations hold "
+    "every activation (beside the moments from the second on). These one-time phases come before training and "
+    "are the high end of the activations' range; the headline plan is training after capture: graph replay and "
+    "the optimizer step")
+PRECISION_AWARE_PATH = (
+    "use_precision_aware_optimizer keeps the gradients in bf16 at the step (decoupled_grad) and gives the "
+    "master weights to FusedAdam only where megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8 holds "
+    "(optimizer_config.py:404-411: main params not fp32, an fp8_recipe of None or delayed, or CPU offload). "
+    "Bridge's mixed-precision setup copies mixed_precision.fp8_recipe (default 'tensorwise', also without FP8) "
+    "into the optimizer config (mixed_precision.py setup) before finalize computes it, so with fp32 main params "
+    "the step takes the regular path: DistributedOptimizer's fp32 masters and fp32 gradient copies "
+    "(distrib_optimizer.py:2782), with the moments in exp_avg_dtype")
+
+ASSUMPTIONS = (
+    "allocated memory only (torch's max_memory_allocated, what Bridge reports as mem-max-allocated): allocator "
+    "fragmentation (reserved-but-unallocated) is not modelled; expandable_segments therefore shows 0 B of change "
+    "although it is the fix for that gap. The caching allocator rounds every request up to 512 bytes (negligible) "
+    "and hands out a cached large block whole when less than 1 MiB would be left over (CUDACachingAllocator "
+    "should_split): that slack depends on the order of allocations and is not modelled",
+    "CUDA context, NCCL communicators, TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
+    "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) and cuBLAS/TE workspaces are outside torch's allocated "
+    "memory and not counted",
+    "the headline peak is the larger of the two phases every training iteration goes through, on the first and "
+    "last pipeline ranks (and any middle rank whose layers differ): the 1F1B steady state (most microbatches in "
+    "flight, plus the last stage's loss, deferred output-layer gradients and megatron-core's global memory "
+    "buffer) and the optimizer step (fp32 copies of bf16 gradients, the params-dtype casts of FP8 master "
+    "weights, and the CUDA graphs' static inputs). The one-time phases before training, eager warm-up "
+    "iterations and CUDA graph capture, are planned per rank too and bound the activations' range",
+    "per-layer CUDA graphs (cuda_graph_modules, or the deprecated cuda_graph_scope; none: the whole layer) follow "
+    "megatron-core's TECudaGraphHelper (transformer/cuda_graphs.py) and TE v2.17.1's make_graphed_callables "
+    "(pytorch/graph.py): one graph per graphable layer (_layer_is_graphable: attn, mlp, moe/moe_router, mamba by "
+    "layer type) and per microbatch in the pipeline order (one microbatch without PP), captured after the warm-up "
+    "steps; the captured scopes' saved activations for the in-flight microbatches are the capture peak and stay "
+    "as the graphs' private pool (reserved, not allocated, in replay). Each graphed layer and in-flight microbatch "
+    "has a static input (the hidden state, plus for attention graphs the bool mask mbs x s/cp x s: "
+    "_get_layer_static_inputs), allocated throughout, and a static output, allocated while capturing and "
+    "weak-referenced into the pool after its backward graph is captured (_reuse_graph_input_output_buffers), so "
+    "in replay it and the next eager norm's saved copy of it are pool memory. Static gradient buffers (reused by "
+    "shape; the previous graph's weak-referenced) are not counted. The local implementation is modelled the same "
+    "way",
+    GRAPH_WARMUP,
+    PRECISION_AWARE_PATH,
+    "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept beside q, "
+    "k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or adapter-read copy "
+    "for linear_proj stays); an unfused backend would keep the s x s scores",
+    "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs keep theirs "
+    "only when an adapter reads the same tensor; under SP a column-parallel LoRA-A keeps the full gathered input "
+    "unless input re-gather lets it reuse the sequence-local shard",
+    FP8_TRANSPOSE,
+    MOE_BALANCE,
+    "'moe' selective recompute checkpoints the MoE layer with the pre-MLP norm output as its saved input "
+    "(moe/moe_layer.py tensor_parallel.checkpoint(custom_forward, False, hidden_states, ...)): that output stays "
+    "unless 'layernorm' is selected too, which megatron-core turns off for MoE layers under a TE moe_router "
+    "graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
+    "can_recompute_pre_mlp_layernorm_for_cudagraph)",
+    "hybrid (Mamba) blocks use the fused conv1d+scan kernel, which keeps its input projection and scan output",
+    VOCAB_FROM_TOKENIZER,
+    "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
+    "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones the "
+    "offloaded fraction of the optimizer's parameters to pinned CPU memory and copies each CPU step's result back "
+    "to the GPU parameter: with the distributed optimizer and a non-precision-aware optimizer that parameter is "
+    "DistributedOptimizer's fp32 master shard, which therefore stays on the GPU, and only the offloaded Adam "
+    "moments leave; the fp32 gradient copy at the step is still made for every shard (distrib_optimizer.py "
+    "_copy_model_grads_to_main_grads). With the precision-aware optimizer megatron-core keeps no master "
+    "(shard_main_param=None) and the hybrid optimizer makes fp32 masters itself, the offloaded part on the CPU "
+    "and the rest on the GPU with fp32 moments (its GPU Adam gets no exp_avg_dtype, optimizer/__init__.py). "
+    "Without the distributed optimizer, Float16Optimizer's fp32 masters stay beside the hybrid optimizer's own "
+    "fp32 copies of the GPU part",
+    "the distributed optimizer shards over DP x CP / ddp.num_distributed_optimizer_instances ranks (expert state "
+    "over expert DP / instances: parallel_state.py intra-partial distributed-optimizer groups)",
+    "Megatron FSDP shards, per ddp.data_parallel_sharding_strategy, the optimizer state (optim), also the "
+    "gradients (optim_grads) and also the parameters (optim_grads_params) across the same groups "
+    "(megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers; with several optimizer "
+    "instances optimizer state spans all of DP only when outer_dp_sharding_strategy is optim); every layer is one "
+    "FSDP unit, and the transient unsharded copies are two units of parameters (the current one and the prefetched "
+    "next) and one unit of gradients; the embedding and output layer are sharded like the rest and their own "
+    "gathered copy is not counted; no fp32 gradient copy is made at the step (FSDP owns its main-grad buffers)",
+)
+
+
+# Terms added for issue 25, each found in the code path of a measured configuration (bench/plan_accuracy.py) and
+# physically general; Settings.without switches any of them off so the bench can show what each one changes.
+# name -> (what the model now counts, where it comes from: installed megatron-core 0.19.2 / Bridge 0.6.2 files,
+# Transformer Engine at tag v2.17.1, the commit Bridge 0.6.x's uv.lock pins).
+ADDED_TERMS = {
+    "glu_linear_copy": (
+        "unfused GLU (bias_activation_fusion off): the linear half plus glu_linear_offset is a new tensor the "
+        "product keeps, a clamped gate is a new tensor silu keeps; MoE experts without the fused weighted kernel "
+        "also keep the activation output for the probabilities' gradient",
+        "megatron/core/transformer/mlp.py:324-331 (glu: activation_func(x_glu) * (x_linear + glu_linear_offset)); "
+        "transformer/moe/experts.py:861-879 (the same, then intermediate_parallel * permuted_probs)"),
+    "core_attn_output": (
+        "core_attn recompute keeps q, k, v only: the fused kernel's bf16 output is dropped unless linear_proj "
+        "keeps that same tensor for a bf16 weight gradient (under FP8 it keeps a quantized copy instead)",
+        "megatron/core/transformer/attention.py:461,494 (_checkpointed_attention_forward: checkpoint(custom_forward, "
+        "False, query, key, value, ...)); tensor_parallel/random.py:618 (CheckpointFunction: "
+        "ctx.save_for_backward(*args))"),
+    "te_cross_entropy_in_place": (
+        "TE's fused cross entropy writes the gradient into the bf16 logits and saves them: 2 bytes per logit, "
+        "not 6",
+        "TE v2.17.1 transformer_engine/pytorch/cross_entropy.py:53-62; common/triton/cross_entropy.py:190 "
+        "(tl.store(X_ptr + X_offsets, X_block.to(grad_dtype))); megatron/core/models/common/language_module/"
+        "language_module.py:186 (te_parallel_cross_entropy(logits, ...))"),
+    "graph_outputs_in_pool": (
+        "in CUDA graph replay a graph's static output, and the next eager norm's saved copy of it, are pool "
+        "memory (weak references), not allocated",
+        "TE v2.17.1 transformer_engine/pytorch/graph.py:719-723 (make_weak_ref(static_outputs)), :866 (replay "
+        "returns static_outputs); megatron/core/transformer/cuda_graphs.py:2593-2595 "
+        "(_reuse_graph_input_output_buffers=True for TE >= 2.7)"),
+    "graph_static_inputs_at_step": (
+        "CUDA graph static inputs (one hidden state per in-flight layer-microbatch) stay allocated at the optimizer "
+        "step",
+        "megatron/core/transformer/module.py:257 (get_layer_static_inputs: torch.ones hidden state), "
+        "transformer/cuda_graphs.py:2231 (_get_sample_arguments: reused per signature), TE v2.17.1 graph.py:848 "
+        "(replay copies each input into its static buffer)"),
+    "block_recompute_one_layer": (
+        "full recompute with method block checkpoints each of its first n layers on its own, so one layer is "
+        "re-materialized at a time (uniform re-materializes a group of n)",
+        "megatron/core/recompute.py:167-181 (block: chunk_runner(layer_idx, layer_idx + 1, use_checkpoint)); "
+        ":157-166 (uniform: chunk_runner(layer_idx, layer_idx + recompute_num_layers, True))"),
+    "global_memory_buffer": (
+        "the last stage's trainable output layer under SP all-gathers into megatron-core's global memory buffer "
+        "(full sequence x hidden, bf16), kept for the job; the deferred-wgrad drain keeps a second one",
+        "megatron/core/tensor_parallel/layers.py:570 (get_global_memory_buffer().get_tensor(dim_size, input.dtype, "
+        "\"mpu\")); megatron/core/utils.py:1259 (drain_embedding_wgrad_compute: \"mpu_0\")"),
+    "fp8_master_cast_copies": (
+        "FP8 primary weights with the distributed optimizer: at the step TE first casts every fp32 master shard of a "
+        "quantized weight to the params dtype and holds all the casts in a list until it has quantized them into "
+        "the FP8 weights, beside the step's fp32 gradient copies: 2 bytes per quantized weight element of this "
+        "rank's optimizer shard (bf16 params)",
+        "megatron/core/optimizer/optimizer.py:786,808 (optimizer.step(), then _copy_main_params_to_model_params); "
+        "optimizer/distrib_optimizer.py:2815,2837 (fp8_param_gather: quantize_param_shard); fp8_utils.py:415 "
+        "(cast_master_weights_to_fp8); TE v2.17.1 transformer_engine/pytorch/tensor/utils.py:139-144 "
+        "(master_weight = master_weight.to(model_weight.dtype)), :148-167 (appended to the per-recipe lists), "
+        ":171-181 (cast after the loop)"),
+    "precision_aware_grad_upcast": (
+        "use_precision_aware_optimizer with fp32 main params and an fp8_recipe other than delayed (Bridge's default "
+        "'tensorwise', also without FP8) and no CPU offload takes megatron-core's regular path: the step makes "
+        "fp32 gradient copies (the plan said bf16 decoupled gradients)",
+        "megatron/core/optimizer/optimizer_config.py:404-411 (use_precision_aware_optimizer_no_fp8_or_ds_fp8); "
+        "optimizer/distrib_optimizer.py:2774-2782 (decoupled_grad only under that flag, else .float()); "
+        "megatron/bridge/training/mixed_precision.py:130-131 (setup copies fp8_recipe into the optimizer config), "
+        "megatron/bridge/training/config.py:136-142 (OptimizerConfig.finalize runs the post-init after that)"),
+    "graph_capture_after_warmup": (
+        "the CUDA graph capture as Bridge runs it, once, before training: with cuda_graph_warmup_steps >= 1 beside "
+        "the last warm-up step's fp32 gradient copies, with 0 before the Adam moments exist; a one-time phase "
+        "like the eager warm-up, so it bounds the range and the headline is replay and the optimizer step (before: "
+        "the capture's activations beside the full state, in the headline)",
+        "megatron/bridge/training/train.py:429-438 (create_cudagraphs when step - start == "
+        "cuda_graph_warmup_steps, before train_step), :866-869 (train_step: optimizer.zero_grad); "
+        "megatron/core/transformer/cuda_graphs.py:2671-2681 (_reset_after_capture zeroes after capture); TE "
+        "v2.17.1 transformer_engine/pytorch/optimizers/fused_adam.py:615-616 (moments created at the first step)"),
+}

@@ -1,0 +1,279 @@
+"""What the model reads from a Bridge ConfigContainer: Shape, Layout and Settings as Bridge would run them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .graphs import WHOLE_LAYER
+from .inputs import BF16, FP8, FP32, Layout, Settings, Shape
+from .pipeline import HYBRID_SYMBOLS
+
+def cross_entropy_impl(m: Any) -> str:
+    """Which cross entropy the last stage runs (language_module.py compute_language_model_loss)."""
+    if not bool(getattr(m, "cross_entropy_loss_fusion", False)):
+        return "unfused"
+    return "te" if str(getattr(m, "cross_entropy_fusion_impl", "native")) == "te" else "native"
+
+
+def loss_bytes(m: Any) -> int:
+    """Bytes per logit element at the loss's peak.
+
+    Unfused megatron-core cross entropy (tensor_parallel/cross_entropy.py): the bf16 logits plus their fp32 upcast,
+    turned into the softmax in place. TE's kernel (cross_entropy_fusion_impl "te") writes the gradient into the
+    bf16 logits themselves and saves that tensor (TE v2.17.1 pytorch/cross_entropy.py CrossEntropyFunction.forward
+    :53-62, common/triton/cross_entropy.py cross_entropy_kernel :190 tl.store(X_ptr ...)): 2 bytes, plus fp32
+    row statistics (3 per token). The torch.compile'd "native" fusion (fusions/fused_cross_entropy.py) keeps the
+    fp32 softmax, and its compiled calculate_gradients allocates a fresh fp32 buffer and the bf16 result beside
+    it: 4 + 4 + 2 bytes (inductor's generated code for it, checked with torch 2.14).
+    """
+    impl = cross_entropy_impl(m)
+    if impl == "native":
+        return FP32 + FP32 + BF16
+    return BF16 if impl == "te" else BF16 + FP32
+
+
+def graph_scopes(m: Any) -> tuple[str, ...]:
+    """Per-layer CUDA graph modules whose activations leave allocated memory; () when graphs are off or capture
+    the whole iteration (then every activation is allocated at capture exactly as in eager mode).
+
+    megatron-core reads ``cuda_graph_modules`` (default "full": the whole layer); the deprecated
+    ``cuda_graph_scope`` is migrated into it (transformer_config.py __post_init__). Bridge's own helpers read both
+    the same way before finalize (megatron/bridge/utils/cuda_graph.py), so we call them.
+    """
+    from megatron.bridge.utils.cuda_graph import cuda_graph_module_names, is_full_iteration_cuda_graph
+    impl = str(getattr(m, "cuda_graph_impl", None) or "none")
+    if impl == "none" or is_full_iteration_cuda_graph(m):
+        return ()
+    modules = tuple(cuda_graph_module_names(m))
+    return modules or WHOLE_LAYER
+
+
+def recompute_modules(m: Any, impl_scopes: tuple[str, ...]) -> tuple[str, ...]:
+    """The selective-recompute labels that take effect. "layernorm" on MoE layers is switched off under a TE
+    moe_router graph unless moe_preprocess is graphed with the alltoall dispatcher (or a latent MoE) and the
+    shared expert does not overlap (transformer_layer.py can_recompute_pre_mlp_layernorm_for_cudagraph)."""
+    modules = tuple(m.recompute_modules if m.recompute_modules is not None else ["core_attn"])
+    if "layernorm" not in modules or "moe_router" not in impl_scopes:
+        return modules
+    if str(getattr(m, "cuda_graph_impl", "none")) == "local":
+        return modules
+    overlap = getattr(m, "moe_shared_expert_intermediate_size", None) is not None and \
+        bool(getattr(m, "moe_shared_expert_overlap", False))
+    preprocess = "moe_preprocess" in impl_scopes and (
+        getattr(m, "moe_token_dispatcher_type", None) == "alltoall" or bool(getattr(m, "moe_latent_size", None)))
+    if not overlap and preprocess:
+        return modules
+    return tuple(x for x in modules if x != "layernorm")  # only MoE layers have a separate norm in this model
+
+
+def fp8_weight_copy_bytes(fp8: bool, fp8_params: bool, transpose_cache_disabled: bool) -> int:
+    """Bytes per layer GEMM weight kept beside the parameter itself for FP8 GEMMs.
+
+    FP8 parameters (fp8_param_gather) keep a second, transposed FP8 layout after each all-gather, because
+    Hopper's FP8 GEMM takes only the TN layout (TE tensor/utils.py post_all_gather_processing:
+    _create_transpose when non-TN FP8 GEMM is unsupported). bf16 parameters with FP8 compute keep a cached FP8
+    copy in both layouts across microbatches unless disable_parameter_transpose_cache is set (megatron-core
+    passes is_first_microbatch=None then, so TE quantizes the weight afresh each time).
+    """
+    if not fp8:
+        return 0
+    if fp8_params:
+        return FP8
+    return 0 if transpose_cache_disabled else 2 * FP8
+
+
+def _moe_weights_activation_separately(m: Any) -> bool:
+    """Whether the experts multiply their activation output by the routing probabilities as a separate autograd op
+    (experts.py bias_act_func): not with the fused weighted kernels (bias_activation_fusion without GLU
+    interleaving, or the fused weighted squared ReLU), and not when the probabilities were applied to the input
+    (they are then ones that need no gradient)."""
+    if bool(getattr(m, "moe_apply_probs_on_input", False)):
+        return False
+    if bool(getattr(m, "bias_activation_fusion", True)) and getattr(m, "moe_mlp_glu_interleave_size", None) is None:
+        return False
+    act = getattr(getattr(m, "activation_func", None), "__name__", "")
+    return not (act == "squared_relu" and bool(getattr(m, "use_fused_weighted_squared_relu", False)))
+
+
+def _capacity_factor(m: Any) -> float | None:
+    """moe_expert_capacity_factor when tokens beyond it are dropped (None: dropless routing)."""
+    factor = getattr(m, "moe_expert_capacity_factor", None)
+    return float(factor) if factor else None
+
+
+def _dtype_bytes(dtype: Any, default: int) -> int:
+    name = str(dtype)
+    return {"torch.float32": FP32, "torch.bfloat16": BF16, "torch.float16": BF16, "torch.uint8": FP8}.get(name, default)
+
+
+def fp8_cast_copy_bytes(cfg: Any, fp8_params: bool, decoupled_grads: bool, fsdp_on: bool, mp: Any) -> int:
+    """Settings.fp8_cast_copy_bytes: the params dtype's bytes when the step quantizes fp32 masters into FP8
+    primary weights through TE's quantize_master_weights (fp8_master_cast_copies), else 0. That is the
+    distributed optimizer's regular path with ddp.fp8_param_gather (distrib_optimizer.py:2815); not Megatron
+    FSDP (its own copy_main_weights_to_model_weights), not the precision-aware path that lets FusedAdam own the
+    masters (:2812-2813 returns first), not MXFP8 weights gathered through the gradient buffer
+    (reuse_grad_buf_for_mxfp8_param_ag: the masters go to the param buffer instead, optimizer.py:800-806).
+    fp32 params cast to themselves (Tensor.to of the same dtype returns the tensor)."""
+    from ..core.paths import read
+    dist = bool(getattr(cfg.optimizer, "use_distributed_optimizer", False) or read(cfg, "ddp.use_distributed_optimizer",
+                                                                                   False))
+    reuse = any(bool(getattr(c, "reuse_grad_buf_for_mxfp8_param_ag", False))
+                for c in (mp, cfg.optimizer, getattr(cfg, "ddp", None)) if c is not None)
+    if not fp8_params or not dist or fsdp_on or decoupled_grads or reuse:
+        return 0
+    dtype = getattr(mp, "params_dtype", None) if mp is not None else None
+    dtype = dtype or getattr(cfg.model, "params_dtype", None)
+    return 0 if _dtype_bytes(dtype, BF16) == FP32 else BF16
+
+
+def vocab_size(cfg: Any) -> int:
+    """The model's unpadded vocabulary as Bridge sets it at setup (training/setup.py:293-299,
+    _validate_and_set_vocab_size :702): the tokenizer's when ``tokenizer.use_tokenizer_vocab_size`` is set or
+    ``model.vocab_size`` is unset, else ``model.vocab_size``. The tokenizer's is ``tokenizer.vocab_size`` (a
+    NullTokenizer's whole vocabulary, megatron-core null_tokenizer.py), or for a Hugging Face tokenizer the
+    model's shipped config.json vocab_size (bridge/hf_configs); 0 if we have neither (and the recipe sets none)."""
+    return model_vocab(cfg)[0]
+
+
+def model_vocab(cfg: Any) -> tuple[int, bool]:
+    """(unpadded vocabulary, whether Bridge pads it): setup pads a vocabulary that came from the tokenizer and
+    leaves a preset model.vocab_size as it is (setup.py:702-721 returns should_pad_vocab True / False, which the
+    model provider obeys: gpt_provider.py:265-270)."""
+    preset = getattr(cfg.model, "vocab_size", None)
+    tok = getattr(cfg, "tokenizer", None)
+    if preset and not getattr(tok, "use_tokenizer_vocab_size", False):
+        return int(preset), False
+    return (_tokenizer_vocab(tok) or int(preset or 0)), True
+
+
+def _tokenizer_vocab(tok: Any) -> int:
+    """The tokenizer's vocabulary size without building it, 0 when not readable here."""
+    if getattr(tok, "vocab_size", None):
+        return int(tok.vocab_size)
+    hub_id = getattr(tok, "tokenizer_model", None)
+    if not isinstance(hub_id, str):
+        return 0
+    import json
+
+    from ..bridge.hf_offline import available_models
+    path = available_models().get(hub_id)
+    if path is None:
+        return 0
+    return int(json.loads(path.read_text()).get("vocab_size") or 0)
+
+
+def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
+    from ..core.engine import View
+    from ..core.paths import read
+    from ..core.rules import mixed_precision_config, regather_fallbacks
+    m = cfg.model
+    layers = m.num_layers
+    freq = getattr(m, "moe_layer_freq", 1)
+    experts = getattr(m, "num_moe_experts", None) or 0
+    pattern = getattr(m, "hybrid_override_pattern", None) or getattr(m, "hybrid_layer_pattern", None)
+    if getattr(m, "is_hybrid_model", False) and isinstance(pattern, str) and pattern:
+        # hybrid stacks (Nemotron-H): one block per symbol; MTP blocks after "/" are not modelled
+        kinds = tuple(HYBRID_SYMBOLS[c] for c in pattern.split("/")[0] if c in HYBRID_SYMBOLS)
+        layers = len(kinds)
+    else:
+        if not experts:
+            is_moe = [False] * layers
+        elif isinstance(freq, int):
+            is_moe = [i % freq == 0 for i in range(layers)]
+        else:
+            is_moe = [bool(int(x)) for x in freq]
+        kinds = tuple("attn+moe" if x else "attn+mlp" for x in is_moe)
+    moe_layers = sum(1 for k in kinds if "moe" in k)
+    vocab, pad = model_vocab(cfg)
+    div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
+    vocab = int(math.ceil(vocab / div) * div) if vocab and pad else vocab   # calculate_padded_vocab_size
+    shape = Shape(
+        layers=layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size or 4 * m.hidden_size, heads=m.num_attention_heads,
+        groups=m.num_query_groups or m.num_attention_heads, head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        vocab=vocab, gated=bool(getattr(m, "gated_linear_unit", False)),
+        tied=bool(getattr(m, "share_embeddings_and_output_weights", False)),
+        experts=experts, moe_ffn=getattr(m, "moe_ffn_hidden_size", 0) or 0, topk=getattr(m, "moe_router_topk", 0) or 0,
+        shared_ffn=getattr(m, "moe_shared_expert_intermediate_size", 0) or 0, moe_layers=moe_layers,
+        mla=bool(getattr(m, "multi_latent_attention", False)), qk_head_dim=getattr(m, "qk_head_dim", 0) or 0,
+        qk_pos_dim=getattr(m, "qk_pos_emb_head_dim", 0) or 0, v_head_dim=getattr(m, "v_head_dim", 0) or 0,
+        kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0,
+        qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
+        mamba_heads=getattr(m, "mamba_num_heads", 0) or 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
+        mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
+        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4)
+    lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                 vpp=m.virtual_pipeline_model_parallel_size or 1, cp=m.context_parallel_size,
+                 ep=getattr(m, "expert_model_parallel_size", 1) or 1,
+                 etp=getattr(m, "expert_tensor_parallel_size", None) or m.tensor_model_parallel_size,  # mcore default
+                 sp=bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1,
+                 seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size)
+    mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
+    grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
+    if grad_fp32 is None:
+        grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
+    opt = cfg.optimizer
+    precision_aware = bool(getattr(opt, "use_precision_aware_optimizer", False))
+    # megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8 (optimizer_config.py:404-411), with the
+    # fp8_recipe Bridge's mixed-precision setup copies into the optimizer config (PRECISION_AWARE_PATH)
+    fp8_recipe = getattr(mp, "fp8_recipe", None) if mp is not None else getattr(opt, "fp8_recipe", None)
+    decoupled_grads = precision_aware and (
+        _dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) != FP32 or fp8_recipe in (None, "delayed")
+        or bool(getattr(opt, "optimizer_cpu_offload", False)))
+    peft = getattr(cfg, "peft", None)
+    fp8 = bool(getattr(mp, "fp8", None) or getattr(m, "fp8", None))
+    fp8_params = bool(getattr(m, "fp8_param", False) or getattr(mp, "fp8_param_gather", False))
+    overlap = getattr(cfg, "comm_overlap", None)
+    defer = getattr(overlap, "defer_embedding_wgrad_compute", None)
+    defer = bool(getattr(m, "defer_embedding_wgrad_compute", False) if defer is None else defer)
+    limit = getattr(overlap, "wgrad_deferral_limit", None)
+    limit = int(getattr(m, "wgrad_deferral_limit", 0) or 0) if limit is None else int(limit)
+    fsdp_on = bool(read(cfg, "ddp.use_megatron_fsdp", False) or getattr(getattr(cfg, "dist", None),
+                                                                       "use_megatron_fsdp", False))
+    scopes = graph_scopes(m)
+    regather: tuple[str, ...] = ()
+    if peft is not None and getattr(peft, "sequence_parallel_input_regather", False):
+        view = View(cfg, {}, {}, world, (), {})
+        regather = tuple(t for t, r in regather_fallbacks(view).items() if r is None)
+    settings = Settings(
+        recompute=m.recompute_granularity,
+        modules=recompute_modules(m, scopes) if m.recompute_granularity == "selective" else (),
+        recompute_method=m.recompute_method, recompute_layers=m.recompute_num_layers or 1,
+        cpu_offload_layers=(m.cpu_offloading_num_layers if m.cpu_offloading and m.cpu_offloading_activations else 0),
+        cpu_offload_double_buffer=bool(getattr(m, "cpu_offloading_double_buffering", False)),
+        # Bridge forces both distributed-optimizer flags on under Megatron FSDP (config.py
+        # _validate_and_apply_megatron_fsdp_configs)
+        dist_optimizer=bool(opt.use_distributed_optimizer or read(cfg, "ddp.use_distributed_optimizer", False)
+                            or fsdp_on),
+        precision_aware=precision_aware,
+        optimizer_instances=int(read(cfg, "ddp.num_distributed_optimizer_instances", 1) or 1),
+        fsdp=str(read(cfg, "ddp.data_parallel_sharding_strategy", "no_shard") or "no_shard") if fsdp_on else None,
+        fsdp_outer_optim=str(read(cfg, "ddp.outer_dp_sharding_strategy", "no_shard")) == "optim",
+        shared_expert_overlap=bool(getattr(m, "moe_shared_expert_overlap", False)),
+        optimizer_offload=float(opt.optimizer_offload_fraction or 0.0) if opt.optimizer_cpu_offload else 0.0,
+        grad_bytes=FP32 if grad_fp32 else BF16,
+        param_bytes=FP8 if fp8_params else BF16,
+        fp8_weight_copy_bytes=fp8_weight_copy_bytes(fp8, fp8_params, bool(getattr(m, "disable_parameter_transpose_cache", False))),
+        # TE's activation module (use_te_activation_func) keeps only its input, as the fused kernel does
+        swiglu_fused=bool(getattr(m, "bias_activation_fusion", True) or getattr(m, "use_te_activation_func", False)),
+        glu_clamped=getattr(m, "activation_func_clamp_value", None) is not None,
+        moe_probs_mul=bool(experts) and _moe_weights_activation_separately(m),
+        moe_capacity_factor=_capacity_factor(m),
+        moe_load=_capacity_factor(m) if _capacity_factor(m) and getattr(m, "moe_pad_expert_input_to_capacity",
+                                                                          False) else 1.0,
+        graph_warmup_steps=int(getattr(m, "cuda_graph_warmup_steps", 0) or 0) if scopes else 0,
+        graph_scopes=scopes,
+        logits_bytes=loss_bytes(m),
+        cross_entropy_impl=cross_entropy_impl(m),
+        step_upcasts_grads=not decoupled_grads,
+        fp8_cast_copy_bytes=fp8_cast_copy_bytes(cfg, fp8_params, decoupled_grads, fsdp_on, mp),
+        deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
+        if defer and lay.pp > 1 else 0,
+        state_bytes=_dtype_bytes(getattr(opt, "exp_avg_dtype", None), FP32) if precision_aware else FP32,
+        master_bytes=_dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) if precision_aware else FP32,
+        fp8=fp8,
+        lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
+        lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
+        lora_regather=regather)
+    from .levers import apply_config   # issue 31's levers (memory/levers.py)
+    return shape, lay, apply_config(cfg, settings)

@@ -1,0 +1,146 @@
+"""The plan's inputs and its result: the model's shape, the parallel layout, the settings read from a
+configuration (memory/from_config.py), and one GPU's breakdown. Frozen dataclasses, bytes per element."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+BF16 = 2            # bytes per bf16/fp16 element
+FP32 = 4
+FP8 = 1
+ADAM_MOMENTS = 2    # exp_avg and exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    gated: bool = True
+    tied: bool = False
+    experts: int = 0
+    moe_ffn: int = 0
+    topk: int = 0
+    shared_ffn: int = 0
+    moe_layers: int = 0           # how many of the layers are MoE
+    mla: bool = False
+    qk_head_dim: int = 0
+    qk_pos_dim: int = 0
+    v_head_dim: int = 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_norm: bool = False         # LayerNorm on q and k (Qwen3)
+    # One entry per layer: "attn+mlp" / "attn+moe" for GPT layers; hybrid models (Nemotron-H) stack single
+    # blocks "mamba", "attn", "mlp", "moe" (hybrid_layer_pattern M * - E). Empty: GPT, MoE layers spread evenly.
+    layer_kinds: tuple[str, ...] = ()
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_conv: int = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    seq: int = 4096
+    mbs: int = 1
+    gbs: int = 1
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // (self.tp * self.pp * self.cp))
+
+    @property
+    def microbatches(self) -> int:
+        return max(1, self.gbs // (self.mbs * self.dp))
+
+
+@dataclass(frozen=True)
+class Settings:
+    recompute: str | None = None              # None | "selective" | "full"
+    modules: tuple[str, ...] = ()
+    recompute_method: str | None = None
+    recompute_layers: int = 1
+    cpu_offload_layers: int = 0
+    cpu_offload_double_buffer: bool = False
+    dist_optimizer: bool = False
+    optimizer_offload: float = 0.0
+    grad_bytes: int = FP32
+    param_bytes: int = BF16
+    state_bytes: int = FP32                   # exp_avg / exp_avg_sq (bf16 with the precision-aware optimizer)
+    master_bytes: int = FP32
+    fp8: bool = False
+    lora_rank: int = 0                        # 0: full training
+    lora_targets: tuple[str, ...] = ()
+    lora_regather: tuple[str, ...] = ()       # targets that really re-gather (see rules.regather_fallbacks)
+    # Extra bytes per transformer-layer GEMM weight for a second FP8 layout kept between steps (see weight_copy_bytes)
+    fp8_weight_copy_bytes: int = 0
+    swiglu_fused: bool = True                 # bias_activation_fusion: the fused SwiGLU keeps only its input
+    deferred_wgrad_microbatches: int = 0      # defer_embedding_wgrad_compute: output-layer dY kept per microbatch
+    graph_scopes: tuple[str, ...] = ()        # per-layer CUDA graph scopes (see GRAPH_SCOPE_TERMS)
+    logits_bytes: int = BF16 + FP32           # per logit element at the loss (see loss_bytes)
+    cross_entropy_impl: str = "unfused"       # "te", "native" (fused) or "unfused" (see loss_bytes)
+    # the optimizer step copies bf16 grads to fp32: megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    # is false (see PRECISION_AWARE_PATH)
+    step_upcasts_grads: bool = True
+    # Bytes per quantized weight element of the optimizer shard that the step casts the fp32 master to before
+    # quantizing it into an FP8 primary weight (fp8_master_cast_copies): the params dtype's, 0 without FP8 params
+    fp8_cast_copy_bytes: int = 0
+    precision_aware: bool = False             # optimizer.use_precision_aware_optimizer (see optimizer_gpu_bytes)
+    optimizer_instances: int = 1              # ddp.num_distributed_optimizer_instances (see data_parallel_shards)
+    fsdp: str | None = None                   # Megatron FSDP on: ddp.data_parallel_sharding_strategy
+    fsdp_outer_optim: bool = False            # ddp.outer_dp_sharding_strategy == "optim" (HSDP across instances)
+    shared_expert_overlap: bool = False       # moe_shared_expert_overlap: the shared expert is outside router graphs
+    glu_clamped: bool = False                 # activation_func_clamp_value set: the unfused GLU clamps x_glu first
+    moe_load: float = 1.0                     # tokens on this rank's experts / a balanced load (see moe_load_range)
+    moe_capacity_factor: float | None = None  # moe_expert_capacity_factor (None: dropless)
+    moe_probs_mul: bool = False               # experts weight their activation output by the probs separately
+    graph_warmup_steps: int = 0               # cuda_graph_warmup_steps: eager iterations before TE graph capture
+    fine_grained_offload: Any = None          # levers.FineGrainedOffload (model.fine_grained_activation_offloading)
+    # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
+    # (bench/plan_accuracy.py); empty in every plan.
+    without: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    other: float
+    detail: tuple[tuple[str, float], ...] = ()   # named buffers inside the totals, bytes
+    rank: int = 0                                 # the pipeline rank this breakdown is for
+    phase: str = "steady 1F1B"                    # when that rank peaks (see estimate)
+    # Memory the allocator must hold in the steady state when CUDA graphs keep a private pool beside the
+    # allocated tensors (0: nothing beyond ``total``); what fits the GPU is judged on the larger of the two.
+    resident: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+    @property
+    def footprint(self) -> float:
+        return max(self.total, self.resident)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "other": self.other, "total": self.total}
+
+
+def _tokens(lay: Layout) -> float:
+    return lay.seq * lay.mbs / lay.cp

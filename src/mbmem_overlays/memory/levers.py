@@ -1,0 +1,332 @@
+"""The memory levers issue 31 made overlays, as the plan counts them: Megatron FSDP's buffer dtypes, fine-grained
+activation offloading, and the precision-aware optimizer's moment dtypes.
+
+Pure functions over the model's frozen dataclasses (inputs.py), each term cited to megatron-core 0.19.2 as installed
+in ``.venv`` (``megatron/core/...``) or Megatron Bridge 0.6.2 (``megatron/bridge/...``). ``apply_config`` is the
+one hook ``model.from_config`` calls: it reads the fields below from a Bridge ``ConfigContainer`` into ``Settings``;
+``offloaded_activations`` is the one hook ``stage_activations`` calls. What FSDP shards (parameters, gradients,
+optimizer state by ``data_parallel_sharding_strategy``) and the units it gathers (the current and the prefetched
+layer) were already in model.py (``FSDP_SHARDS``, ``communication_buffers``); bf16 moments already halved the
+moments (``Settings.state_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+# the model's own files, not its model.py name space (which imports from_config, which calls apply_config here)
+from .activations import _selected_terms
+from .graphs import GRAPH_SCOPE_TERMS, graphed_blocks
+from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
+from .pipeline import in_flight, layer_kinds, rank_layers
+from .weights import data_parallel_shards
+
+# megatron-core transformer_config.py:1247 (min_offloaded_tensor_size default, in elements) and :1262
+# (activation_offload_fraction default)
+MIN_OFFLOADED_ELEMENTS = 1024 * 1024
+GPUS_PER_NODE = 8   # what "per node" assumes (DGX/HGX H100, H200, B200 nodes); the plan has no node size
+
+
+@dataclass(frozen=True)
+class FineGrainedOffload:
+    """model.fine_grained_activation_offloading as megatron-core runs it (Settings.fine_grained_offload)."""
+    modules: tuple[str, ...]                   # model.offload_modules
+    fraction: float = 1.0                      # model.activation_offload_fraction
+    min_elements: int = MIN_OFFLOADED_ELEMENTS  # model.min_offloaded_tensor_size
+    separate_input_norm: bool = False          # the layer's input norm is a module of its own (MLA specs)
+    graph_modules: tuple[str, ...] = ()        # model.cuda_graph_modules (as TransformerLayer reads them)
+    delta_bytes: int = 0                       # model.delta_offload_bytes_across_pp_ranks (kept per PP rank)
+
+
+# offload_modules label -> the activation terms (model.layer_activation_terms) whose saved tensors its
+# saved-tensor hooks move to pinned host memory (pipeline_parallel/fine_grained_activation_offload.py
+# PipelineOffloadManager.on_save_for_backward -> ChunkOffloadHandler.tensor_push / bulk_offload_group), and the
+# code where each context is entered.
+OFFLOAD_TERMS = {
+    # transformer_layer.py:631-706: the separate input norm saves the layer input (residual stream);
+    # _set_offload_modules (:1442) turns it off when input_layernorm is an IdentityOp (TE's norm fused into
+    # linear_qkv, the GPT specs: models/gpt/gpt_layer_specs.py) or under an attn CUDA graph (:1460)
+    "attn_norm": ("attn_layernorm_input",),
+    # attention.py:1385-1394: get_query_key_value_tensors under the hooks: linear_qkv's saved input (the norm
+    # output; with TE's fused norm also the norm's input), q/k norm inputs (:1920-1924), MLA's up-projection inputs
+    "qkv_linear": ("attention_layernorm_output", "attention_qk_norm_inputs", "mla_up_proj_inputs"),
+    # attention.py:1541-1596: the fused kernel's saved q, k, v (force-released), softmax statistics and its own
+    # output; bypassed when core_attn is recomputed (the checkpointed path, :1546)
+    "core_attn": ("attention_qkv", "attention_softmax_stats", "attention_kernel_output", "attention_output"),
+    # attention.py:1615-1618: linear_proj's saved input, core_attn_out force-released
+    "attn_proj": ("attention_output", "attention_output_fp8"),
+    # transformer_layer.py:763-773, :998-1004: a separate pre-MLP norm (MoE layers) saves the residual stream;
+    # off for an IdentityOp (dense TE layers) and under attn or moe_router graphs (:1469-1475)
+    "mlp_norm": ("moe_layernorm_input",),
+    # moe/experts.py:792-803: the grouped FC1's saved input, force-released
+    "expert_fc1": ("moe_permuted_input",),
+    # moe/experts.py:805-901: the activation's saved input (FC1's output, force-released) and its own copies
+    "moe_act": ("moe_fc1_output", "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input",
+                "moe_probs_mul_input"),
+    # moe/experts.py:673-711: the whole fused grouped MLP (TE op fuser)
+    "fused_group_mlp": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
+                        "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output"),
+}
+# Terms that stay on the GPU although a module's hooks copy them to the host: another module keeps the same tensor
+# (the bf16 attention output is also linear_proj's saved input unless attn_proj offloads and releases it).
+SHARED_WITH = {"attention_output": "attn_proj"}
+_FP32_TERMS = ("attention_softmax_stats", "moe_router")
+
+
+def _element_bytes(term: str) -> int:
+    return FP32 if term in _FP32_TERMS else FP8 if term.endswith("_fp8") else BF16
+
+
+def offload_from_config(m: Any) -> FineGrainedOffload | None:
+    """Settings.fine_grained_offload from a Bridge model config (None: off)."""
+    if not bool(getattr(m, "fine_grained_activation_offloading", False)):
+        return None
+    modules = tuple(str(x) for x in (getattr(m, "offload_modules", None) or ()))
+    graphs = tuple(str(getattr(x, "name", x)) for x in (getattr(m, "cuda_graph_modules", None) or ()))
+    return FineGrainedOffload(
+        modules=modules, fraction=float(getattr(m, "activation_offload_fraction", 1.0) or 0.0),
+        min_elements=int(getattr(m, "min_offloaded_tensor_size", MIN_OFFLOADED_ELEMENTS) or 0),
+        separate_input_norm=bool(getattr(m, "multi_latent_attention", False)), graph_modules=graphs,
+        delta_bytes=int(getattr(m, "delta_offload_bytes_across_pp_ranks", 0) or 0))
+
+
+def layer_offload_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[dict[str, float],
+                                                                                       dict[str, float]]:
+    """({term: bytes per token} the GPU no longer holds, {term: bytes per token} the host receives) for one layer
+    of ``kind`` and one microbatch, before the fraction and the last-layer margin (offloaded_activations).
+
+    Only terms that survive selective recompute are offloaded (what a recomputed module drops is not saved at
+    all), only tensors of at least min_offloaded_tensor_size elements (ChunkOffloadHandler
+    tensor_need_offloading_checker, fine_grained_activation_offload.py:986-999), and none inside a captured CUDA
+    graph scope (those are graph-pool memory, not allocated: model.GRAPH_SCOPE_TERMS)."""
+    off = st.fine_grained_offload
+    if off is None or st.recompute == "full":
+        return {}, {}
+    terms = _selected_terms(s, lay, st, kind)
+    graphed = graphed_blocks(kind, st.graph_scopes)
+    in_graph = {name for _, module in graphed.items() for name in GRAPH_SCOPE_TERMS[module]}
+    tokens = _tokens(lay)
+    mods = set(off.modules)
+    recomputed = set(st.modules) if st.recompute == "selective" else set()
+    blocks = kind.split("+")
+    gpu: dict[str, float] = {}
+    host: dict[str, float] = {}
+    for module in off.modules:
+        names = list(OFFLOAD_TERMS.get(module, ()))
+        if module == "attn_norm" and (not off.separate_input_norm or "attn" in off.graph_modules):
+            names = []
+        if module == "qkv_linear" and not off.separate_input_norm:
+            names.append("attn_layernorm_input")   # TE's LayerNormLinear saves the norm's input too
+        if module == "core_attn" and "core_attn" in recomputed:
+            names = []
+        if module == "mlp_norm" and ("moe" not in blocks or {"attn", "moe_router"} & set(off.graph_modules)):
+            names = []
+        for name in names:
+            value = terms.get(name, 0.0)
+            if not value or name in in_graph or value * tokens / _element_bytes(name) < off.min_elements:
+                continue
+            host[name] = host.get(name, 0.0) + value
+            if SHARED_WITH.get(name) and SHARED_WITH[name] not in mods:
+                continue
+            gpu[name] = value
+    return gpu, host
+
+
+@dataclass(frozen=True)
+class OffloadedActivations:
+    """What fine-grained offloading changes on one pipeline rank (bytes)."""
+    gpu_removed: float       # activations no longer allocated on the GPU in the 1F1B steady state
+    host_per_gpu: float      # pinned host memory this rank's offload pool grows to
+    kept_margin: float       # the last layer's groups megatron-core keeps on the GPU (included in neither)
+
+
+def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> OffloadedActivations:
+    """Fine-grained activation offloading on pipeline rank ``rank``.
+
+    Every in-flight layer-microbatch's offloaded terms leave the GPU, except (PipelineOffloadManager
+    post_warmup_callback, fine_grained_activation_offload.py:566-650): one group per module name, the last layer
+    of the chunk that runs backward first, so that its reload does not stall the compute stream (the offload
+    margin); then pipeline rank r keeps r x delta_offload_bytes_across_pp_ranks; then, per chunk,
+    int(n x (1 - activation_offload_fraction)) of its n eligible groups, the last ones
+    in forward order. The host side is megatron-core's pinned OffloadTensorPool (:115-345): it grows on demand
+    and is only reset, never released, between iterations, and the first (warm-up) iteration offloads every
+    group (should_bulk_offload returns True while is_warmup, :1066-1072), so it holds every eligible group of
+    the in-flight microbatches."""
+    if st.fine_grained_offload is None or st.recompute == "full":
+        return OffloadedActivations(0.0, 0.0, 0.0)
+    counts = rank_layers(s, lay, rank)
+    per_stage = sum(counts.values()) or 1
+    alive = in_flight(lay, rank)
+    tokens = _tokens(lay)
+    gpu_layer = host_layer = 0.0
+    groups = 0.0
+    for kind, n in counts.items():
+        gpu, host = layer_offload_terms(s, lay, st, kind)
+        gpu_layer += n * sum(gpu.values()) * tokens
+        host_layer += n * sum(host.values()) * tokens
+        groups += n * sum(1 for m in st.fine_grained_offload.modules if _module_offloads(s, lay, st, kind, m))
+    if not gpu_layer and not host_layer:
+        return OffloadedActivations(0.0, 0.0, 0.0)
+    mean_gpu = gpu_layer / per_stage
+    margin = mean_gpu                                  # one layer of one microbatch, every module's group once
+    chunk_groups = max(1.0, groups / max(1, lay.vpp))  # eligible groups of one chunk (one microbatch)
+    kept = math.floor(chunk_groups * (1.0 - st.fine_grained_offload.fraction)) / chunk_groups
+    # pipeline rank r keeps r x delta_offload_bytes_across_pp_ranks more on the GPU (post_warmup_callback :598-607)
+    balance = rank * st.fine_grained_offload.delta_bytes
+    removed = max(0.0, (per_stage * alive * mean_gpu - margin - balance) * (1.0 - kept))
+    return OffloadedActivations(removed, host_layer * alive, margin)
+
+
+def _module_reason(module: str, s: Shape, st: Settings) -> str:
+    """Why one offload_modules label moves no GPU memory here (no_saving_reason)."""
+    off = st.fine_grained_offload
+    kinds = set(layer_kinds(s))
+    recomputed = set(st.modules) if st.recompute == "selective" else set()
+    if module in ("expert_fc1", "moe_act", "fused_group_mlp", "mlp_norm") and not any("moe" in k for k in kinds):
+        return ("the dense MLP's norm is fused into linear_fc1 (an IdentityOp, transformer_layer.py "
+                "_set_offload_modules)" if module == "mlp_norm" else "the model has no MoE layers")
+    if module == "attn_norm" and not off.separate_input_norm:
+        return "the input norm is fused into linear_qkv (an IdentityOp, transformer_layer.py _set_offload_modules)"
+    if module == "core_attn" and "core_attn" in recomputed:
+        return "core_attn is recomputed: its checkpointed path saves q, k, v outside the offload hooks (attention.py)"
+    if module == "core_attn" and "attn_proj" not in off.modules:
+        return "q, k, v only: the kernel's output stays, linear_proj keeps the same tensor"
+    return (f"its saved tensors are recomputed, inside a CUDA graph, or under min_offloaded_tensor_size "
+            f"({off.min_elements:,} elements)")
+
+
+def _module_offloads(s: Shape, lay: Layout, st: Settings, kind: str, module: str) -> bool:
+    one = replace(st, fine_grained_offload=replace(st.fine_grained_offload, modules=(module,)))
+    return bool(layer_offload_terms(s, lay, one, kind)[1])
+
+
+def host_memory_text(host_per_gpu: float, world: int) -> str:
+    """The host memory fine-grained offloading needs, per GPU and per node, in words."""
+    node = min(world, GPUS_PER_NODE)
+    return (f"host: {host_per_gpu / 2**30:.2f} GiB of pinned memory per GPU, {node * host_per_gpu / 2**30:.1f} GiB "
+            f"per node of {node} GPUs (megatron-core's OffloadTensorPool, sized in the warm-up iteration)")
+
+
+# ----------------------------------------------------------------------------- Megatron FSDP and the optimizer
+def _dtype(value: Any, default: int | None) -> int | None:
+    """Bytes of a torch dtype (or its name) as the config holds it; ``default`` for None."""
+    if value is None:
+        return default
+    name = str(value).replace("torch.", "")
+    return {"float32": FP32, "fp32": FP32, "bfloat16": BF16, "bf16": BF16, "float16": BF16,
+            "fp16": BF16, "uint8": FP8, "fp8": FP8}.get(name, default)
+
+
+def apply_config(cfg: Any, st: Settings) -> Settings:
+    """The settings model.from_config read, with what these levers change:
+
+    - Megatron FSDP keeps its own buffers (megatron_fsdp/param_and_grad_buffer.py
+      _init_each_parameter_group_buffers): gradients in ddp.megatron_fsdp_main_grads_dtype, or, unset (Bridge's
+      default), in the parameters' own dtype (bf16; bf16 for FP8 parameters too: _resolve_group_grad_dtype,
+      :2306-2315), whatever grad_reduce_in_fp32 says; master weights in ddp.megatron_fsdp_main_params_dtype
+      (fp32 by default; None: the compute weights are the masters, :2682-2694; mcore_fsdp_adapter.py:134-138).
+    - The precision-aware optimizer keeps exp_avg and exp_avg_sq each in its own dtype
+      (optimizer_config.py exp_avg_dtype / exp_avg_sq_dtype; TE FusedAdam): the plan's per-moment bytes are
+      their mean.
+    - Fine-grained activation offloading (offload_from_config)."""
+    from ..core.paths import read
+    out = st
+    if st.fsdp is not None:
+        params_dtype = getattr(cfg.model, "params_dtype", None)
+        compute = BF16 if st.param_bytes == FP8 else (_dtype(params_dtype, BF16) or BF16)
+        grads = _dtype(read(cfg, "ddp.megatron_fsdp_main_grads_dtype", None), compute)
+        main = read(cfg, "ddp.megatron_fsdp_main_params_dtype", "fp32")
+        out = replace(out, grad_bytes=grads or compute, master_bytes=_dtype(main, 0) or 0)
+    if st.precision_aware:
+        opt = cfg.optimizer
+        first = _dtype(getattr(opt, "exp_avg_dtype", None), FP32)
+        second = _dtype(getattr(opt, "exp_avg_sq_dtype", None), FP32)
+        out = replace(out, state_bytes=(first + second) / 2)
+    return replace(out, fine_grained_offload=offload_from_config(cfg.model))
+
+
+# ----------------------------------------------------------------------------- "saves nothing here"
+def no_saving_reason(overlay: str, s: Shape, lay: Layout, st: Settings) -> str:
+    """Why ``overlay`` cannot change the plan of this configuration (a step that saves nothing says it); "" when
+    nothing in the configuration rules a saving out."""
+    if overlay == "megatron_fsdp":
+        dense, expert = data_parallel_shards(lay, st)
+        if dense <= 1 and expert <= 1:
+            return (f"DP x CP is {lay.dp * lay.cp}: Megatron FSDP has no data-parallel ranks to shard parameters, "
+                    "gradients or optimizer state across")
+        return ""
+    if overlay == "fine_grained_offload":
+        off = st.fine_grained_offload
+        if off is None:
+            return ""
+        if st.recompute == "full":
+            return "full recompute keeps only each layer's input: the offloaded modules save nothing in forward"
+        if off.fraction <= 0:
+            return "activation_offload_fraction is 0: no group is offloaded after the warm-up iteration"
+        if not any(layer_offload_terms(s, lay, st, kind)[0] for kind in set(layer_kinds(s))):
+            return "; ".join(f"{m}: {_module_reason(m, s, st)}" for m in off.modules)
+        return ""
+    if overlay == "dist_optimizer":
+        dense, expert = data_parallel_shards(lay, st)
+        if dense <= 1 and expert <= 1:
+            return f"DP x CP is {lay.dp * lay.cp}: the distributed optimizer has nothing to shard across"
+        return ""
+    if overlay == "precision_aware_optimizer":
+        if st.lora_rank:
+            return "LoRA trains only the adapters: their optimizer state is negligible"
+        return ""
+    return ""
+
+
+# ----------------------------------------------------------------------------- the layout search (search.py)
+SEARCH_FSDP_STRATEGY = "optim_grads_params"   # NVIDIA's recommended path (megatron-fsdp card, recommended_path)
+SEARCH_OFFLOAD_ATTENTION = ("qkv_linear", "core_attn", "attn_proj")
+SEARCH_OFFLOAD_MOE = ("mlp_norm", "expert_fc1", "moe_act")
+
+
+def search_offload_modules(moe: bool) -> tuple[str, ...]:
+    """The offload_modules the search tries: the attention's saved inputs, and the MoE layers' too."""
+    return SEARCH_OFFLOAD_ATTENTION + (SEARCH_OFFLOAD_MOE if moe else ())
+
+
+def search_settings(base: Settings, s: set[str], shape: Shape) -> Settings:
+    """``base`` with the levers in ``s`` on, as their overlays set them with the parameters search.candidate_for
+    passes (Bridge's defaults for the rest: FSDP's fp32 main weights and gradients in the parameters' dtype, bf16
+    moments with fp32 masters, offload fraction 1)."""
+    out = base
+    if "megatron_fsdp" in s and base.fsdp is None:
+        out = replace(out, fsdp=SEARCH_FSDP_STRATEGY, dist_optimizer=True, grad_bytes=BF16, master_bytes=FP32)
+    if "precision_aware_optimizer" in s and not base.precision_aware:
+        out = replace(out, precision_aware=True, state_bytes=BF16, dist_optimizer=True)
+    if "fine_grained_offload" in s and base.fine_grained_offload is None:
+        moe = any("moe" in k for k in layer_kinds(shape))
+        out = replace(out, fine_grained_offload=FineGrainedOffload(search_offload_modules(moe),
+                                                                   graph_modules=tuple(base.graph_scopes)))
+    return out
+
+
+# ----------------------------------------------------------------------------- the plan's step notes (steps.py)
+SAVES_NOTHING = "saves nothing here"
+MIN_SAVING = 1 << 20   # a step the plan prices at less than 1 MiB saved saves nothing (as memory/ladder.py)
+
+
+def step_note(overlay: str, s: Shape, lay: Layout, st: Settings, saving: float) -> str:
+    """What ``mbmem plan`` says beside the step that adds ``overlay`` (``saving``: bytes it took off the
+    most-loaded GPU): "saves nothing here" with the reason where it changes nothing, and for fine-grained
+    offloading the host memory it needs per GPU and per node."""
+    parts = []
+    reason = no_saving_reason(overlay, s, lay, st)
+    if abs(saving) < MIN_SAVING:
+        parts.append(SAVES_NOTHING + (f": {reason}" if reason else ""))
+    elif overlay == "megatron_fsdp" and reason:
+        # Megatron FSDP at DP x CP 1 shards nothing, but its own buffers keep the gradients in the parameters' dtype
+        # unless ddp.megatron_fsdp_main_grads_dtype says otherwise (apply_config)
+        parts.append(f"shards nothing here ({reason}); the change is Megatron FSDP's gradient buffer dtype "
+                     "(ddp.megatron_fsdp_main_grads_dtype unset: the parameters' dtype, not grad_reduce_in_fp32)")
+    if overlay == "fine_grained_offload" and st.fine_grained_offload is not None:
+        host = max(offloaded_activations(s, lay, st, r).host_per_gpu for r in range(lay.pp))
+        if host:
+            parts.append(host_memory_text(host, lay.world))
+    return "; ".join(parts)

@@ -1,0 +1,98 @@
+"""Activations on one pipeline rank: the layers' terms times the microbatches in flight, under full recompute,
+activation offload or CUDA graphs, plus the first stage's embedding output and the last stage's loss buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .activations import layer_activation
+from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
+from .inputs import BF16, FP32, Layout, Settings, Shape
+from .pipeline import in_flight, rank_layers
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Activation bytes on one pipeline rank in the two phases that can hold the most of them."""
+    steady: float             # the 1F1B steady state: everything eager, plus the last stage's loss buffers
+    capture: float = 0.0      # CUDA graph capture: the graphed scopes' activations for every in-flight microbatch
+    pool: float = 0.0         # the graphs' private pool, reserved through the steady state
+    detail: tuple[tuple[str, float], ...] = ()
+    persistent: float = 0.0   # allocated in every phase, the optimizer step included (graph static inputs)
+
+
+def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageActivations:
+    counts = rank_layers(s, lay, rank)
+    per_stage = sum(counts.values()) or 1
+
+    def mean(value) -> float:
+        return sum(n * value(kind) for kind, n in counts.items()) / per_stage
+
+    tokens = lay.seq * lay.mbs / lay.cp
+    hidden_local = BF16 * s.hidden * tokens / (lay.tp if lay.sp else 1)   # one sequence-local hidden state
+    per_layer = full_layer = mean(lambda kind: layer_activation(s, lay, st, kind))
+    mbs_alive = in_flight(lay, rank)
+    detail: list[tuple[str, float]] = []
+    capture = pool = 0.0
+    graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
+    persistent = 0.0
+    if graphed:
+        # Graphed scopes keep their activations in the graphs' private pool: allocated while the graphs are
+        # captured (after the warm-up steps, in pipeline order, no eager activations alive), reserved-only in
+        # replay. Static inputs and outputs are allocated while capturing; in replay only the static inputs are
+        # (layer_graph_buffers), one per in-flight microbatch, and they stay allocated through the optimizer step.
+        parts = {kind: layer_graph_parts(s, lay, st, kind) for kind in counts}
+        eager, inside, static = (mean(lambda kind, i=i: parts[kind][i]) for i in range(3))
+        capture = per_stage * (inside + static) * mbs_alive
+        buffers = {kind: layer_graph_buffers(s, lay, st, kind) for kind in counts}
+        static_in, static_out = (mean(lambda kind, i=i: buffers[kind][i]) for i in range(2))
+        if "graph_outputs_in_pool" in st.without:
+            per_layer = eager + static
+            pool = per_stage * inside * mbs_alive
+            detail.append(("CUDA graph static inputs and outputs", per_stage * static * mbs_alive))
+        else:
+            read = graph_outputs_read_eagerly(s, lay, st, rank) * hidden_local / per_stage
+            per_layer = eager - read + static_in
+            pool = per_stage * (inside + static_out) * mbs_alive
+            detail.append(("CUDA graph static inputs", per_stage * static_in * mbs_alive))
+        if "graph_static_inputs_at_step" not in st.without:
+            persistent = per_stage * static_in * mbs_alive
+        detail.insert(0, ("CUDA graph pool (reserved; allocated only while capturing)", pool))
+    if st.recompute == "full":
+        # Only each checkpointed group's input survives; one group is re-materialized at a time.
+        boundary = 2 * BF16 * s.hidden / (lay.tp if lay.sp else 1) * lay.seq * lay.mbs / lay.cp
+        n = max(1, st.recompute_layers)
+        working = n * full_layer   # uniform: each group of n layers is re-materialized at once
+        if st.recompute_method == "block":
+            ckpt = min(per_stage / lay.vpp, n) * lay.vpp
+            kept = (per_stage - ckpt) * per_layer + ckpt * boundary
+            if "block_recompute_one_layer" not in st.without:
+                working = full_layer   # block checkpoints (and replays) its first n layers one at a time
+        else:
+            kept = per_stage / n * boundary
+        acts = kept * mbs_alive + working
+        detail.append(("full recompute working set", working))
+    else:
+        layers_on_gpu = per_stage
+        if st.cpu_offload_layers:
+            layers_on_gpu -= min(per_stage, st.cpu_offload_layers) - (1 if st.cpu_offload_double_buffer else 0)
+        acts = layers_on_gpu * per_layer * mbs_alive
+        if st.fine_grained_offload is not None:   # the offloaded modules' saved inputs wait on the host
+            from .levers import offloaded_activations
+            acts -= offloaded_activations(s, lay, st, rank).gpu_removed
+    if rank == 0:
+        acts += hidden_local * mbs_alive  # embedding output
+    if rank == lay.pp - 1:
+        per_logit = st.logits_bytes
+        if "te_cross_entropy_in_place" in st.without and st.cross_entropy_impl == "te":
+            per_logit = BF16 + FP32
+        logits = per_logit * s.vocab / lay.tp * tokens
+        detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", logits))
+        acts += logits
+        if st.deferred_wgrad_microbatches:
+            # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
+            # and its sequence-local input until the pipeline flush (megatron-core tensor_parallel/layers.py)
+            per_mb = BF16 * tokens * s.vocab / lay.tp + hidden_local
+            deferred = st.deferred_wgrad_microbatches * per_mb
+            detail.append(("deferred output-layer wgrad inputs", deferred))
+            acts += deferred
+    return StageActivations(acts, capture, pool, tuple(detail), persistent)

@@ -1,0 +1,184 @@
+"""Model state on one GPU: parameters per block and stage, LoRA adapters, gradients, and the optimizer state as
+the distributed optimizer, Megatron FSDP and optimizer CPU offload shard or move it."""
+
+from __future__ import annotations
+
+from .inputs import ADAM_MOMENTS, BF16, FP32, Layout, Settings, Shape
+from .pipeline import rank_layers
+
+def _attention_params(s: Shape) -> float:
+    if s.mla:
+        q = s.hidden * s.heads * (s.qk_head_dim + s.qk_pos_dim) if not s.q_lora_rank else \
+            s.hidden * s.q_lora_rank + s.q_lora_rank * s.heads * (s.qk_head_dim + s.qk_pos_dim)
+        kv = s.hidden * (s.kv_lora_rank + s.qk_pos_dim) + s.kv_lora_rank * s.heads * (s.qk_head_dim + s.v_head_dim)
+        return q + kv + s.heads * s.v_head_dim * s.hidden
+    return s.hidden * (s.heads + 2 * s.groups) * s.head_dim + s.heads * s.head_dim * s.hidden
+
+
+def _mlp_params(hidden: int, ffn: int, gated: bool) -> float:
+    return (3 if gated else 2) * hidden * ffn
+
+
+def _mamba_params(s: Shape) -> float:
+    inner = s.mamba_heads * s.mamba_head_dim
+    bc = 2 * s.mamba_groups * s.mamba_state
+    in_proj = s.hidden * (2 * inner + bc + s.mamba_heads)            # z, x, B, C, dt
+    return in_proj + (inner + bc) * s.mamba_conv + 3 * s.mamba_heads + inner + inner * s.hidden
+
+def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
+    """(dense, expert) parameters of one block on one GPU; every block has its own norm."""
+    if block == "attn":
+        return _attention_params(s) / lay.tp + s.hidden, 0.0
+    if block == "mlp":
+        return _mlp_params(s.hidden, s.ffn, s.gated) / lay.tp + s.hidden, 0.0
+    if block == "moe":
+        router_and_shared = s.hidden * s.experts + _mlp_params(s.hidden, s.shared_ffn, s.gated) / lay.tp
+        return router_and_shared + s.hidden, s.experts * _mlp_params(s.hidden, s.moe_ffn, s.gated) / (lay.ep * lay.etp)
+    if block == "mamba":
+        return _mamba_params(s) / lay.tp + s.hidden, 0.0
+    raise ValueError(f"unknown layer block {block!r}")
+
+
+def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | None = None) -> tuple[float, float, float]:
+    """(transformer-layer params, embedding/output params, expert params) on one GPU of pipeline rank ``rank``
+    (default: the first stage when ``first``, else the last)."""
+    rank = (0 if first else lay.pp - 1) if rank is None else rank
+    dense = expert = 0.0
+    for kind, count in rank_layers(s, lay, rank).items():
+        for block in kind.split("+"):
+            d, e = _block_params(s, lay, block)
+            dense += count * d
+            expert += count * e
+    embed = 0.0
+    if first:
+        embed += s.vocab * s.hidden / lay.tp
+    if last and (not s.tied or lay.pp > 1):
+        embed += s.vocab * s.hidden / lay.tp
+    return dense, embed, expert
+
+
+def lora_params(s: Shape, lay: Layout, st: Settings, rank: int = 0) -> float:
+    if not st.lora_rank:
+        return 0.0
+    inner = s.mamba_heads * s.mamba_head_dim
+    dims = {"attn": {"linear_qkv": (s.hidden, (s.heads + 2 * s.groups) * s.head_dim),
+                     "linear_proj": (s.heads * s.head_dim, s.hidden)},
+            "mlp": {"linear_fc1": (s.hidden, (2 if s.gated else 1) * s.ffn), "linear_fc2": (s.ffn, s.hidden)},
+            # expert adapters: one shared set per layer (LoRA share_expert_adapters, Bridge's default)
+            "moe": {"linear_fc1": (s.hidden, (2 if s.gated else 1) * s.moe_ffn), "linear_fc2": (s.moe_ffn, s.hidden)},
+            "mamba": {"in_proj": (s.hidden, 2 * inner + 2 * s.mamba_groups * s.mamba_state + s.mamba_heads),
+                      "out_proj": (inner, s.hidden)}}
+    total = 0.0
+    for kind, count in rank_layers(s, lay, rank).items():
+        for block in kind.split("+"):
+            total += count * sum(st.lora_rank * (i + o) / lay.tp
+                                 for t, (i, o) in dims[block].items() if t in st.lora_targets)
+    return total
+
+
+def data_parallel_shards(lay: Layout, st: Settings) -> tuple[int, int]:
+    """(dense, expert) ranks one distributed-optimizer instance spans: DP x CP and expert DP, each divided by
+    ddp.num_distributed_optimizer_instances (parallel_state.py: intra_partial_data_parallel_size =
+    DP*CP // instances; intra_partial_expert_data_parallel_size = expert DP // instances; the DDP buffers shard
+    over intra_dp_cp_group / intra_expt_dp_group, distributed_data_parallel.py)."""
+    instances = max(1, st.optimizer_instances)
+    expert_dp = max(1, lay.world // (lay.pp * lay.ep * lay.etp))
+    return max(1, lay.dp * lay.cp // instances), max(1, expert_dp // instances)
+
+
+FSDP_SHARDS = {  # data_parallel_sharding_strategy -> (params, grads, optimizer state) sharded across DP
+    "no_shard": (False, False, False), "optim": (False, False, True),
+    "optim_grads": (False, True, True), "optim_grads_params": (True, True, True),
+}  # megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers
+
+
+def optimizer_shards(lay: Layout, st: Settings) -> tuple[int, int]:
+    """How many ways the distributed optimizer splits dense and expert state (1, 1 without it)."""
+    if not st.dist_optimizer:
+        return 1, 1
+    dense, expert = data_parallel_shards(lay, st)
+    if st.fsdp is not None:
+        if not FSDP_SHARDS.get(st.fsdp, FSDP_SHARDS["optim_grads_params"])[2]:
+            return 1, 1
+        if st.fsdp_outer_optim and st.optimizer_instances > 1:
+            # HSDP with outer_dp_sharding_strategy="optim" shards optimizer state across the instances too
+            # (mcore_fsdp_adapter.py hsdp_outer_dp_shard)
+            return dense * st.optimizer_instances, expert * st.optimizer_instances
+    return dense, expert
+
+
+def fsdp_shards(lay: Layout, st: Settings) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((dense, expert) parameter shards, (dense, expert) gradient shards) under Megatron FSDP; 1s without it."""
+    if st.fsdp is None:
+        return (1, 1), (1, 1)
+    params, grads, _ = FSDP_SHARDS.get(st.fsdp, FSDP_SHARDS["optim_grads_params"])
+    shards = data_parallel_shards(lay, st)
+    return (shards if params else (1, 1)), (shards if grads else (1, 1))
+
+
+def optimizer_gpu_bytes(st: Settings) -> float:
+    """Optimizer bytes per trainable parameter of this rank's optimizer shard that stay on the GPU.
+
+    Optimizer CPU offload is megatron-core's HybridDeviceOptimizer (optimizer/cpu_offloading/hybrid_optimizer.py
+    _get_sub_optimizer_param_groups): it clones the first ``offload_fraction`` of its parameters' elements to
+    pinned CPU memory, steps them there, and copies the result back into the GPU parameter
+    (param_copy_back_gpu_hook). Which GPU tensor that parameter is decides what leaves the GPU.
+    """
+    return sum(optimizer_gpu_parts(st))
+
+
+def optimizer_gpu_parts(st: Settings) -> tuple[float, float]:
+    """(master weights, Adam moments) of optimizer_gpu_bytes. The masters exist from the optimizer's
+    construction; the moments only from the first step (TE v2.17.1 optimizers/fused_adam.py:615-616, torch's
+    Adam alike: state is created when a parameter is first stepped)."""
+    f = st.optimizer_offload
+    if not f:
+        return float(st.master_bytes), float(ADAM_MOMENTS * st.state_bytes)
+    if st.precision_aware:
+        # Offload makes use_precision_aware_optimizer_no_fp8_or_ds_fp8 true (optimizer_config.py __post_init__):
+        # the distributed optimizer keeps no master (shard_main_param = None, distrib_optimizer.py
+        # _build_model_and_main_param_groups) and hands bf16 shards to the hybrid optimizer, whose
+        # param_update_in_fp32 makes fp32 masters: on the CPU for the offloaded part, on the GPU for the rest.
+        # Its GPU Adam is built without exp_avg_dtype (optimizer/__init__.py optimizer_defaults): fp32 moments.
+        return (1.0 - f) * FP32, (1.0 - f) * ADAM_MOMENTS * FP32
+    # The parameters the hybrid optimizer receives are the fp32 master shards the distributed optimizer made on
+    # the GPU (shard_fp32_from_float16_groups): the offloaded ones are cloned to the CPU, the GPU masters stay
+    # (Bridge's sync_hybrid_device_optimizer_fp32_master_copies calls them level 1). Only moments leave.
+    master = float(st.master_bytes)
+    if not st.dist_optimizer:
+        # Float16OptimizerWithFloat16Params makes its fp32 masters after the hybrid optimizer was built from the
+        # bf16 parameters, which already made fp32 copies of its GPU part (param_update_in_fp32; optimizer.py)
+        master += (1.0 - f) * FP32
+    return master, (1.0 - f) * ADAM_MOMENTS * st.state_bytes
+
+
+def optimizer_before_first_step(optimizer: float, st: Settings) -> float:
+    """The optimizer state ``optimizer`` (bytes) before the first step: the masters only, the moments come with it
+    (optimizer_gpu_parts)."""
+    master, moments = optimizer_gpu_parts(st)
+    return optimizer * master / (master + moments) if master + moments else optimizer
+
+
+def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
+                rank: int | None = None) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes on one GPU of the stage (``rank`` as in stage_params)."""
+    rank = (0 if first else lay.pp - 1) if rank is None else rank
+    layer_params, embed, expert = stage_params(s, lay, first, last, rank)
+    dense = layer_params + embed
+    adapters = lora_params(s, lay, st, rank)
+    frozen = st.lora_rank > 0
+    trainable_dense = adapters if frozen else dense
+    trainable_expert = 0.0 if frozen else expert
+    (p_dense, p_expert), (g_dense, g_expert) = fsdp_shards(lay, st)
+    # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16.
+    weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
+    params = (layer_params * weight_bytes + embed * BF16 + adapters * BF16) / p_dense + expert * weight_bytes / p_expert
+    grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
+    dense_shards, expert_shards = optimizer_shards(lay, st)
+    opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * optimizer_gpu_bytes(st)
+    return params, grads, opt
+
+def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
+    """Parameters of the largest layer pipeline rank ``rank`` holds, on one GPU (dense + its experts)."""
+    return max((sum(sum(_block_params(s, lay, block)) for block in kind.split("+"))
+                for kind in rank_layers(s, lay, rank)), default=0.0)
