@@ -250,7 +250,9 @@ def plan_case(case: Case) -> Result:
     except Exception as e:  # noqa: BLE001 — a case the model cannot plan is out, with the reason
         res.reason = f"not planned: {type(e).__name__}: {e}"[:160]
         return res
-    res.not_modelled = tuple(f"{n.flag}={n.value}" for n in job.not_modelled)
+    # what the memory model itself names as not followed (memory/coverage.py), the same list a plan's verdict shows
+    from mbmem_overlays.memory.coverage import not_modelled
+    res.not_modelled = tuple(n.split(":")[0] for n in not_modelled(job.config))
     # theoretical_memory_usage reads the padded vocabulary the tokenizer build sets (build_tokenizer.py)
     args.padded_vocab_size = shape.vocab
     res.mlm = megatron_theoretical(args, lay.microbatches)
