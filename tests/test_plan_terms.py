@@ -497,11 +497,15 @@ def test_fp32_training_doubles_what_bf16_keeps():
 
 
 def test_fp32_training_is_planned_in_fp32(bridge):
-    shape, lay, st = planned(bridge, "llama32_1b_pretrain_config", "model.bf16=false",
-                             "model.params_dtype=torch.float32", "mixed_precision=null")
-    assert (st.dtype_bytes, st.param_bytes, st.grad_bytes, st.master_bytes) == (4, 4, 4, 0)
-    _, _, bf = planned(bridge, "llama32_1b_pretrain_config")
-    assert bf.dtype_bytes == 2
+    """A Megatron-LM job without --bf16/--fp16 trains in fp32 (params_dtype float32)."""
+    from mbmem_overlays.bridge.megatron_args import load_job
+    argv = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "512",
+            "--max-position-embeddings", "512", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--train-iters", "10", "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer"]
+    _, _, fp32 = P.from_config(load_job(argv, world_size=1).config, 1)
+    assert (fp32.dtype_bytes, fp32.param_bytes, fp32.grad_bytes, fp32.master_bytes) == (4, 4, 4, 0)
+    _, _, bf16 = P.from_config(load_job(argv + ["--bf16"], world_size=1).config, 1)
+    assert (bf16.dtype_bytes, bf16.param_bytes, bf16.master_bytes) == (2, 2, 4)
 
 
 def test_pipeline_layout_places_the_layers_it_names():
