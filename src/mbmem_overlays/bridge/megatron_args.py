@@ -84,11 +84,12 @@ ENV_REQUIREMENTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVTE_CPU_OFFLOAD_V1": "
 class MegatronArgsError(ValueError):
     """The arguments cannot be read, parsed or validated; ``fix`` says what to type."""
 
-    def __init__(self, message: str, fix: str = "", flag: str = "--megatron-args"):
+    def __init__(self, message: str, fix: str = "", flag: str = "--megatron-args", rejected: bool = False):
         super().__init__(message)
         self.message = message
         self.fix = fix
         self.flag = flag
+        self.rejected = rejected     # megatron-core's validate_args refused a job it could read (exit 1, not 2)
 
 
 @dataclass(frozen=True)
@@ -550,7 +551,8 @@ def parse_and_validate(argv: Sequence[str], world: int, env: Mapping[str, str], 
         except (AssertionError, ValueError, TypeError, KeyError, RuntimeError) as exc:
             text = " ".join(str(exc).split()) or _where(exc)
             raise MegatronArgsError(f"Megatron-LM's validate_args rejects the job at world size {world}: {text}",
-                                    "fix the arguments (or the world size) as the message says") from None
+                                    "fix the arguments (or the world size) as the message says",
+                                    rejected=True) from None
     return args, unknown, placeholders
 
 
@@ -944,3 +946,89 @@ def _unknown_notes(unknown: Sequence[str], form: str) -> tuple[FlagNote, ...]:
         else:
             notes[-1].append(w)
     return tuple(FlagNote(n[0], " ".join(n[1:]), why) for n in notes)
+
+
+# ----------------------------------------------------------------------------- overlays as Megatron-LM flags
+# Config fields whose Megatron-LM argument has another name (the inverse of core_transformer_config_from_args,
+# get_megatron_ddp_config and this module's provider fields); every other field is looked up as a parser dest of
+# the same name.
+_FIELD_TO_DEST = {
+    "model.num_moe_experts": "num_experts", "model.fp8_param": "fp8_param_gather",
+    "model.num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+    "model.num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+    "model.use_te_rng_tracker": "te_rng_tracker", "model.rope_scaling": "use_rope_scaling",
+    "ddp.grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
+    "ddp.check_for_nan_in_grad": "check_for_nan_in_loss_and_grad", "ddp.num_buckets": "ddp_num_buckets",
+    "ddp.bucket_size": "ddp_bucket_size", "ddp.average_in_collective": "ddp_average_in_collective",
+}
+
+
+@dataclass(frozen=True)
+class OverlayFlags:
+    """What to add to a Megatron-LM job for a set of overlays: flags (words), environment variables, flags the
+    job has and must drop, and the config fields Megatron-LM has no flag for."""
+    words: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    remove: tuple[str, ...] = ()
+    no_flag: tuple[tuple[str, str], ...] = ()     # (field, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"add": list(self.words), "env": dict(self.env), "remove": list(self.remove),
+                "no_flag": [{"field": f, "value": v} for f, v in self.no_flag]}
+
+    def command_text(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return " ".join(x for x in (env, " ".join(shlex.quote(w) for w in self.words)) if x)
+
+
+def dest_for_field(path: str, parser: argparse.ArgumentParser | None = None) -> str | None:
+    """The parser dest that sets a Bridge config field (``model.recompute_granularity`` -> recompute_granularity),
+    None when Megatron-LM has no flag for it."""
+    actions = actions_by_dest(parser or megatron_parser())
+    dest = _FIELD_TO_DEST.get(path, path.rsplit(".", 1)[-1])
+    return dest if dest in actions else None
+
+
+def overlay_flags(changes: Sequence[tuple[str, Any]], job_args: Mapping[str, Any]) -> OverlayFlags:
+    """The Megatron-LM flags that make the same changes as an overlay's (``[(field or $VAR, new value)]``, from
+    the engine's report) on a job whose validated arguments are ``job_args``. A value the job already has adds
+    nothing; a switch the change turns off that the job turned on is listed to remove."""
+    parser = megatron_parser()
+    actions = actions_by_dest(parser)
+    words: list[str] = []
+    env: dict[str, str] = {}
+    remove: list[str] = []
+    no_flag: list[tuple[str, str]] = []
+    for target, value in changes:
+        if target.startswith("$"):
+            env[target[1:]] = value if isinstance(value, str) else _env_text(value)
+            continue
+        dest = dest_for_field(target, parser)
+        if dest is None:
+            no_flag.append((target, _shown(value)))
+            continue
+        action = actions[dest]
+        current = job_args.get(dest)
+        if _same(current, value):
+            continue
+        flag = flag_words(action, value)
+        if flag is None or (flag == [] and action.nargs == 0):
+            if action.nargs == 0 and current == action.const:
+                remove.append(flag_of(action))
+            else:
+                no_flag.append((target, _shown(value)))
+            continue
+        words += flag
+    return OverlayFlags(tuple(words), MappingProxyType(env), tuple(remove), tuple(no_flag))
+
+
+def _same(current: Any, value: Any) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(current, (list, tuple)):
+        return [_word(v) for v in current] == [_word(v) for v in value]
+    return current == value or (current is not None and _word(current) == _word(value) and not isinstance(value, bool))
+
+
+def _env_text(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}:{v}" for k, v in value.items())
+    return str(value)
