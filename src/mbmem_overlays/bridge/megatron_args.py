@@ -84,11 +84,12 @@ ENV_REQUIREMENTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVTE_CPU_OFFLOAD_V1": "
 class MegatronArgsError(ValueError):
     """The arguments cannot be read, parsed or validated; ``fix`` says what to type."""
 
-    def __init__(self, message: str, fix: str = "", flag: str = "--megatron-args"):
+    def __init__(self, message: str, fix: str = "", flag: str = "--megatron-args", rejected: bool = False):
         super().__init__(message)
         self.message = message
         self.fix = fix
         self.flag = flag
+        self.rejected = rejected     # megatron-core's validate_args refused a job it could read (exit 1, not 2)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,8 @@ def job_words(source: str | Sequence[str] | Mapping[str, Any]) -> JobWords:
     if stripped.startswith(("MODEL_ARGS", "ENV_VARS", "--")) and re.search(r"^\s*(MODEL_ARGS|--[\w-]+)\s*:",
                                                                            source, re.M):
         try:
-            data = safeyaml.load(source)
+            # a functional test's harness reads the file with PyYAML, where a repeated flag's last value wins
+            data = safeyaml.load(source, duplicates="last")
         except (safeyaml.YamlRefused, ValueError) as exc:
             raise MegatronArgsError(f"the MODEL_ARGS YAML is refused: {exc}", "give a smaller, plain YAML mapping")
         except Exception as exc:  # noqa: BLE001 - yaml.YAMLError and its kin: a syntax error of the user's file
@@ -229,6 +231,9 @@ def yaml_words(data: Mapping[str, Any]) -> JobWords:
             continue
         if isinstance(value, list):
             argv += [_yaml_text(v) for v in value]
+        elif isinstance(value, str) and _BRACKET_WORDS.fullmatch(value.strip()):
+            # "[attn mlp moe_router]": the functional tests' spelling of several words for one flag
+            argv += value.strip()[1:-1].split()
         elif isinstance(value, Mapping):
             raise MegatronArgsError(f"{flag} has a mapping as its value", f"give {flag} a value or a list")
         else:
@@ -236,6 +241,9 @@ def yaml_words(data: Mapping[str, Any]) -> JobWords:
     env_block = data.get("ENV_VARS") if "MODEL_ARGS" in data else None
     env = {str(k): _yaml_text(v) for k, v in env_block.items()} if isinstance(env_block, Mapping) else {}
     return JobWords(FORM_YAML, tuple(argv), MappingProxyType(env), notes=tuple(notes))
+
+
+_BRACKET_WORDS = re.compile(r"\[[^,\[\]]*\]")
 
 
 def _yaml_text(value: Any) -> str:
@@ -355,13 +363,20 @@ class _Parser(argparse.ArgumentParser):
         raise MegatronArgsError(f"Megatron-LM's parser stopped: {message or status}", "remove -h/--help")
 
 
+_PARSER: list[argparse.ArgumentParser] = []
+
+
 def megatron_parser() -> argparse.ArgumentParser:
     """megatron-core 0.19.2's own Megatron-LM parser (megatron/training/arguments.py add_megatron_arguments),
-    without -h (a help flag in a job's arguments is an unknown word, not an exit)."""
-    from megatron.training.arguments import add_megatron_arguments
-    parser = _Parser(description="Megatron-LM Arguments", allow_abbrev=False, exit_on_error=False, add_help=False)
-    with _quiet():
-        return add_megatron_arguments(parser)
+    without -h (a help flag in a job's arguments is an unknown word, not an exit). Built once per process:
+    parsing does not change it."""
+    if not _PARSER:
+        from megatron.training.arguments import add_megatron_arguments
+        parser = _Parser(description="Megatron-LM Arguments", allow_abbrev=False, exit_on_error=False,
+                         add_help=False)
+        with _quiet():
+            _PARSER.append(add_megatron_arguments(parser))
+    return _PARSER[0]
 
 
 def flag_of(action: argparse.Action) -> str:
@@ -399,6 +414,8 @@ def flag_words(action: argparse.Action, value: Any) -> list[str] | None:
         return [flag, str(value).lower()]
     if isinstance(value, (list, tuple)) and action.nargs not in (None, "?"):
         return [flag, *(_word(v) for v in value)]
+    if isinstance(value, (list, tuple)):     # a pattern the flag's type evaluates (moe_freq_type: no spaces)
+        return [flag, "[" + ",".join(_word(v) for v in value) + "]"]
     return [flag, _word(value)]
 
 
@@ -406,6 +423,10 @@ def _word(value: Any) -> str:
     if hasattr(value, "name") and type(value).__module__ != "builtins" and not isinstance(value, (int, float)):
         return str(value.name)    # an Enum (AttnBackend.flash -> flash)
     return str(value)
+
+
+# validate_args's dtype_map (arguments.py, "dtype_map = {'fp32': torch.float32, ...}"), read backwards.
+_DTYPE_CHOICE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.uint8": "fp8"}
 
 
 def _dump_value(action: argparse.Action, text: str) -> Any:
@@ -422,6 +443,8 @@ def _dump_value(action: argparse.Action, text: str) -> Any:
             if action.nargs in (None, "?"):
                 return text         # a pattern the flag's own type reads, e.g. moe_layer_freq "([1]*3+[0])"
             raise
+    if text in _DTYPE_CHOICE and action.choices and _DTYPE_CHOICE[text] in action.choices:
+        return _DTYPE_CHOICE[text]      # validate_args turned the choice into a torch dtype (dtype_map)
     if "." in text and re.fullmatch(r"[A-Za-z_]\w*\.[A-Za-z_]\w*", text) and not text.startswith("torch."):
         return text.rsplit(".", 1)[1]   # an Enum printed as Class.member
     return text
@@ -439,7 +462,7 @@ def _dump_argv(values: Mapping[str, str], parser: argparse.ArgumentParser) -> tu
         if action is None:
             others.append(name)
             continue
-        if text == str(action.default):
+        if text == str(action.default) or _derived(name, text, values):
             continue
         try:
             value = _dump_value(action, text)
@@ -451,6 +474,20 @@ def _dump_argv(values: Mapping[str, str], parser: argparse.ArgumentParser) -> tu
             continue
         argv += words
     return argv, others, notes
+
+
+# Arguments validate_args writes from another one, which it then refuses to be given alongside it (arguments.py
+# validate_args: "cannot have both num-layers and encoder-num-layers specified", "assert args.encoder_seq_length
+# is None", "assert args.start_weight_decay is None" under a constant weight decay, the deprecated hybrid_override_pattern copied into hybrid_layer_pattern).
+_DERIVED = {"encoder_num_layers": "num_layers", "encoder_seq_length": "seq_length",
+            "hybrid_override_pattern": "hybrid_layer_pattern", "start_weight_decay": "weight_decay",
+            "end_weight_decay": "weight_decay"}
+
+
+def _derived(name: str, text: str, values: Mapping[str, str]) -> bool:
+    """Whether a dump's value is one validate_args wrote from another argument of the same value."""
+    source = _DERIVED.get(name)
+    return source is not None and values.get(source) == text
 
 
 @contextlib.contextmanager
@@ -495,22 +532,107 @@ def validation_env(job_env: Mapping[str, str], arch: int):
 
 
 def parse_and_validate(argv: Sequence[str], world: int, env: Mapping[str, str], arch: int,
-                       parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, list[str]]:
-    """(validated namespace, unknown words) exactly as Megatron-LM's parse_args + validate_args, with the rank and
+                       parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(validated namespace, unknown words, notes) exactly as Megatron-LM's parse_args + validate_args, with the rank and
     world size it would read from the launcher's environment."""
     parser = parser or megatron_parser()
+    argv, placeholders = _placeholders(argv, parser)
     with validation_env(env, arch):
-        args, unknown = parser.parse_known_args(list(argv))
+        try:
+            args, unknown = parser.parse_known_args(list(argv))
+        except argparse.ArgumentError as exc:
+            raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {exc}",
+                                    "fix the flag named above (megatron-core 0.19.2's arguments.py)") from None
         args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
         args.rank, args.world_size = 0, world
         from megatron.training.arguments import validate_args
         try:
             validate_args(args, dict(PRETRAIN_DEFAULTS))
         except (AssertionError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-            text = " ".join(str(exc).split()) or type(exc).__name__
+            text = " ".join(str(exc).split()) or _where(exc)
             raise MegatronArgsError(f"Megatron-LM's validate_args rejects the job at world size {world}: {text}",
-                                    "fix the arguments (or the world size) as the message says") from None
-    return args, unknown
+                                    "fix the arguments (or the world size) as the message says",
+                                    rejected=True) from None
+    return args, unknown, placeholders
+
+
+def _where(exc: BaseException) -> str:
+    """An assertion without a message, as the line of megatron-core that raised it."""
+    import traceback
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1] if frames else None
+    if last is None:
+        return type(exc).__name__
+    return f"{type(exc).__name__} at {os.path.basename(last.filename)}:{last.lineno}: {(last.line or '').strip()}"
+
+
+_PLACEHOLDER = re.compile(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?")
+
+
+def _placeholders(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """(argv without the ``${VAR}`` values of typed flags, notes). A path may be ``${DATA_PATH}/...`` and stays
+    a word; a number cannot be, and ``${...}`` is never interpolated. Such a flag of a group that cannot change
+    memory keeps its default (a note says so); any other is an error: its value decides the plan."""
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    groups = group_of(parser)
+    out: list[str] = []
+    notes: list[str] = []
+    words = list(argv)
+    k = 0
+    while k < len(words):
+        w = words[k]
+        action = by_option.get(w)
+        if action is not None and action.nargs is None and action.type not in (None, str) and k + 1 < len(words) \
+                and _PLACEHOLDER.search(words[k + 1]):
+            if groups.get(action.dest) in NEUTRAL_GROUPS:
+                notes.append(f"{w} {words[k + 1]} is a placeholder; its default is used (it does not change memory)")
+                k += 2
+                continue
+            raise MegatronArgsError(f"{w} {words[k + 1]}: a placeholder where a value is needed; ${{...}} is never "
+                                    "interpolated", f"write the value of {w} itself")
+        if action is not None and getattr(action.type, "__name__", "") in _PATTERN_TYPES and k + 1 < len(words):
+            _check_pattern(w, words[k + 1])
+        elif "=" in w and getattr(by_option.get(w.split("=", 1)[0]), "type", None) is not None and \
+                getattr(by_option[w.split("=", 1)[0]].type, "__name__", "") in _PATTERN_TYPES:
+            _check_pattern(w.split("=", 1)[0], w.split("=", 1)[1])
+        out.append(w)
+        k += 1
+    return out, notes
+
+
+# Flag types that eval() a list expression (arguments.py _eval_pattern: digits, brackets, commas, + and *):
+# "[0]*10**10" passes its character check and would allocate without bound, so the length is measured first.
+_PATTERN_TYPES = ("moe_freq_type", "la_freq_type", "no_rope_freq_type")
+MAX_PATTERN = 1_000_000   # list entries (one per layer)
+
+
+def _check_pattern(flag: str, text: str) -> None:
+    import ast as _ast
+
+    def length(node) -> int | None:
+        if isinstance(node, _ast.List):
+            return len(node.elts)
+        if isinstance(node, _ast.BinOp) and isinstance(node.op, _ast.Add):
+            a, b = length(node.left), length(node.right)
+            return None if a is None or b is None else a + b
+        if isinstance(node, _ast.BinOp) and isinstance(node.op, _ast.Mult):
+            for seq, times in ((node.left, node.right), (node.right, node.left)):
+                n = length(seq)
+                if n is not None and isinstance(times, _ast.Constant) and type(times.value) is int:
+                    return n * max(times.value, 0)
+            return None if not isinstance(node.left, _ast.Constant) else 0
+        return None
+
+    if "[" not in text:
+        return
+    try:
+        tree = _ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return          # megatron-core's own type reports the bad pattern
+    n = length(tree)
+    if n is not None and n > MAX_PATTERN:
+        raise MegatronArgsError(f"{flag} {text[:60]} expands to {n:,} entries (one per layer)",
+                                f"give {flag} one entry per layer")
 
 
 # ----------------------------------------------------------------------------- the mapping
@@ -763,7 +885,8 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
         argv, others, dump_notes = _dump_argv(words.dump, parser)
         notes += dump_notes
         unknown_names = others
-    args, unknown = parse_and_validate(argv, world, job_env, arch, parser)
+    args, unknown, placeholder_notes = parse_and_validate(argv, world, job_env, arch, parser)
+    notes += placeholder_notes
     if words.form == FORM_DUMP:     # names neither a flag nor set by validate_args: another version's argument
         unknown = [n for n in unknown_names if n not in vars(args)]
     family = model_family(args, script or words.script)
@@ -823,3 +946,89 @@ def _unknown_notes(unknown: Sequence[str], form: str) -> tuple[FlagNote, ...]:
         else:
             notes[-1].append(w)
     return tuple(FlagNote(n[0], " ".join(n[1:]), why) for n in notes)
+
+
+# ----------------------------------------------------------------------------- overlays as Megatron-LM flags
+# Config fields whose Megatron-LM argument has another name (the inverse of core_transformer_config_from_args,
+# get_megatron_ddp_config and this module's provider fields); every other field is looked up as a parser dest of
+# the same name.
+_FIELD_TO_DEST = {
+    "model.num_moe_experts": "num_experts", "model.fp8_param": "fp8_param_gather",
+    "model.num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+    "model.num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+    "model.use_te_rng_tracker": "te_rng_tracker", "model.rope_scaling": "use_rope_scaling",
+    "ddp.grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
+    "ddp.check_for_nan_in_grad": "check_for_nan_in_loss_and_grad", "ddp.num_buckets": "ddp_num_buckets",
+    "ddp.bucket_size": "ddp_bucket_size", "ddp.average_in_collective": "ddp_average_in_collective",
+}
+
+
+@dataclass(frozen=True)
+class OverlayFlags:
+    """What to add to a Megatron-LM job for a set of overlays: flags (words), environment variables, flags the
+    job has and must drop, and the config fields Megatron-LM has no flag for."""
+    words: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    remove: tuple[str, ...] = ()
+    no_flag: tuple[tuple[str, str], ...] = ()     # (field, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"add": list(self.words), "env": dict(self.env), "remove": list(self.remove),
+                "no_flag": [{"field": f, "value": v} for f, v in self.no_flag]}
+
+    def command_text(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        return " ".join(x for x in (env, " ".join(shlex.quote(w) for w in self.words)) if x)
+
+
+def dest_for_field(path: str, parser: argparse.ArgumentParser | None = None) -> str | None:
+    """The parser dest that sets a Bridge config field (``model.recompute_granularity`` -> recompute_granularity),
+    None when Megatron-LM has no flag for it."""
+    actions = actions_by_dest(parser or megatron_parser())
+    dest = _FIELD_TO_DEST.get(path, path.rsplit(".", 1)[-1])
+    return dest if dest in actions else None
+
+
+def overlay_flags(changes: Sequence[tuple[str, Any]], job_args: Mapping[str, Any]) -> OverlayFlags:
+    """The Megatron-LM flags that make the same changes as an overlay's (``[(field or $VAR, new value)]``, from
+    the engine's report) on a job whose validated arguments are ``job_args``. A value the job already has adds
+    nothing; a switch the change turns off that the job turned on is listed to remove."""
+    parser = megatron_parser()
+    actions = actions_by_dest(parser)
+    words: list[str] = []
+    env: dict[str, str] = {}
+    remove: list[str] = []
+    no_flag: list[tuple[str, str]] = []
+    for target, value in changes:
+        if target.startswith("$"):
+            env[target[1:]] = value if isinstance(value, str) else _env_text(value)
+            continue
+        dest = dest_for_field(target, parser)
+        if dest is None:
+            no_flag.append((target, _shown(value)))
+            continue
+        action = actions[dest]
+        current = job_args.get(dest)
+        if _same(current, value):
+            continue
+        flag = flag_words(action, value)
+        if flag is None or (flag == [] and action.nargs == 0):
+            if action.nargs == 0 and current == action.const:
+                remove.append(flag_of(action))
+            else:
+                no_flag.append((target, _shown(value)))
+            continue
+        words += flag
+    return OverlayFlags(tuple(words), MappingProxyType(env), tuple(remove), tuple(no_flag))
+
+
+def _same(current: Any, value: Any) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(current, (list, tuple)):
+        return [_word(v) for v in current] == [_word(v) for v in value]
+    return current == value or (current is not None and _word(current) == _word(value) and not isinstance(value, bool))
+
+
+def _env_text(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}:{v}" for k, v in value.items())
+    return str(value)
