@@ -368,3 +368,16 @@ def test_vocab_left_to_the_tokenizer_comes_from_its_config(recipe):
     assert cfg.model.vocab_size is None
     shape = P.from_config(cfg, 8)[0]
     assert shape.vocab == 131072
+
+
+def test_set_takes_a_list_moe_layer_freq_where_the_recipe_has_an_int(bridge):
+    """model.moe_layer_freq is Union[int, List[int]] in megatron-core: --set may give the per-layer list even where
+    the recipe's default is an int, and the plan follows it (memory/from_config.py reads the list)."""
+    cfg = bridge.build_recipe("qwen3_30b_a3b_pretrain_config")
+    n = cfg.model.num_layers
+    assert isinstance(cfg.model.moe_layer_freq, int)
+    pattern = [0] + [1] * (n - 1)
+    bridge.apply_overrides(cfg, [f"model.moe_layer_freq=[{','.join(map(str, pattern))}]"])
+    assert list(cfg.model.moe_layer_freq) == pattern
+    shape, _, _ = P.from_config(cfg, 16)
+    assert shape.moe_layers == n - 1 and shape.layer_kinds[0] == "attn+mlp"

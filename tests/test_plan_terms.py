@@ -451,3 +451,126 @@ def test_vocab_of_the_tiny_recipe_and_of_a_preset_one(bridge):
     # the perf recipe presets 128256 with use_tokenizer_vocab_size off: setup leaves it unpadded at TP8
     shape = planned(bridge, LLAMA70_PERF, "model.tensor_model_parallel_size=8", world=32)[0]
     assert shape.vocab == 128256
+
+
+# ----------------------------------------------------------------------------- issue 30's terms
+# A small GPT of our own: 4 layers, hidden 512, 8 heads, seq 1024, MBS 2, TP 2 with SP, on 4 GPUs.
+SMALL = P.Shape(layers=4, hidden=512, ffn=2048, heads=8, groups=8, head_dim=64, vocab=1024, gated=False)
+SMALL_LAY = P.Layout(world=4, tp=2, sp=True, seq=1024, mbs=2, gbs=8)
+
+
+@pytest.mark.parametrize("scores, dropout, dtype, per_element", [
+    ("fused_softmax", False, 2, 2),        # the kernel's bf16 output, which the bmm with v also keeps
+    ("fused_softmax", True, 2, 2 + 1 + 2),  # + the dropout's bool mask and the dropped probabilities
+    ("torch_softmax", False, 2, 4 + 2),     # fp32 softmax output + its bf16 cast for the bmm
+    ("torch_softmax", True, 2, 4 + 1 + 2),
+    ("torch_softmax", False, 4, 4),         # fp32 training: one fp32 tensor serves both
+])
+def test_non_fused_attention_keeps_the_scores(scores, dropout, dtype, per_element):
+    st = P.Settings(attention_scores=scores, attention_dropout=dropout, dtype_bytes=dtype)
+    from mbmem_overlays.memory.activations import attention_scores_bytes
+    assert attention_scores_bytes(st, SMALL_LAY) == per_element
+    terms = P.layer_activation_terms(SMALL, SMALL_LAY, st)
+    # per token: heads / TP x the keys (the whole sequence) x bytes per score
+    assert terms["attention_scores"] == per_element * 8 / 2 * 1024
+    assert "attention_softmax_stats" not in terms
+    fused = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings(dtype_bytes=dtype))
+    assert "attention_scores" not in fused and "attention_softmax_stats" in fused
+    # core_attn recompute drops the scores again
+    kept = P._selected_terms(SMALL, SMALL_LAY, replace(st, recompute="selective", modules=("core_attn",)),
+                             "attn+mlp")
+    assert "attention_scores" not in kept
+
+
+def test_hidden_dropout_keeps_one_bool_mask_per_block():
+    with_dropout = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings(hidden_dropout=True))
+    without = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings())
+    extra = {k: v for k, v in with_dropout.items() if k not in without}
+    assert extra == {"attn_dropout_mask": 512 / 2, "mlp_dropout_mask": 512 / 2}   # 1 byte, sequence-local
+
+
+def test_fp32_training_doubles_what_bf16_keeps():
+    bf16 = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings())
+    fp32 = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings(dtype_bytes=4))
+    for name, value in bf16.items():
+        assert fp32[name] == (value if name == "attention_softmax_stats" else 2 * value), name
+
+
+def test_fp32_training_is_planned_in_fp32(bridge):
+    """A Megatron-LM job without --bf16/--fp16 trains in fp32 (params_dtype float32)."""
+    from mbmem_overlays.bridge.megatron_args import load_job
+    argv = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "512",
+            "--max-position-embeddings", "512", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--train-iters", "10", "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer"]
+    _, _, fp32 = P.from_config(load_job(argv, world_size=1).config, 1)
+    assert (fp32.dtype_bytes, fp32.param_bytes, fp32.grad_bytes, fp32.master_bytes) == (4, 4, 4, 0)
+    _, _, bf16 = P.from_config(load_job(argv + ["--bf16"], world_size=1).config, 1)
+    assert (bf16.dtype_bytes, bf16.param_bytes, bf16.master_bytes) == (2, 2, 4)
+
+
+def test_pipeline_layout_places_the_layers_it_names():
+    from types import SimpleNamespace
+
+    from mbmem_overlays.memory.from_config import chunk_layers
+    m = SimpleNamespace(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+                        pipeline_model_parallel_layout="Et*3|t*5L")
+    assert chunk_layers(m, 8) == (3, 5)
+    uneven = SimpleNamespace(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=None,
+                             pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=2,
+                             num_layers_in_last_pipeline_stage=4)
+    assert chunk_layers(uneven, 14) == (2, 4, 4, 4)
+    accounted = SimpleNamespace(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=True,
+                                account_for_loss_in_pipeline_split=True)
+    assert chunk_layers(accounted, 6) == (1, 2, 2, 1)   # (6 + 2) / 4 per chunk, first and last one fewer
+    lay = P.Layout(world=2, pp=2, chunk_layers=(3, 5))
+    assert P.rank_layers(SMALL.__class__(**{**SMALL.__dict__, "layers": 8}), lay, 0) == {"attn+mlp": 3}
+    assert P.rank_layers(SMALL.__class__(**{**SMALL.__dict__, "layers": 8}), lay, 1) == {"attn+mlp": 5}
+
+
+def test_mtp_layers_add_a_layer_logits_and_an_embedding_on_the_last_stage():
+    lay = P.Layout(world=2, pp=2, seq=1024, mbs=1, gbs=8)
+    base = replace(SMALL, tied=True)
+    mtp = replace(base, mtp_layers=1)
+    d0, e0, _ = P.stage_params(base, lay, first=False, last=True)
+    d1, e1, _ = P.stage_params(mtp, lay, first=False, last=True)
+    layer = P._attention_params(base) + 512 + P._mlp_params(512, 2048, False) + 512
+    assert d1 - d0 == layer + 3 * 512 + 2 * 512 * 512
+    assert e1 - e0 == 1024 * 512                       # the last stage's own embedding under PP
+    st = P.Settings()
+    a0 = P.stage_activations(base, lay, st, 1).steady
+    a1 = P.stage_activations(mtp, lay, st, 1).steady
+    logits = st.logits_bytes * 1024 * 1024
+    from mbmem_overlays.memory.stage_activations import mtp_layer_activation
+    assert a1 - a0 == pytest.approx(mtp_layer_activation(mtp, lay, st) + logits)
+    assert P.stage_params(mtp, lay, first=True, last=False) == P.stage_params(base, lay, first=True, last=False)
+
+
+def test_every_field_from_config_reads_is_declared():
+    import re
+
+    from mbmem_overlays.memory import coverage, from_config
+    text = Path(from_config.__file__).read_text()
+    model_fields = set(re.findall(r'getattr\(m, "(\w+)"', text)) | set(re.findall(r"\bm\.(\w+)", text))
+    undeclared = {f for f in model_fields if f"model.{f}" not in coverage.MODEL_READS}
+    assert not undeclared, f"declare them in memory/coverage.py MODEL_READS: {sorted(undeclared)}"
+
+
+def test_a_field_the_model_does_not_follow_is_named():
+    from types import SimpleNamespace
+
+    from mbmem_overlays.memory.coverage import NOT_MODELLED, Unmodelled, not_modelled
+    cfg = SimpleNamespace(model=SimpleNamespace(fine_grained_activation_offloading=True, delay_wgrad_compute=False,
+                                                moe_token_dispatcher_type="alltoall"), ddp=None)
+    named = not_modelled(cfg)
+    assert len(named) == 1 and named[0].startswith("model.fine_grained_activation_offloading=True: ")
+    extra = (Unmodelled("model.moe_token_dispatcher_type", "test", lambda v: v == "alltoall"),)
+    assert len(not_modelled(cfg, extra)) == 2
+    assert not {u.path for u in NOT_MODELLED} & {"model.attention_backend=unfused"}
+
+
+def test_a_plan_names_what_it_does_not_model():
+    plan = P.Plan("r", 1, SMALL_LAY, (P.Step("baseline", P.Breakdown(1, 1, 1, 1, 1)),), 2**40, 0.05, None,
+                  not_modelled=("model.fp4=True: FP4 weights and GEMM inputs",))
+    assert plan.verdict()[0] == "fits; not modelled: model.fp4=True"
+    assert plan.as_dict()["not_modelled"] == ["model.fp4=True: FP4 weights and GEMM inputs"]

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import enum
 import os
+import re
 from typing import Any
 
 from ..core.errors import OverlayError, Problem, short_repr
@@ -150,6 +151,19 @@ def _kind_problem(current: Any, value: Any) -> str | None:
     return None
 
 
+def _declared_list(cfg: Any, path: str, value: Any) -> bool:
+    """Whether ``value`` is a list and the field's declared type (its dataclass annotation) admits a list although
+    its current value is not one."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    parent, _, leaf = path.rpartition(".")
+    holder = read(cfg, parent, None) if parent else cfg
+    if holder is None or not dataclasses.is_dataclass(holder):
+        return False
+    declared = {f.name: f.type for f in dataclasses.fields(holder)}.get(leaf)
+    return declared is not None and re.search(r"\b(List|list|Sequence|Tuple|tuple)\b", str(declared)) is not None
+
+
 def check_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> tuple[list[tuple[str, Any, Any]], list[Problem]]:
     """Every override checked, nothing written: ([(path, old, new)] for the valid ones, [problems])."""
     items: list[tuple[str, Any]] = []
@@ -178,6 +192,8 @@ def check_overrides(cfg: Any, overrides: list[str] | dict[str, Any]) -> tuple[li
         if isinstance(current, float) and isinstance(new, int) and not isinstance(new, bool):
             new = float(new)  # Hydra reads 1 as int; a float field keeps its kind
         err = _kind_problem(current, new)
+        if err and _declared_list(cfg, path, new):
+            err = None   # e.g. model.moe_layer_freq: Union[int, List[int]], an int by default, a list when set
         if err:
             err = err.replace("<path>", path)
             problems.append(_problem(path, path, value, f"{path} {err}",

@@ -159,7 +159,7 @@ def run_logs(args, logs: list[str], checked: dict[str, Any] | None = None) -> tu
         from ..doctor.run_plan import make_run_planner
         planner = make_planner(args.recipe)
         run_planner = make_run_planner(args.recipe, list(args.set), checked["world"], list(args.overlay_dir),
-                                       checked["margin"])
+                                       checked["margin"], logs=list(logs))
     d = diagnose(findings, args.recipe, planner=planner, capacity=checked["capacity"], margin=checked["margin"],
                  run_planner=run_planner, overlay_dirs=list(args.overlay_dir),
                  replan=None if args.plan else replan_command(args, checked))

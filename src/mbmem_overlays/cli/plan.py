@@ -20,7 +20,8 @@ from .common import (EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, 
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="per-GPU memory before and after each overlay (and --search for layouts)")
-    add_memory_options(p, capacity_help="capacity per GPU for a fit verdict, e.g. 80GiB, 80GB, 80G or bytes")
+    add_memory_options(p, capacity_help="capacity per GPU for a fit verdict, e.g. 80GiB, 80GB, 80G or bytes",
+                       megatron=True)
     p.add_argument("--search", action="store_true",
                    help="enumerate layouts and overlay sets that fit; each result is validated and has its command")
     p.add_argument("--top", default="5", metavar="N",
@@ -28,11 +29,24 @@ def register(sub) -> None:
     p.set_defaults(fn=run)
 
 
-def add_memory_options(p, *, capacity_help: str) -> None:
+def add_memory_options(p, *, capacity_help: str, megatron: bool = False) -> None:
     """Options of plan and recommend. Counts and sizes are read as text and checked in ``checked_args``,
-    so that a bad value is a usage error that --json reports as a JSON object too."""
+    so that a bad value is a usage error that --json reports as a JSON object too.
+
+    ``megatron``: plan a Megatron-LM job from its own arguments too (--megatron-args), which then stands in
+    for --recipe, and whose launcher or log may give the world size."""
     add_recipe_options(p, world_size=None)
-    p.add_argument("--world-size", required=True, metavar="N", help="number of GPUs (a positive integer)")
+    p.add_argument("--world-size", required=not megatron, metavar="N",
+                   help="number of GPUs (a positive integer)" + (
+                       "; with --megatron-args, default: the launcher's (torchrun) or the log's" if megatron else ""))
+    if megatron:
+        next(a for a in p._actions if a.dest == "recipe").required = False   # --recipe or --megatron-args
+        p.add_argument("--megatron-args", metavar="FILE",
+                       help="plan a Megatron-LM job from its arguments: a command line, a MODEL_ARGS YAML block or a "
+                            "log with its 'arguments' dump (- reads standard input)")
+        p.add_argument("--tokenizer-vocab", metavar="N",
+                       help="with --megatron-args: the tokenizer's vocabulary when its files cannot be read here "
+                            "(SentencePiece, Hugging Face)")
     p.add_argument("--overlay", "-O", action="append", default=[],
                    help="overlays you already use (comma-separated or repeated); every step and command keeps them")
     p.add_argument("--gpu-memory", metavar="SIZE", help=capacity_help)
@@ -141,6 +155,12 @@ def breakdown_dict(b) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- the command
 def run(args) -> int:
+    if getattr(args, "megatron_args", None) is not None:
+        return run_megatron(args)
+    if getattr(args, "recipe", None) is None:
+        return fail(args, UsageError([_problem("--recipe", None, "--recipe or --megatron-args is required",
+                                               "add --recipe NAME, or --megatron-args FILE for a Megatron-LM job")]),
+                    EXIT_USAGE)
     try:
         checked = checked_args(args, capacity_required="with --search" if args.search else None)
     except UsageError as exc:
@@ -223,4 +243,132 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
         if r.get("fits_unless"):
             lines.append(f"    {r['fit_verdict']}")
         lines.append(f"    {r['command']}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- a Megatron-LM job's own arguments
+def megatron_checks(args) -> dict[str, Any]:
+    """Every argument problem of ``plan --megatron-args`` at once, before Bridge; raises UsageError."""
+    problems: list[Problem] = []
+    if args.recipe is not None:
+        problems.append(_problem("--recipe", args.recipe, "--recipe and --megatron-args both name the job",
+                                 "give one of them"))
+    if args.search:
+        problems.append(_problem("--search", True, "--search prints train.py commands for a recipe",
+                                 "drop --search, or plan a recipe with --recipe"))
+    if args.set:
+        problems.append(_problem("--set", args.set, "--set changes a recipe's fields",
+                                 "change the job's Megatron-LM flags in the file instead"))
+    world, capacity, margin, vocab = (None, None), capacity_option(args.gpu_memory), margin_option(args.margin), \
+        (None, None)
+    if args.world_size is not None:
+        world = count_option("--world-size", args.world_size)
+    if args.tokenizer_vocab is not None:
+        vocab = count_option("--tokenizer-vocab", args.tokenizer_vocab, 1 << 24)
+    problems += [p for _, p in (world, capacity, margin, vocab) if p]
+    problems += plot_problems(args)
+    try:
+        catalog = catalog_for(args.overlay_dir)
+    except OverlayError as exc:
+        raise UsageError(problems + exc.problems) from None
+    names = csv_list(args.overlay)
+    problems += preflight(None, names, {}, [], catalog)
+    text = None
+    if not problems:
+        from ..bridge.megatron_args import MegatronArgsError, read_source
+        try:
+            text = read_source(args.megatron_args)
+        except MegatronArgsError as exc:
+            problems.append(_problem("--megatron-args", args.megatron_args, exc.message, exc.fix))
+    if problems:
+        raise UsageError(problems)
+    return {"world": world[0], "capacity": capacity[0], "margin": margin[0], "vocab": vocab[0], "text": text,
+            "catalog": catalog, "overlays": tuple(dict.fromkeys(catalog.resolve(n).name for n in names))}
+
+
+def run_megatron(args) -> int:
+    """``mbmem plan --megatron-args FILE``: the job parsed and validated by megatron-core's own parser, planned
+    like a recipe, with the flags the plan does not follow and the flags each overlay adds."""
+    import dataclasses
+
+    try:
+        checked = megatron_checks(args)
+    except UsageError as exc:
+        return fail(args, exc, EXIT_USAGE)
+    from ..bridge.megatron_args import MegatronArgsError, load_job
+    try:
+        job = load_job(checked["text"], world_size=checked["world"], vocab=checked["vocab"])
+    except MegatronArgsError as exc:
+        code = EXIT_REJECTED if exc.rejected else EXIT_USAGE
+        flag = exc.flag if exc.flag != "--megatron-args" else "--megatron-args"
+        return fail(args, UsageError([_problem(flag, args.megatron_args, exc.message, exc.fix)]), code)
+    try:
+        from ..memory.steps import build_plan, plan_figure, render_plan
+        overlays = list(checked["overlays"])
+        plan = build_plan(job.config, overlays, world=job.world_size, recipe=f"Megatron-LM {job.form}",
+                          capacity=checked["capacity"], margin=checked["margin"], catalog=checked["catalog"])
+        plan = dataclasses.replace(plan, assumptions=plan.assumptions + job.assumptions)
+        flags = megatron_overlay_flags(job, overlays, checked["catalog"])
+    except OverlayError as exc:
+        return fail(args, exc, EXIT_REJECTED)
+    try:
+        if args.plot:
+            write_plot(args, lambda: plan_figure(plan))
+    except UsageError as exc:
+        return fail(args, exc, EXIT_USAGE)
+    verdict = megatron_verdict(plan, job)
+    if args.json:
+        emit(args, {**plan.as_dict(), "plot": args.plot, "megatron_args": {**job.as_dict(), "verdict": verdict},
+                    "megatron_flags": flags.as_dict() if flags else None})
+    else:
+        print(render_plan(plan))
+        print(render_megatron(job, flags, verdict))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0 if plan.fits(plan.steps[-1]) is not False else EXIT_REJECTED
+
+
+def megatron_overlay_flags(job, overlays: list[str], catalog):
+    """The Megatron-LM flags the overlays amount to on this job (None without overlays): the engine's changes,
+    written back as the parser's own flags (bridge/megatron_args.py overlay_flags)."""
+    if not overlays:
+        return None
+    import copy
+
+    from ..bridge.megatron_args import overlay_flags
+    from ..core.engine import apply_overlay
+    report = apply_overlay(copy.deepcopy(job.config), overlays, env=dict(job.env), world_size=job.world_size,
+                           catalog=catalog)
+    return overlay_flags([(c.target, c.new) for c in report.changes], job.args)
+
+
+def megatron_verdict(plan, job) -> str:
+    """The fit verdict, qualified when the job sets flags that change memory and that the plan does not follow."""
+    verdict = plan.verdict()[0] if plan.capacity else "no capacity given"
+    if job.not_modelled:
+        return (f"{verdict}, but NOT MODELLED: " + "; ".join(n.flag for n in job.not_modelled)
+                + " change memory and the plan does not follow them")
+    return verdict
+
+
+def render_megatron(job, flags, verdict: str) -> str:
+    lines = [f"Megatron-LM job: {job.form}, {job.family}, world size {job.world_size} ({job.world_from}), "
+             f"parsed and validated by megatron-core 0.19.2's own arguments.py",
+             f"verdict: {verdict}"]
+    sections = (("not modelled (change memory; the plan does not follow them)", job.not_modelled),
+                ("unknown (not flags of megatron-core 0.19.2's parser; not planned)", job.unknown),
+                ("unsupported (recognised, not carried into the plan)", job.unsupported))
+    for title, notes in sections:
+        if notes:
+            lines.append(f"{title}:")
+            lines += [f"  - {shown(n.text())}" for n in notes]
+    if job.ignored:
+        lines.append(f"ignored (no effect on memory): {len(job.ignored)} flags ({', '.join(job.ignored[:6])}"
+                     + (", ..." if len(job.ignored) > 6 else "") + ")")
+    if flags is not None:
+        lines.append("Megatron-LM flags for the overlays: " + (shown(flags.command_text()) or "none (already set)"))
+        if flags.remove:
+            lines.append("  and remove: " + " ".join(flags.remove))
+        for target, value in flags.no_flag:
+            lines.append(f"  no Megatron-LM flag for {target}={shown(value)}")
     return "\n".join(lines)

@@ -79,9 +79,11 @@ class _OmegaConfReading(yaml.SafeLoader):
     float), and a date stays text. Restated here, not imported: omegaconf's import costs ``mbmem list`` 0.2 s;
     tests/test_hostile_round2.py checks that both read the same documents the same way."""
 
+    allow_duplicates = False   # load(..., duplicates="last"): a later key wins, as PyYAML's own safe_load reads
+
     def construct_mapping(self, node, deep=False):
         keys = set()
-        for key_node, _ in node.value:
+        for key_node, _ in ([] if self.allow_duplicates else node.value):
             if key_node.tag != yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG:
                 continue
             if key_node.value in keys:
@@ -107,12 +109,14 @@ class _BoundedLoader(_Bounds, _OmegaConfReading):
     pass
 
 
-def load(text: str, *, max_nodes: int = MAX_NODES, max_aliases: int = MAX_ALIASES, max_depth: int = MAX_DEPTH) -> Any:
+def load(text: str, *, max_nodes: int = MAX_NODES, max_aliases: int = MAX_ALIASES, max_depth: int = MAX_DEPTH,
+         duplicates: str = "error") -> Any:
     """The one document in ``text`` as plain Python data (SafeLoader's types), within the bounds.
 
     Raises ``YamlRefused`` for a bound, ``yaml.YAMLError`` for a syntax error, and ``ValueError`` for a scalar
     Python cannot hold (an integer over the int-digit limit)."""
     loader = _BoundedLoader(text)
+    loader.allow_duplicates = duplicates == "last"
     loader._start(max_nodes, max_aliases, max_depth)
     try:
         return loader.get_single_data()

@@ -175,14 +175,21 @@ class RunPlan:
 
 
 def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None, overlay_dirs: list[str] | None,
-                     margin: float) -> Callable:
+                     margin: float, logs: list[str] | None = None) -> Callable:
     def planner(rep, ctx, f) -> RunPlan | None:
         name = recipe or f.recipe
         missing = []
-        if not name:
-            missing.append("the recipe (give --recipe)")
         shown = ctx.world or _world_from_layout(f)
         world = world_size or shown   # --world-size wins, like --recipe and --gpu-memory
+        if not name:
+            dump = megatron_dump(logs or [])
+            if dump is not None:   # a Megatron-LM job: its own arguments dump is its configuration
+                try:
+                    return _plan_megatron(rep, dump, world_size, margin)
+                except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+                    rep.plan_status = f"not planned: {' '.join(str(exc).split())[:400]}"
+                    return None
+            missing.append("the recipe (give --recipe)")
         if not world:
             missing.append("the world size (give --world-size)")
         if missing:
@@ -214,6 +221,45 @@ def iteration_offset(rows) -> tuple[int, bool]:
     if start > 1 and any(r.first_iteration == start and r.iteration == start + 1 for r in rows):
         return start - 1, True
     return 0, False
+
+
+def megatron_dump(paths: list[str]) -> tuple[str, str] | None:
+    """(path, text) of the first log whose head holds Megatron-LM's ``arguments`` dump (read again, bounded, by
+    bridge/megatron_args.py read_source; standard input cannot be read twice), None when none does."""
+    from ..bridge.megatron_args import DUMP_HEADER, MegatronArgsError, read_source
+    for path in paths:
+        if path == "-":
+            continue
+        try:
+            text = read_source(path)
+        except MegatronArgsError:
+            continue
+        if DUMP_HEADER in text:
+            return path, text
+    return None
+
+
+def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: float):
+    """The log's own Megatron-LM arguments, parsed and validated by megatron-core's parser
+    (bridge/megatron_args.py), planned and compared line by line like a recipe's job."""
+    from ..bridge.megatron_args import load_job
+    from ..core.catalog import Catalog
+    from ..memory.steps import Start
+    path, text = dump
+    job = load_job(text, world_size=world_size)
+    name = f"Megatron-LM arguments dump of {path}"
+    start = Start(name)
+    planned = _compare(rep, job.config, start, Catalog(), job.world_size, name, [], (), [], margin)
+    rep.plan["megatron_args"] = job.as_dict()
+    if job.not_modelled:
+        rep.plan_status += ("; NOT MODELLED: " + "; ".join(n.text() for n in job.not_modelled))
+    if job.unknown:
+        rep.plan_status += "; unknown in the dump: " + ", ".join(n.flag for n in job.unknown[:8])
+    if world_size and job.world_from == "given" and job.args.get("world_size") != world_size:
+        rep.plan_status += f"; world size from --world-size {world_size}"
+    rep.plan_status += "; remedies are not priced for a Megatron-LM job (mbmem plan --megatron-args prints their flags)"
+    del planned   # no RunPlan returned: its remedies would be priced as train.py commands, not Megatron-LM flags
+    return None
 
 
 def _world_from_layout(f) -> int | None:
@@ -283,6 +329,14 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
         rep.plan_status = (f"not planned: the configuration rebuilt from the log (recipe {name}, "
                            f"{' '.join(words) or 'no overrides'}, world size {world}) is refused: {exc.reason}")
         return None
+    return _compare(rep, work, start, catalog, world, name, words, overlays, from_log, margin)
+
+
+def _compare(rep, work, start, catalog, world: int, name: str, words: list[str], overlays: tuple, from_log: list[str],
+             margin: float) -> RunPlan:
+    """Each rank's memory line beside the plan of its stage and iteration, for a built configuration."""
+    from ..core.paths import read
+    from ..memory import model as M
     shape, lay, st = M.from_config(work, world)
     base = stage_breakdowns(shape, lay, st)
     mapping = bool(read(work, "dist.use_tp_pp_dp_mapping", False))
@@ -339,5 +393,5 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
     if before_training:
         rep.plan_status += (f"; {len(before_training)} line(s) printed before the first training iteration "
                             f"({', '.join(before_training[:8])}) are not compared: no step has run")
-    return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
+    return RunPlan(work, start, world, catalog, base, rep.capacity, margin, name,
                    None if hot is None else hot.stage, measured)

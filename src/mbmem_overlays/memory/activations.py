@@ -3,16 +3,34 @@ Mamba, LoRA), and what selective recompute drops."""
 
 from __future__ import annotations
 
-from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
+from .inputs import FP8, FP32, Layout, Settings, Shape, _tokens
+
+def attention_scores_bytes(st: Settings, lay: Layout) -> float:
+    """Bytes a non-fused attention keeps per score element (per head, query and key position) for its backward.
+
+    megatron-core's DotProductAttention (transformer/dot_product_attention.py:194-239, the ``local`` and, alike,
+    TE's ``unfused`` backend): baddbmm scores -> scale_mask_softmax -> attention_dropout -> bmm with v. The fused
+    scaled masked softmax kernel (fusions/fused_softmax.py is_kernel_available: bf16/fp16 input, 16 < s <= 4096)
+    saves its output in the input dtype, which the bmm also keeps; torch's fallback (forward_torch_softmax)
+    upcasts to fp32, saves the fp32 softmax and casts it back for the bmm (a second tensor in the compute dtype).
+    With attention dropout the dropout keeps a bool mask and the bmm keeps the dropped probabilities instead."""
+    if not st.attention_scores:
+        return 0.0
+    softmax = st.dtype_bytes if st.attention_scores == "fused_softmax" else FP32
+    if st.attention_dropout:
+        return softmax + 1.0 + st.dtype_bytes
+    return softmax + (st.dtype_bytes if softmax != st.dtype_bytes else 0.0)
+
 
 def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> dict[str, float]:
     """Bytes kept per token of one microbatch for one layer of ``kind`` on one GPU (before recompute)."""
     t = lay.tp
+    D = st.dtype_bytes   # the compute dtype: bf16 (2) or, training in fp32, 4
     sp_div = t if lay.sp else 1   # LayerNorm-region tensors are split across TP only with SP
-    gemm_in = FP8 if st.fp8 else BF16
+    gemm_in = FP8 if st.fp8 else D
     frozen = st.lora_rank > 0
     # A LoRA adapter asks TE for the norm output, which turns off the quantized norm: it is then kept in bf16.
-    ln_out = BF16 if frozen else gemm_in
+    ln_out = D if frozen else gemm_in
 
     def keeps_input(target: str) -> bool:
         # Transformer Engine saves a GEMM input only for the weight gradient (linear.py / layernorm_linear.py:
@@ -25,36 +43,41 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # backward; input re-gather keeps only the sequence-local shard, which the base GEMM keeps anyway
         # (memory-tuning skill, PEFT + SP input re-gather). Row-parallel adapters read a tensor already kept.
         if frozen and lay.sp and target in st.lora_targets and target not in st.lora_regather:
-            terms[f"lora_a_gathered_input_{target}"] = BF16 * s.hidden
+            terms[f"lora_a_gathered_input_{target}"] = D * s.hidden
 
     terms: dict[str, float] = {}
     blocks = kind.split("+")
     # Every block's norm input (the residual stream) is kept for the norm's backward; TE fuses the norm into
     # the block's first GEMM.
     for block in blocks:
-        terms[f"{block}_layernorm_input"] = BF16 * s.hidden / sp_div
+        terms[f"{block}_layernorm_input"] = D * s.hidden / sp_div
     if "attn" in blocks:
         # the norm output is the QKV GEMM input, kept sequence-local (TE re-gathers it in backward)
         if keeps_input("linear_qkv"):
             terms["attention_layernorm_output"] = ln_out * s.hidden / sp_div
         if s.mla:
-            terms["attention_qkv"] = BF16 * s.heads * (2 * (s.qk_head_dim + s.qk_pos_dim) + s.v_head_dim) / t
-            terms["mla_up_proj_inputs"] = BF16 * (s.kv_lora_rank + (s.q_lora_rank or 0)) / sp_div
+            terms["attention_qkv"] = D * s.heads * (2 * (s.qk_head_dim + s.qk_pos_dim) + s.v_head_dim) / t
+            terms["mla_up_proj_inputs"] = D * (s.kv_lora_rank + (s.q_lora_rank or 0)) / sp_div
         else:
             # The attention kernel keeps q, k, v: RoPE returns new q and k, and TE copies the strided v view out
             # of the QKV output (get_qkv_layout finds no layout for the mix and makes all three contiguous), so
             # the QKV output itself is freed: together the same size as that output.
-            terms["attention_qkv"] = BF16 * (s.heads + 2 * s.groups) * s.head_dim / t
+            terms["attention_qkv"] = D * (s.heads + 2 * s.groups) * s.head_dim / t
             if s.qk_norm:
                 # q/k LayerNorm (Qwen3): TE's norm saves a contiguous copy of its input (ops/basic/rmsnorm.py)
-                terms["attention_qk_norm_inputs"] = BF16 * (s.heads + s.groups) * s.head_dim / t
-        terms["attention_softmax_stats"] = FP32 * s.heads / t
+                terms["attention_qk_norm_inputs"] = D * (s.heads + s.groups) * s.head_dim / t
+        if st.attention_scores:
+            # non-fused attention keeps the s x s scores per head (attention_scores_bytes), not the fused
+            # kernel's softmax statistics
+            terms["attention_scores"] = attention_scores_bytes(st, lay) * s.heads / t * lay.seq / lay.cp
+        else:
+            terms["attention_softmax_stats"] = FP32 * s.heads / t
         # The fused attention kernel keeps its bf16 output for its own backward. linear_proj keeps that same
         # tensor as its input when it computes a bf16 weight gradient (its own, or an adapter's); under FP8 it
         # keeps a quantized copy instead. core_attn recompute checkpoints the kernel with only q, k, v saved
         # (attention.py _checkpointed_attention_forward -> random.py CheckpointFunction save_for_backward(*args)),
         # so the kernel's copy is then dropped unless linear_proj holds the same tensor.
-        out = BF16 * s.heads * (s.v_head_dim or s.head_dim) / t
+        out = D * s.heads * (s.v_head_dim or s.head_dim) / t
         if (keeps_input("linear_proj") and (frozen or not st.fp8)) or "core_attn_output" in st.without:
             terms["attention_output"] = out
         else:
@@ -65,19 +88,19 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
     if "mlp" in blocks:
         if keeps_input("linear_fc1"):
             terms["mlp_layernorm_output"] = ln_out * s.hidden / sp_div
-        terms["mlp_fc1_output"] = BF16 * (2 if s.gated else 1) * s.ffn / t
+        terms["mlp_fc1_output"] = D * (2 if s.gated else 1) * s.ffn / t
         if s.gated and not st.swiglu_fused:
             # unfused SwiGLU is silu(a) * (b + glu_linear_offset) (mlp.py glu): autograd keeps silu(a) for the
             # product's backward, and b + offset too, a new tensor (b is a view of FC1's output, the offset a
             # Python float: the sum is materialized even at 0.0); a clamped a (activation_func_clamp_value) is
             # a new tensor that silu keeps as its input
-            terms["mlp_silu_output"] = BF16 * s.ffn / t
+            terms["mlp_silu_output"] = D * s.ffn / t
             if "glu_linear_copy" not in st.without:
-                terms["mlp_glu_linear_input"] = BF16 * s.ffn / t
+                terms["mlp_glu_linear_input"] = D * s.ffn / t
                 if st.glu_clamped:
-                    terms["mlp_glu_clamped_input"] = BF16 * s.ffn / t
+                    terms["mlp_glu_clamped_input"] = D * s.ffn / t
         if keeps_input("linear_fc2"):
-            terms["mlp_act_output"] = (BF16 if frozen else gemm_in) * s.ffn / t
+            terms["mlp_act_output"] = (D if frozen else gemm_in) * s.ffn / t
         lora_gathered("linear_fc1")
     if "moe" in blocks:
         # Each rank routes its own sequence-local tokens (megatron-core needs SP with TP for MoE) topk times.
@@ -86,28 +109,28 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         routed = s.topk / sp_div * st.moe_load
         # MoE layers have a separate (unfused) pre-MLP norm; the router's gating function saves its output
         # whether or not the router trains (moe_utils.py RouterGatingLinearFunction)
-        terms["moe_layernorm_output"] = BF16 * s.hidden / sp_div
+        terms["moe_layernorm_output"] = D * s.hidden / sp_div
         terms["moe_router"] = FP32 * s.experts / sp_div
         if keeps_input("linear_fc1"):  # grouped GEMMs keep inputs only for a weight gradient (grouped_linear.py)
-            terms["moe_permuted_input"] = routed * lay.etp * BF16 * s.hidden
-        terms["moe_fc1_output"] = routed * BF16 * (2 if s.gated else 1) * s.moe_ffn
+            terms["moe_permuted_input"] = routed * lay.etp * D * s.hidden
+        terms["moe_fc1_output"] = routed * D * (2 if s.gated else 1) * s.moe_ffn
         if s.gated and not st.swiglu_fused:
-            terms["moe_silu_output"] = routed * BF16 * s.moe_ffn
+            terms["moe_silu_output"] = routed * D * s.moe_ffn
             if "glu_linear_copy" not in st.without:  # experts.py bias_act_func glu: as the dense MLP's
-                terms["moe_glu_linear_input"] = routed * BF16 * s.moe_ffn
+                terms["moe_glu_linear_input"] = routed * D * s.moe_ffn
                 if st.glu_clamped:
-                    terms["moe_glu_clamped_input"] = routed * BF16 * s.moe_ffn
+                    terms["moe_glu_clamped_input"] = routed * D * s.moe_ffn
         if st.moe_probs_mul and "glu_linear_copy" not in st.without:
             # without the fused weighted activation the expert output of the activation is multiplied by the
             # routing probabilities afterwards (experts.py bias_act_func: intermediate * permuted_probs), and that
             # product keeps its bf16 input for the probabilities' gradient
-            terms["moe_probs_mul_input"] = routed * BF16 * s.moe_ffn
+            terms["moe_probs_mul_input"] = routed * D * s.moe_ffn
         if keeps_input("linear_fc2"):
-            terms["moe_act_output"] = routed * (BF16 if frozen else gemm_in) * s.moe_ffn
+            terms["moe_act_output"] = routed * (D if frozen else gemm_in) * s.moe_ffn
         # unpermute weights each expert output by its routing probability and keeps it for that gradient
-        terms["moe_unpermute_input"] = routed * BF16 * s.hidden
+        terms["moe_unpermute_input"] = routed * D * s.hidden
         if s.shared_ffn:
-            terms["shared_expert"] = (BF16 * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
+            terms["shared_expert"] = (D * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
             lora_gathered("linear_fc1")  # the shared expert's adapter is an ordinary column-parallel one
     if "mamba" in blocks:
         inner = s.mamba_heads * s.mamba_head_dim
@@ -116,18 +139,25 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             terms["mamba_layernorm_output"] = ln_out * s.hidden / sp_div
         # The fused conv1d + chunked-scan kernel (mamba_split_conv1d_scan_combined) keeps its input z, x, B, C,
         # dt and the scan output, and recomputes the rest in backward; out_proj keeps its input for its weight.
-        terms["mamba_in_proj_output"] = BF16 * (2 * inner + bc + s.mamba_heads) / t
-        terms["mamba_scan_output"] = BF16 * inner / t
+        terms["mamba_in_proj_output"] = D * (2 * inner + bc + s.mamba_heads) / t
+        terms["mamba_scan_output"] = D * inner / t
         if keeps_input("out_proj"):
-            terms["mamba_out_proj_input"] = BF16 * inner / t
+            terms["mamba_out_proj_input"] = D * inner / t
         lora_gathered("in_proj")
+    if st.hidden_dropout:
+        # every block ends in a bias-dropout-add (fusions/fused_bias_dropout.py _bias_dropout_add_func:
+        # F.dropout(x, p) before the residual add, sequence-local under SP); torch keeps the bool mask for the
+        # backward (aten native_dropout, 1 byte per element; p = 0 returns the input: Dropout.cpp _dropout), and
+        # the torch.compile'd fusion (jit.py jit_fuser) saves the same mask since random ops are not recomputed
+        for block in blocks:
+            terms[f"{block}_dropout_mask"] = 1.0 * s.hidden / sp_div
     if frozen:
-        terms["lora_intermediates"] = 2 * BF16 * st.lora_rank * len(st.lora_targets)
+        terms["lora_intermediates"] = 2 * D * st.lora_rank * len(st.lora_targets)
     return terms
 
 
 RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recompute skill, Decision Table)
-    "core_attn": ("attention_softmax_stats", "attention_kernel_output"),
+    "core_attn": ("attention_softmax_stats", "attention_kernel_output", "attention_scores"),
     # the MLP checkpoint (TE: the pre-MLP norm is fused into FC1) keeps only its input
     "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_glu_linear_input",
             "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),

@@ -72,7 +72,13 @@ ASSUMPTIONS = (
     PRECISION_AWARE_PATH,
     "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept beside q, "
     "k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or adapter-read copy "
-    "for linear_proj stays); an unfused backend would keep the s x s scores",
+    "for linear_proj stays). A non-fused attention (attention_backend unfused or local, or the local "
+    "transformer_impl) keeps the s x s scores per head and microbatch: the softmax output (in the compute dtype "
+    "with megatron-core's fused softmax kernel, else fp32 plus its cast back), and with attention dropout a bool "
+    "mask and the dropped probabilities (activations.attention_scores_bytes); TE's unfused backend is taken to "
+    "keep the same tensors as megatron-core's DotProductAttention",
+    "hidden dropout (hidden_dropout > 0) keeps one bool mask per block per token (the bias-dropout-add); fused "
+    "attention's own dropout keeps only its RNG state",
     "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs keep theirs "
     "only when an adapter reads the same tensor; under SP a column-parallel LoRA-A keeps the full gathered input "
     "unless input re-gather lets it reuse the sequence-local shard",

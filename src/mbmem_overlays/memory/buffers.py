@@ -4,7 +4,7 @@ bucket) and megatron-core's global memory buffer."""
 
 from __future__ import annotations
 
-from .inputs import BF16, FP32, Layout, Settings, Shape, _tokens
+from .inputs import FP32, Layout, Settings, Shape, _tokens
 from .weights import fsdp_shards, largest_layer_params, optimizer_shards, stage_params
 
 def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
@@ -78,5 +78,5 @@ def global_memory_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> floa
     A frozen output layer (LoRA) gathers into a fresh tensor instead (layers.py linear_with_frozen_weight)."""
     if "global_memory_buffer" in st.without or not lay.sp or rank != lay.pp - 1 or st.lora_rank or not s.vocab:
         return 0.0
-    full = BF16 * s.hidden * _tokens(lay)   # the gathered sequence: s x mbs / cp tokens x hidden
+    full = st.dtype_bytes * s.hidden * _tokens(lay)   # the gathered sequence: s x mbs / cp tokens x hidden
     return full * (2 if st.deferred_wgrad_microbatches else 1)

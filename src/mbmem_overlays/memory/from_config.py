@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from .graphs import WHOLE_LAYER
@@ -163,6 +164,77 @@ def _tokenizer_vocab(tok: Any) -> int:
     return int(json.loads(path.read_text()).get("vocab_size") or 0)
 
 
+def compute_dtype_bytes(m: Any) -> int:
+    """Bytes of the model's params_dtype: 4 for fp32 training (Megatron-LM without --bf16/--fp16: params_dtype
+    torch.float32, arguments.py validate_args), else 2."""
+    dtype = getattr(m, "params_dtype", None)
+    if dtype is None:
+        return BF16 if (getattr(m, "bf16", True) or getattr(m, "fp16", False)) else FP32
+    return _dtype_bytes(dtype, BF16)
+
+
+def attention_scores(m: Any, seq: int, mbs: int, tp: int) -> str:
+    """"" for a fused/flash attention kernel, else how the non-fused attention's softmax runs: megatron-core's
+    DotProductAttention serves attention_backend local (and TE's UnfusedDotProductAttention unfused, the same
+    tensors) and every layer of the local transformer_impl (gpt_layer_specs.py core_attention); its
+    scale_mask_softmax uses the fused kernel when masked_softmax_fusion is on for bf16/fp16 input with
+    16 < s <= 4096 and batch x heads divisible by 4 (fusions/fused_softmax.py is_kernel_available)."""
+    backend = str(getattr(getattr(m, "attention_backend", None), "name", getattr(m, "attention_backend", "")))
+    local_impl = str(getattr(m, "transformer_impl", "transformer_engine")) == "local"
+    if backend not in ("unfused", "local") and not local_impl:
+        return ""
+    half = compute_dtype_bytes(m) == BF16
+    heads = max(1, int(m.num_attention_heads) // max(1, tp))
+    kernel = (bool(getattr(m, "masked_softmax_fusion", False)) and half and 16 < seq <= 4096 and seq % 4 == 0
+              and (mbs * heads) % 4 == 0)
+    return "fused_softmax" if kernel else "torch_softmax"
+
+
+def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
+    """Decoder layers of each model chunk in chunk order (chunk c = virtual stage c // pp on pipeline rank c % pp),
+    when megatron-core does not split them evenly; () for the even split.
+
+    transformer_block.py get_num_layers_to_build: a pipeline_model_parallel_layout counts its decoder ("t") layers
+    per stage (pipeline_parallel_layer_layout.py get_num_layers_to_build; the 1-D list is in chunk order, :40-51);
+    num_layers_in_first/last_pipeline_stage fix the end stages and split the rest evenly, each stage's layers
+    divided across its virtual stages; account_for_embedding/loss_in_pipeline_split count the embedding and the
+    loss as one layer each, taken from the first and last chunk."""
+    pp = int(m.pipeline_model_parallel_size or 1)
+    layout = getattr(m, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+        if isinstance(layout, (str, list)):
+            layout = PipelineParallelLayerLayout(layout, pp)
+        grid = layout.layout   # [pp rank][virtual stage]
+        vpp = len(grid[0])
+        return tuple(grid[c % pp][c // pp].count(LayerType.decoder) for c in range(pp * vpp))
+    first = getattr(m, "num_layers_in_first_pipeline_stage", None)
+    last = getattr(m, "num_layers_in_last_pipeline_stage", None)
+    emb = bool(getattr(m, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(getattr(m, "account_for_loss_in_pipeline_split", False))
+    vpp = int(getattr(m, "virtual_pipeline_model_parallel_size", None) or 1)
+    if pp == 1 or not (first is not None or last is not None or emb or loss):
+        return ()
+    if first is not None or last is not None:
+        rest, stages = layers, pp
+        for n in (first, last):
+            if n is not None:
+                rest, stages = rest - n, stages - 1
+        middle = rest // stages if stages > 0 else 0
+        per_rank = [middle] * pp
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        return tuple(per_rank[c % pp] // vpp for c in range(pp * vpp))
+    per_chunk = (layers + emb + loss) // pp // vpp
+    sizes = [per_chunk] * (pp * vpp)
+    sizes[0] -= emb
+    sizes[-1] -= loss
+    return tuple(sizes)
+
+
 def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
     from ..core.engine import View
     from ..core.paths import read
@@ -201,13 +273,16 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
         mamba_heads=getattr(m, "mamba_num_heads", 0) or 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
         mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
-        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4)
-    lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                 vpp=m.virtual_pipeline_model_parallel_size or 1, cp=m.context_parallel_size,
+        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0))
+    chunks = chunk_layers(m, layers)
+    pp = m.pipeline_model_parallel_size
+    lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
+                 vpp=len(chunks) // pp if chunks else (m.virtual_pipeline_model_parallel_size or 1), cp=m.context_parallel_size,
                  ep=getattr(m, "expert_model_parallel_size", 1) or 1,
                  etp=getattr(m, "expert_tensor_parallel_size", None) or m.tensor_model_parallel_size,  # mcore default
                  sp=bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1,
-                 seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size)
+                 seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size,
+                 chunk_layers=chunks)
     mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
     grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
     if grad_fp32 is None:
@@ -274,6 +349,17 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         fp8=fp8,
         lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
-        lora_regather=regather)
+        lora_regather=regather,
+        dtype_bytes=compute_dtype_bytes(m),
+        attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
+        hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,
+        attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0)
+    if settings.dtype_bytes == FP32:
+        # fp32 training: fp32 parameters are their own masters (DistributedOptimizer shard_fp32_groups /
+        # FP32Optimizer: no main copy), gradients are fp32, and the loss reads fp32 logits (.float() is a no-op;
+        # tensor_parallel/cross_entropy.py works in place on them)
+        settings = replace(settings, param_bytes=FP32 if not fp8_params else settings.param_bytes, grad_bytes=FP32,
+                           master_bytes=0, logits_bytes=FP32 if settings.cross_entropy_impl == "unfused"
+                           else settings.logits_bytes)
     from .levers import apply_config   # issue 31's levers (memory/levers.py)
     return shape, lay, apply_config(cfg, settings)

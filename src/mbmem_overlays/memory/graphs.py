@@ -4,8 +4,8 @@ static input and output buffers each graphed layer and in-flight microbatch hold
 from __future__ import annotations
 
 from .activations import _selected_terms
-from .inputs import BF16, Layout, Settings, Shape, _tokens
-from .pipeline import _rank_chunks, layer_kinds
+from .inputs import Layout, Settings, Shape, _tokens
+from .pipeline import rank_chunks
 
 # CUDA graph module -> the activation terms a captured graph of that scope keeps inside its private memory pool.
 # Everything a graph saves is written by replay into pool memory the caching allocator has already handed to
@@ -13,17 +13,17 @@ from .pipeline import _rank_chunks, layer_kinds
 # transformer/cuda_graphs.py captures the scopes, transformer_layer.py _get_submodules_under_cudagraphs).
 GRAPH_SCOPE_TERMS = {
     "attn": ("attn_layernorm_input", "attention_layernorm_output", "attention_qkv", "attention_qk_norm_inputs",
-             "attention_softmax_stats", "attention_output", "attention_kernel_output", "attention_output_fp8",
+             "attention_softmax_stats", "attention_scores", "attn_dropout_mask", "attention_output", "attention_kernel_output", "attention_output_fp8",
              "mla_up_proj_inputs", "lora_a_gathered_input_linear_qkv"),
-    "mlp": ("mlp_layernorm_input", "mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output",
+    "mlp": ("mlp_layernorm_input", "mlp_dropout_mask", "mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output",
             "mlp_glu_linear_input", "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
-    "moe": ("moe_layernorm_input", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
+    "moe": ("moe_layernorm_input", "moe_dropout_mask", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
             "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
             "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert"),
     # up to the router: the pre-MLP norm and the router, and the shared experts unless they overlap with the
     # EP communication (then they run outside the graph)
     "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert"),
-    "mamba": ("mamba_layernorm_input", "mamba_layernorm_output", "mamba_in_proj_output", "mamba_scan_output",
+    "mamba": ("mamba_layernorm_input", "mamba_dropout_mask", "mamba_layernorm_output", "mamba_in_proj_output", "mamba_scan_output",
               "mamba_out_proj_input", "lora_a_gathered_input_in_proj"),
 }
 WHOLE_LAYER = ("attn", "mlp", "moe", "mamba")   # empty cuda_graph_modules: every graphable layer, whole
@@ -56,7 +56,7 @@ def layer_graph_parts(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[f
     if not graphed:
         return sum(terms.values()) * _tokens(lay), 0.0, 0.0
     first = next(iter(graphed))
-    hidden = BF16 * s.hidden / (lay.tp if lay.sp else 1)
+    hidden = st.dtype_bytes * s.hidden / (lay.tp if lay.sp else 1)
     static = terms.pop(f"{first}_layernorm_input", hidden) + hidden      # static input + static output
     if "attn" in graphed:
         static += 1.0 * lay.seq                                           # bool mask: s bytes per local token
@@ -82,7 +82,7 @@ def layer_graph_buffers(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple
     """
     if not graphed_blocks(kind, st.graph_scopes):
         return 0.0, 0.0
-    hidden = BF16 * s.hidden / (lay.tp if lay.sp else 1) * _tokens(lay)
+    hidden = st.dtype_bytes * s.hidden / (lay.tp if lay.sp else 1) * _tokens(lay)
     static_in = hidden + (1.0 * lay.seq * _tokens(lay) if "attn" in graphed_blocks(kind, st.graph_scopes) else 0.0)
     return static_in, hidden
 
@@ -97,7 +97,7 @@ def graph_outputs_read_eagerly(s: Shape, lay: Layout, st: Settings, rank: int) -
     block (the dispatcher reads its outputs), so it is not counted.
     """
     n = 0
-    for chunk in _rank_chunks(layer_kinds(s), lay.pp, lay.vpp, rank):
+    for chunk in rank_chunks(s, lay, rank):
         for j, kind in enumerate(chunk):
             graphed = graphed_blocks(kind, st.graph_scopes)
             blocks = kind.split("+")

@@ -43,6 +43,7 @@ class Shape:
     mamba_groups: int = 0
     mamba_state: int = 0
     mamba_conv: int = 4
+    mtp_layers: int = 0           # mtp_num_layers: multi-token prediction layers on the last pipeline stage
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class Layout:
     seq: int = 4096
     mbs: int = 1
     gbs: int = 1
+    # Decoder layers of each model chunk in chunk order (chunk c on pipeline rank c % pp), when they are not split
+    # evenly: pipeline_model_parallel_layout, num_layers_in_first/last_pipeline_stage, or the embedding / loss
+    # counted as a layer (from_config.chunk_layers); empty: the even split
+    chunk_layers: tuple[int, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -110,6 +115,15 @@ class Settings:
     moe_probs_mul: bool = False               # experts weight their activation output by the probs separately
     graph_warmup_steps: int = 0               # cuda_graph_warmup_steps: eager iterations before TE graph capture
     fine_grained_offload: Any = None          # levers.FineGrainedOffload (model.fine_grained_activation_offloading)
+    # Bytes of the model's compute dtype (params_dtype): 2 for bf16/fp16, 4 for fp32 training (neither --bf16 nor
+    # --fp16): activations, embeddings and non-FP8 weights are kept in it
+    dtype_bytes: int = BF16
+    # Non-fused attention (attention_backend unfused or local): "" for a fused/flash kernel; "fused_softmax" when
+    # megatron-core's scaled masked softmax kernel runs (bf16/fp16, 16 < s <= 4096), "torch_softmax" otherwise
+    # (activations.attention_scores_bytes)
+    attention_scores: str = ""
+    hidden_dropout: bool = False              # hidden_dropout > 0: each bias-dropout-add keeps a bool mask
+    attention_dropout: bool = False           # attention_dropout > 0: only non-fused attention keeps a mask
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

@@ -43,7 +43,7 @@ from .phases import (HEADLINE_PHASES, ONE_TIME_PHASES, PHASES, REPORTED_ITERATIO
                      _phases, estimate, memory_lines, one_time_peak, phase_breakdowns, reported_breakdowns,
                      reported_phases, stage_breakdowns, stage_peak)
 from .pipeline import (HYBRID_SYMBOLS, _candidate_ranks, _rank_chunks, _rank_layers, in_flight,  # noqa: F401
-                       layer_kinds, rank_layers)
+                       layer_kinds, rank_chunks, rank_layers)
 from .plan import STEP_NOTES, Plan, Step, fit_verdict  # noqa: F401
 from .stage_activations import StageActivations, stage_activations  # noqa: F401
 from .weights import (FSDP_SHARDS, _attention_params, _block_params, _mamba_params, _mlp_params,  # noqa: F401

@@ -19,24 +19,38 @@ def layer_kinds(s: Shape) -> tuple[str, ...]:
 
 def rank_layers(s: Shape, lay: Layout, rank: int) -> dict[str, int]:
     """How many layers of each kind pipeline rank ``rank`` holds (its ``vpp`` interleaved chunks)."""
-    return dict(_rank_layers(layer_kinds(s), lay.pp, lay.vpp, rank))
+    return dict(_rank_layers(layer_kinds(s), lay.pp, lay.vpp, rank, lay.chunk_layers))
+
+
+def rank_chunks(s: Shape, lay: Layout, rank: int) -> tuple[tuple[str, ...], ...]:
+    """The layer kinds of each model chunk pipeline rank ``rank`` holds, in order."""
+    return _rank_chunks(layer_kinds(s), lay.pp, lay.vpp, rank, lay.chunk_layers)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_chunks(kinds: tuple[str, ...], pp: int, vpp: int, rank: int) -> tuple[tuple[str, ...], ...]:
-    """The layers of each model chunk pipeline rank ``rank`` holds, in order (chunk c sits on rank c % pp)."""
+def _rank_chunks(kinds: tuple[str, ...], pp: int, vpp: int, rank: int,
+                 sizes: tuple[int, ...] = ()) -> tuple[tuple[str, ...], ...]:
+    """The layers of each model chunk pipeline rank ``rank`` holds, in order (chunk c sits on rank c % pp).
+
+    ``sizes``: the decoder layers of each chunk in chunk order (Layout.chunk_layers, from a pipeline layout or an
+    uneven split); empty: the even split (transformer_block.py get_num_layers_to_build)."""
     chunks = pp * vpp
-    return tuple(kinds[round(c * len(kinds) / chunks):round((c + 1) * len(kinds) / chunks)]
-                 for c in range(rank, chunks, pp))
+    if sizes and len(sizes) == chunks:
+        bounds = [sum(sizes[:c]) for c in range(chunks + 1)]
+    else:
+        bounds = [round(c * len(kinds) / chunks) for c in range(chunks + 1)]
+    return tuple(kinds[bounds[c]:bounds[c + 1]] for c in range(rank, chunks, pp))
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_layers(kinds: tuple[str, ...], pp: int, vpp: int, rank: int) -> tuple[tuple[str, int], ...]:
+def _rank_layers(kinds: tuple[str, ...], pp: int, vpp: int, rank: int,
+                 sizes: tuple[int, ...] = ()) -> tuple[tuple[str, int], ...]:
     counts: dict[str, int] = {}
-    for chunk in _rank_chunks(kinds, pp, vpp, rank):
+    for chunk in _rank_chunks(kinds, pp, vpp, rank, sizes):
         for kind in chunk:
             counts[kind] = counts.get(kind, 0) + 1
     return tuple(counts.items())
+
 
 def in_flight(lay: Layout, rank: int) -> float:
     """Layer-microbatches of activations alive on pipeline rank ``rank``, in units of 'all this stage's layers'."""
@@ -54,5 +68,6 @@ def _candidate_ranks(s: Shape, lay: Layout) -> list[int]:
     from theirs (an even split of a uniform stack gives middle ranks fewer in-flight microbatches than the
     first and neither embedding nor output layer)."""
     ends = sorted({0, lay.pp - 1})
-    seen = {_rank_layers(layer_kinds(s), lay.pp, lay.vpp, r) for r in ends}
-    return ends + [r for r in range(1, lay.pp - 1) if _rank_layers(layer_kinds(s), lay.pp, lay.vpp, r) not in seen]
+    seen = {_rank_layers(layer_kinds(s), lay.pp, lay.vpp, r, lay.chunk_layers) for r in ends}
+    return ends + [r for r in range(1, lay.pp - 1) if _rank_layers(layer_kinds(s), lay.pp, lay.vpp, r, lay.chunk_layers)
+                           not in seen]

@@ -61,6 +61,9 @@ class Plan:
     # What the job's memory lines will show: (iteration, max allocated per pipeline rank), for the iterations Bridge
     # reports after (REPORTED_ITERATIONS; reported_breakdowns), so a log can be held against the plan line by line
     memory_lines: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    # Memory-relevant fields set in the configuration that the model does not follow ("field=value: why",
+    # memory/coverage.py not_modelled): named in the verdict and the JSON, never ignored silently
+    not_modelled: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
@@ -74,8 +77,12 @@ class Plan:
         return None if self.capacity is None else step.breakdown.footprint <= self.capacity * (1 - self.margin)
 
     def verdict(self) -> tuple[str, list[str]]:
-        """The last step's fit verdict: "fits", "fits unless ...", "does NOT fit" or "-" (memory/ranges.py)."""
-        return fit_verdict(self.fits(self.steps[-1]), self.ranges, self.limit)
+        """The last step's fit verdict: "fits", "fits unless ...", "does NOT fit" or "-" (memory/ranges.py), then
+        "; not modelled: field=value, ..." when the configuration sets fields the model does not follow."""
+        verdict, clauses = fit_verdict(self.fits(self.steps[-1]), self.ranges, self.limit)
+        if self.not_modelled:
+            verdict += "; not modelled: " + ", ".join(n.split(":")[0] for n in self.not_modelled)
+        return verdict, clauses
 
     def as_dict(self) -> dict[str, Any]:
         steps = []
@@ -90,6 +97,7 @@ class Plan:
                 "margin": self.margin, "fits": self.fits(self.steps[-1]),
                 "bridge_estimator_bytes": None if self.bridge_estimate is None else int(self.bridge_estimate),
                 "fit_verdict": self.verdict()[0], "fits_unless": self.verdict()[1],
+                "not_modelled": list(self.not_modelled),
                 "uncertainty": [r.as_dict() for r in self.ranges],
                 "memory_lines": [{"iteration": it, "max_allocated_bytes": [int(v) for v in per_rank]}
                                  for it, per_rank in self.memory_lines],

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .activations import layer_activation
 from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
 from .inputs import BF16, FP32, Layout, Settings, Shape
-from .pipeline import in_flight, rank_layers
+from .pipeline import in_flight, layer_kinds, rank_layers
 
 @dataclass(frozen=True)
 class StageActivations:
@@ -20,6 +20,18 @@ class StageActivations:
     persistent: float = 0.0   # allocated in every phase, the optimizer step included (graph static inputs)
 
 
+def mtp_layer_activation(s: Shape, lay: Layout, st: Settings) -> float:
+    """Bytes one MTP layer keeps per microbatch beside its logits (transformer/multi_token_prediction.py
+    _get_embeddings, _concat_embeddings, forward): the embedding of the shifted tokens and the main hidden state
+    (the enorm and hnorm inputs), their concatenation (eh_proj's input, 2h), the decoder layer's own terms (the
+    model's last layer kind), the final norm's input and the output layer's input; the logits and loss are the
+    main model's again (mtp_loss per layer, multi_token_prediction.py:841-855)."""
+    tokens = lay.seq * lay.mbs / lay.cp
+    hidden_local = st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
+    kind = layer_kinds(s)[-1] if s.layers else "attn+mlp"
+    return 6 * hidden_local + layer_activation(s, lay, st, kind)
+
+
 def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageActivations:
     counts = rank_layers(s, lay, rank)
     per_stage = sum(counts.values()) or 1
@@ -28,7 +40,7 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         return sum(n * value(kind) for kind, n in counts.items()) / per_stage
 
     tokens = lay.seq * lay.mbs / lay.cp
-    hidden_local = BF16 * s.hidden * tokens / (lay.tp if lay.sp else 1)   # one sequence-local hidden state
+    hidden_local = st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)   # one sequence-local hidden state
     per_layer = full_layer = mean(lambda kind: layer_activation(s, lay, st, kind))
     mbs_alive = in_flight(lay, rank)
     detail: list[tuple[str, float]] = []
@@ -59,7 +71,7 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         detail.insert(0, ("CUDA graph pool (reserved; allocated only while capturing)", pool))
     if st.recompute == "full":
         # Only each checkpointed group's input survives; one group is re-materialized at a time.
-        boundary = 2 * BF16 * s.hidden / (lay.tp if lay.sp else 1) * lay.seq * lay.mbs / lay.cp
+        boundary = 2 * st.dtype_bytes * s.hidden / (lay.tp if lay.sp else 1) * lay.seq * lay.mbs / lay.cp
         n = max(1, st.recompute_layers)
         working = n * full_layer   # uniform: each group of n layers is re-materialized at once
         if st.recompute_method == "block":
@@ -88,6 +100,12 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         logits = per_logit * s.vocab / lay.tp * tokens
         detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", logits))
         acts += logits
+        if s.mtp_layers:
+            # in the last model chunk, which like the loss runs its backward right after its forward: one
+            # microbatch's worth
+            mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + logits)
+            detail.append(("MTP layers with their logits and loss (last stage)", mtp))
+            acts += mtp
         if st.deferred_wgrad_microbatches:
             # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
             # and its sequence-local input until the pipeline flush (megatron-core tensor_parallel/layers.py)

@@ -24,6 +24,7 @@ from ..core.values import hydra_text
 from . import model as P
 from .costs import LADDER
 from .levers import step_note
+from .coverage import not_modelled
 from .ranges import uncertainty
 
 
@@ -233,7 +234,8 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
         steps.append(P.Step(name, b, note))
     shape, lay, st = P.from_config(work, world)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
-                  ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st))
+                  ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
+                  not_modelled=not_modelled(work))
 
 
 def layout_text(lay: P.Layout) -> str:
@@ -269,6 +271,9 @@ def render_plan(plan: P.Plan) -> str:
     if plan.capacity:
         lines.append(f"capacity {plan.capacity / 2**30:.1f} GiB with a {plan.margin:.0%} margin -> "
                      + ("* " if unless else "") + verdict)
+    if plan.not_modelled:
+        lines.append("not modelled (set in the configuration, not followed by the plan):")
+        lines += [f"  - {n}" for n in plan.not_modelled]
     lines += render_ranges(plan.ranges)
     lines += render_memory_lines(plan)
     if plan.bridge_estimate:

@@ -3,8 +3,8 @@ the distributed optimizer, Megatron FSDP and optimizer CPU offload shard or move
 
 from __future__ import annotations
 
-from .inputs import ADAM_MOMENTS, BF16, FP32, Layout, Settings, Shape
-from .pipeline import rank_layers
+from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
+from .pipeline import layer_kinds, rank_layers
 
 def _attention_params(s: Shape) -> float:
     if s.mla:
@@ -54,6 +54,19 @@ def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | Non
         embed += s.vocab * s.hidden / lay.tp
     if last and (not s.tied or lay.pp > 1):
         embed += s.vocab * s.hidden / lay.tp
+    if last and s.mtp_layers:
+        # MTP on the last stage (transformer/multi_token_prediction.py MultiTokenPredictionLayer): per layer an
+        # enorm and hnorm, eh_proj (2h -> h, column-parallel), one decoder layer of the model's last kind and a
+        # final norm; with PP the last stage builds its own embedding for the shifted inputs
+        # (models/gpt/gpt_model.py:167: pre_process or mtp_process)
+        kind = layer_kinds(s)[-1] if s.layers else "attn+mlp"
+        for block in kind.split("+"):
+            d, e = _block_params(s, lay, block)
+            dense += s.mtp_layers * d
+            expert += s.mtp_layers * e
+        dense += s.mtp_layers * (3 * s.hidden + 2 * s.hidden * s.hidden / lay.tp)
+        if lay.pp > 1:
+            embed += s.vocab * s.hidden / lay.tp
     return dense, embed, expert
 
 
@@ -172,7 +185,7 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     (p_dense, p_expert), (g_dense, g_expert) = fsdp_shards(lay, st)
     # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16.
     weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
-    params = (layer_params * weight_bytes + embed * BF16 + adapters * BF16) / p_dense + expert * weight_bytes / p_expert
+    params = (layer_params * weight_bytes + embed * st.dtype_bytes + adapters * st.dtype_bytes) / p_dense + expert * weight_bytes / p_expert
     grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
     dense_shards, expert_shards = optimizer_shards(lay, st)
     opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * optimizer_gpu_bytes(st)

@@ -1,0 +1,119 @@
+"""What the model reads and what it knowingly does not: no memory-relevant field is ignored silently.
+
+``MODEL_READS`` declares the configuration fields ``from_config`` reads (tests/test_plan_terms.py checks that
+every field from_config.py reads is declared here). ``NOT_MODELLED`` lists fields known to change GPU memory that
+the model does not follow, each with the values at which it matters and why; ``not_modelled(cfg)`` names those
+set in a configuration ("not modelled: field=value"), which the plan carries into its verdict and JSON
+(memory/plan.py). Another part of the project that finds a memory-relevant field the model does not follow adds it
+here (one ``Unmodelled`` each), not in its own list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Paths into a Bridge ConfigContainer ("section.field"), as from_config reads them.
+MODEL_READS = frozenset({
+    "model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
+    "model.num_query_groups", "model.kv_channels", "model.gated_linear_unit",
+    "model.share_embeddings_and_output_weights", "model.num_moe_experts", "model.moe_layer_freq",
+    "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_shared_expert_intermediate_size",
+    "model.multi_latent_attention", "model.qk_head_dim", "model.qk_pos_emb_head_dim", "model.v_head_dim",
+    "model.kv_lora_rank", "model.q_lora_rank", "model.qk_layernorm", "model.is_hybrid_model",
+    "model.hybrid_override_pattern", "model.hybrid_layer_pattern", "model.mamba_num_heads", "model.mamba_head_dim",
+    "model.mamba_num_groups", "model.mamba_state_dim", "model.linear_conv_kernel_dim", "model.vocab_size",
+    "model.make_vocab_size_divisible_by", "model.tensor_model_parallel_size", "model.pipeline_model_parallel_size",
+    "model.virtual_pipeline_model_parallel_size", "model.context_parallel_size", "model.expert_model_parallel_size",
+    "model.expert_tensor_parallel_size", "model.sequence_parallel", "model.seq_length", "model.recompute_granularity",
+    "model.recompute_modules", "model.recompute_method", "model.recompute_num_layers", "model.cpu_offloading",
+    "model.cpu_offloading_activations", "model.cpu_offloading_num_layers", "model.cpu_offloading_double_buffering",
+    "model.moe_shared_expert_overlap", "model.disable_parameter_transpose_cache", "model.bias_activation_fusion",
+    "model.use_te_activation_func", "model.activation_func_clamp_value", "model.activation_func",
+    "model.moe_apply_probs_on_input", "model.moe_mlp_glu_interleave_size", "model.use_fused_weighted_squared_relu",
+    "model.moe_expert_capacity_factor", "model.moe_pad_expert_input_to_capacity", "model.cuda_graph_impl",
+    "model.cuda_graph_modules", "model.cuda_graph_scope", "model.cuda_graph_warmup_steps",
+    "model.cross_entropy_loss_fusion", "model.cross_entropy_fusion_impl", "model.moe_token_dispatcher_type",
+    "model.moe_latent_size", "model.fp8", "model.fp8_param", "model.defer_embedding_wgrad_compute",
+    "model.wgrad_deferral_limit", "model.params_dtype", "model.bf16", "model.fp16", "model.attention_backend",
+    "model.hidden_dropout", "model.attention_dropout", "model.mtp_num_layers", "model.masked_softmax_fusion",
+    "model.transformer_impl",
+    "model.pipeline_model_parallel_layout", "model.num_layers_in_first_pipeline_stage",
+    "model.num_layers_in_last_pipeline_stage", "model.account_for_embedding_in_pipeline_split",
+    "model.account_for_loss_in_pipeline_split",
+    "train.micro_batch_size", "train.global_batch_size",
+    "optimizer.use_precision_aware_optimizer", "optimizer.main_params_dtype", "optimizer.exp_avg_dtype",
+    "optimizer.fp8_recipe", "optimizer.optimizer_cpu_offload", "optimizer.optimizer_offload_fraction",
+    "optimizer.use_distributed_optimizer", "optimizer.reuse_grad_buf_for_mxfp8_param_ag",
+    "ddp.grad_reduce_in_fp32", "ddp.use_distributed_optimizer", "ddp.num_distributed_optimizer_instances",
+    "ddp.use_megatron_fsdp", "ddp.data_parallel_sharding_strategy", "ddp.outer_dp_sharding_strategy",
+    "dist.use_megatron_fsdp", "mixed_precision", "comm_overlap.defer_embedding_wgrad_compute",
+    "comm_overlap.wgrad_deferral_limit", "peft", "tokenizer",
+    # issue 31's levers (memory/levers.py apply_config / offload_from_config)
+    "model.fine_grained_activation_offloading", "model.offload_modules", "model.activation_offload_fraction",
+    "model.min_offloaded_tensor_size", "model.delta_offload_bytes_across_pp_ranks",
+    "ddp.megatron_fsdp_main_grads_dtype", "ddp.megatron_fsdp_main_params_dtype", "optimizer.exp_avg_sq_dtype",
+})
+
+
+@dataclass(frozen=True)
+class Unmodelled:
+    """A configuration field that changes GPU memory and that the model does not follow at the values where
+    ``applies(value)`` holds (default: any value other than None, False, 0 or empty)."""
+    path: str
+    reason: str
+    applies: Callable[[Any], bool] = bool
+
+
+def _enum_name(value: Any) -> str:
+    return str(getattr(value, "name", value))
+
+
+NOT_MODELLED: tuple[Unmodelled, ...] = (
+    Unmodelled("model.overlap_moe_expert_parallel_comm",
+               "overlapping expert-parallel communication runs two microbatches' layers interleaved"),
+    Unmodelled("model.delay_wgrad_compute", "delayed weight gradients keep GEMM inputs and grad outputs longer"),
+    Unmodelled("model.cpu_offloading_weights", "weight CPU offload moves layer weights off the GPU"),
+    Unmodelled("model.fp4", "FP4 weights and GEMM inputs"),
+    Unmodelled("model.first_last_layers_bf16", "with FP8 the first and last layers stay bf16",
+               lambda v: bool(v)),
+    Unmodelled("model.moe_latent_size", "latent MoE projects tokens to a smaller size before the experts"),
+    Unmodelled("model.moe_token_dispatcher_type", "the flex (DeepEP / HybridEP) dispatcher's buffers",
+               lambda v: v == "flex"),
+    Unmodelled("model.heterogeneous_block_specs", "heterogeneous layers (per-layer shapes)"),
+    Unmodelled("model.experimental_attention_variant", "an experimental attention variant"),
+    Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
+               lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
+    Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
+    Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
+)
+
+
+def _read(cfg: Any, path: str) -> Any:
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return _enum_name(value)
+
+
+def not_modelled(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[str, ...]:
+    """``field=value: reason`` for every NOT_MODELLED field (and ``extra``) set in ``cfg`` where it matters."""
+    out = []
+    for u in NOT_MODELLED + tuple(extra):
+        value = _read(cfg, u.path)
+        try:
+            hit = value is not None and u.applies(value)
+        except Exception:  # noqa: BLE001 — a value of an unexpected type is named rather than judged
+            hit = True
+        if hit:
+            out.append(f"{u.path}={_shown(value)}: {u.reason}")
+    return tuple(out)
