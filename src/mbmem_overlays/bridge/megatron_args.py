@@ -190,9 +190,7 @@ def job_words(source: str | Sequence[str] | Mapping[str, Any]) -> JobWords:
         return command_words(list(source))
     if DUMP_HEADER in source:
         return dump_words(source)
-    stripped = source.lstrip()
-    if stripped.startswith(("MODEL_ARGS", "ENV_VARS", "--")) and re.search(r"^\s*(MODEL_ARGS|--[\w-]+)\s*:",
-                                                                           source, re.M):
+    if re.search(r"^(MODEL_ARGS|\s*--[\w-]+)\s*:(\s|$)", source, re.M):   # a YAML key, never a shell word
         try:
             # a functional test's harness reads the file with PyYAML, where a repeated flag's last value wins
             data = safeyaml.load(source, duplicates="last")
