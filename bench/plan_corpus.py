@@ -328,6 +328,8 @@ def summary(results: list[Result]) -> list[str]:
     lines.append(f"  {'feature':<34} {'cases':>5} {'within 5%':>9} {'median':>7} {'worst':>7} {'mlm med':>8} "
                  f"{'bridge med':>10}")
     for f, rs in sorted(feats.items(), key=lambda kv: (kv[0] != "all", kv[0])):
+        if not rs:
+            continue
         errs = [abs(r.err) for r in rs]
         mlm = [abs((r.mlm - r.case.figure) / r.case.figure * 100) for r in rs if r.mlm is not None]
         br = [abs((r.bridge - r.case.figure) / r.case.figure * 100) for r in rs if r.bridge is not None]

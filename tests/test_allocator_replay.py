@@ -280,7 +280,7 @@ def test_cli_what_if_text_and_json():
     data = json.loads(r.stdout)["what_if"][0]
     assert data["proof"]["agreement"] == 1.0 and data["proof"]["chosen"][0]["address"] > 0
     r = mbmem("doctor", str(FIX / "fragmentation.pickle"), "--what-if", "max_split_size_mb:1", "--json")
-    assert r.returncode == 2 and "above 20" in json.loads(r.stdout)["error"]
+    assert r.returncode == 2 and "at least 20" in json.loads(r.stdout)["error"]
 
 
 def test_real_shaped_fixture_fragmentation_backed_by_the_replay():

@@ -80,7 +80,7 @@ def test_the_command_line_maps_to_the_bridge_config(jobs):
     assert (job.config.train.micro_batch_size, job.config.train.global_batch_size) == (2, 64)
     assert m.vocab_size == 32000 and m.share_embeddings_and_output_weights   # 32000 is a multiple of 128 x TP 2
     assert [n.flag for n in job.unknown] == ["--no-such-flag"] and job.unknown[0].value == "3"
-    assert "--mtp-num-layers" in [n.flag for n in job.not_modelled]
+    assert "--delay-wgrad-compute" in [n.flag for n in job.not_modelled]
 
 
 def test_the_model_args_yaml_maps_moe_gqa_and_pads_the_vocabulary(jobs):
@@ -91,7 +91,7 @@ def test_the_model_args_yaml_maps_moe_gqa_and_pads_the_vocabulary(jobs):
     assert m.vocab_size == 8192          # 8191 padded to a multiple of 128 x TP 2 (vocab_size_with_padding)
     assert m.recompute_modules == ["core_attn", "moe_act"]
     assert "--an-option-from-elsewhere" in [n.flag for n in job.unknown]
-    assert "--attention-backend" in [n.flag for n in job.not_modelled]
+    assert m.attention_backend.name == "unfused" and job.not_modelled == ()   # modelled: the s x s scores
 
 
 def test_the_log_dump_rebuilds_the_same_job(jobs):
@@ -134,7 +134,8 @@ def test_plan_megatron_args_names_unknown_and_not_modelled_flags(bridge, capsys)
     out = capsys.readouterr().out
     assert rc == 0
     assert "world size 8 (--nproc-per-node 4 x --nnodes 2)" in out
-    assert "NOT MODELLED: --mtp-num-layers" in out and "--no-such-flag 3" in out
+    assert "NOT MODELLED: --delay-wgrad-compute" in out and "--no-such-flag 3" in out
+    assert "--mtp-num-layers" not in out.split("verdict:")[1].split("\n")[0]   # MTP is modelled
     assert "Megatron-LM flags for the overlays: --recompute-granularity selective --recompute-modules core_attn" in out
 
 
@@ -142,7 +143,8 @@ def test_plan_megatron_args_json(bridge, capsys):
     rc = main(["plan", "--megatron-args", str(MOE), "--world-size", "4", "--json"])
     payload = json.loads(capsys.readouterr().out)
     assert rc == 0 and payload["megatron_args"]["form"] == FORM_YAML
-    assert "NOT MODELLED" in payload["megatron_args"]["verdict"]
+    assert "NOT MODELLED" not in payload["megatron_args"]["verdict"]   # unfused attention and MoE are modelled
+    assert payload["megatron_args"]["not_modelled"] == []
     assert {n["flag"] for n in payload["megatron_args"]["unknown"]} == {"--an-option-from-elsewhere"}
 
 
@@ -163,4 +165,4 @@ def test_doctor_plan_uses_the_logs_own_arguments(bridge, capsys):
     text = json.dumps(payload)
     assert rc == 0, text[:2000]
     assert "Megatron-LM arguments dump" in text and "NOT MODELLED" in text
-    assert "--mtp-num-layers" in text
+    assert "--delay-wgrad-compute" in text

@@ -22,7 +22,8 @@ Three steps, each pure or bounded:
 The result (:class:`MegatronJob`) is frozen and keeps what was not planned as data: ``unknown`` (words
 the parser does not know), ``unsupported`` (recognised flags this mapping does not carry into the config,
 outside the groups that cannot change memory), ``not_modelled`` (flags that change memory and that the
-memory model does not follow) and ``assumptions``.
+memory model does not follow: filled by the plan layer from its one list, memory/coverage.py ``with_coverage``,
+since this layer sits below the model) and ``assumptions``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ JOB_ENV_KEYS = ("CUDA_DEVICE_MAX_CONNECTIONS", "NVTE_CPU_OFFLOAD_V1", "PYTORCH_C
 # 'GPT2BPETokenizer'}), which validate_args writes into every argument still None (arguments.py validate_args).
 PRETRAIN_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 ENV_REQUIREMENTS = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVTE_CPU_OFFLOAD_V1": "1"}
+# validate_args asks CUDA_DEVICE_MAX_CONNECTIONS=1 for TP/CP on Hopper and before, but the opposite under FSDP
+# ("FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset") and nothing under EP-comm overlap (it warns): for those
+# jobs Megatron-LM's scripts leave it unset, and so do we.
+LEAVE_CONNECTIONS_UNSET = ("--use-megatron-fsdp", "--use-torch-fsdp2", "--overlap-moe-expert-parallel-comm")
+
+
+def env_requirements(argv: Sequence[str]) -> dict[str, str]:
+    """What the launch scripts set where the job's environment is silent, for this job's words."""
+    if any(w in LEAVE_CONNECTIONS_UNSET for w in argv):
+        return {k: v for k, v in ENV_REQUIREMENTS.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    return dict(ENV_REQUIREMENTS)
 
 
 class MegatronArgsError(ValueError):
@@ -132,7 +144,7 @@ class MegatronJob:
     family: str                          # "gpt" or "hybrid"
     unknown: tuple[FlagNote, ...] = ()
     unsupported: tuple[FlagNote, ...] = ()
-    not_modelled: tuple[FlagNote, ...] = ()
+    not_modelled: tuple[FlagNote, ...] = ()   # memory/coverage.py with_coverage fills it
     ignored: tuple[str, ...] = ()        # recognised flags of the groups that cannot change memory
     assumptions: tuple[str, ...] = ()
     args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))   # validated namespace
@@ -498,7 +510,7 @@ def _quiet():
 
 
 @contextlib.contextmanager
-def validation_env(job_env: Mapping[str, str], arch: int):
+def validation_env(job_env: Mapping[str, str], arch: int, requirements: Mapping[str, str] = ENV_REQUIREMENTS):
     """validate_args as on the job's GPUs: the job's own values of the variables it reads (ours removed), the
     launch scripts' requirements where the job is silent, and the GPU's compute capability (it asks torch.cuda
     and get_device_arch_version). Everything is restored on exit, whatever happens."""
@@ -513,7 +525,7 @@ def validation_env(job_env: Mapping[str, str], arch: int):
             os.environ.pop(k, None)
         for k, v in job_env.items():
             os.environ[k] = str(v)
-        for k, v in ENV_REQUIREMENTS.items():
+        for k, v in requirements.items():
             os.environ.setdefault(k, v)
         torch.cuda.get_device_capability = lambda device=None: (arch, 0)
         mlm_arguments.get_device_arch_version = lambda: arch
@@ -535,7 +547,7 @@ def parse_and_validate(argv: Sequence[str], world: int, env: Mapping[str, str], 
     world size it would read from the launcher's environment."""
     parser = parser or megatron_parser()
     argv, placeholders = _placeholders(argv, parser)
-    with validation_env(env, arch):
+    with validation_env(env, arch, env_requirements(argv)):
         try:
             args, unknown = parser.parse_known_args(list(argv))
         except argparse.ArgumentError as exc:
@@ -786,64 +798,6 @@ def config_from_args(args: argparse.Namespace, family: str, vocab: int) -> tuple
     return cfg, used
 
 
-# ----------------------------------------------------------------------------- what the plan does not follow
-@dataclass(frozen=True)
-class MemoryFlag:
-    """A Megatron-LM flag that changes memory: when ``applies(args)`` holds the memory model does not follow it."""
-    dest: str
-    applies: Any          # Callable[[argparse.Namespace], bool]
-    reason: str
-
-
-# Flags that change GPU memory and that the memory model (memory/model.py, issue 30's first pass) does not
-# follow: named in the verdict when set. Provisional until plan-corpus's own mechanism lands in memory/.
-MEMORY_FLAGS: tuple[MemoryFlag, ...] = (
-    MemoryFlag("attention_backend", lambda a: _enum_name(a.attention_backend) in ("unfused", "local"),
-               "non-fused attention keeps the s x s scores per layer and microbatch; the plan counts fused attention"),
-    MemoryFlag("mtp_num_layers", lambda a: bool(a.mtp_num_layers),
-               "multi-token prediction layers, their logits and loss on the last stage are not counted"),
-    MemoryFlag("pipeline_model_parallel_layout", lambda a: a.pipeline_model_parallel_layout is not None,
-               "the layout is not followed; layers are split evenly across pipeline stages"),
-    MemoryFlag("decoder_first_pipeline_num_layers", lambda a: a.decoder_first_pipeline_num_layers is not None,
-               "an uneven first stage is not followed; layers are split evenly"),
-    MemoryFlag("decoder_last_pipeline_num_layers", lambda a: a.decoder_last_pipeline_num_layers is not None,
-               "an uneven last stage is not followed; layers are split evenly"),
-    MemoryFlag("account_for_embedding_in_pipeline_split", lambda a: a.account_for_embedding_in_pipeline_split,
-               "the embedding counted as a layer in the pipeline split is not followed"),
-    MemoryFlag("account_for_loss_in_pipeline_split", lambda a: a.account_for_loss_in_pipeline_split,
-               "the loss counted as a layer in the pipeline split is not followed"),
-    MemoryFlag("bf16", lambda a: not a.bf16 and not a.fp16,
-               "fp32 training (neither --bf16 nor --fp16): weights and activations are planned as bf16"),
-    MemoryFlag("fine_grained_activation_offloading", lambda a: bool(getattr(a, "fine_grained_activation_offloading",
-                                                                            False)),
-               "fine-grained activation offloading to the CPU is not modelled"),
-    MemoryFlag("use_torch_fsdp2", lambda a: a.use_torch_fsdp2, "PyTorch FSDP2 sharding is not modelled"),
-    MemoryFlag("overlap_moe_expert_parallel_comm", lambda a: bool(getattr(a, "overlap_moe_expert_parallel_comm",
-                                                                          False)),
-               "overlapping expert-parallel communication (two microbatches in flight) is not modelled"),
-    MemoryFlag("delay_wgrad_compute", lambda a: bool(getattr(a, "delay_wgrad_compute", False)),
-               "delayed weight-gradient computation is not modelled"),
-    MemoryFlag("num_layers_per_virtual_pipeline_stage", lambda a: False, ""),
-)
-
-
-def _enum_name(value: Any) -> str:
-    return str(getattr(value, "name", value))
-
-
-def not_modelled(args: argparse.Namespace) -> tuple[FlagNote, ...]:
-    out = []
-    for m in MEMORY_FLAGS:
-        try:
-            hit = m.reason and m.applies(args)
-        except AttributeError:
-            hit = False
-        if hit:
-            flag = "--" + m.dest.replace("_", "-")
-            out.append(FlagNote(flag, _shown(getattr(args, m.dest, "")), m.reason))
-    return tuple(out)
-
-
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return " ".join(_word(v) for v in value)
@@ -907,17 +861,18 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
     assumptions = [f"vocabulary {size} ({how}), padded to {padded} (make-vocab-size-divisible-by "
                    f"{args.make_vocab_size_divisible_by} x TP {args.tensor_model_parallel_size})",
                    f"validate_args asked as on a GPU of compute capability {arch}.x"]
-    silent = [k for k in ENV_REQUIREMENTS if k not in job_env]
+    required = env_requirements(argv)
+    silent = [k for k in required if k not in job_env]
     if silent:
         assumptions.append("the job's environment does not set " + ", ".join(silent) + "; validated with "
-                           + ", ".join(f"{k}={ENV_REQUIREMENTS[k]}" for k in silent) + " as Megatron-LM's launch "
+                           + ", ".join(f"{k}={required[k]}" for k in silent) + " as Megatron-LM's launch "
                            "scripts set them")
     assumptions += notes
     return MegatronJob(
         config=cfg, world_size=world, world_from=world_from, form=words.form, argv=tuple(argv),
         env=MappingProxyType(dict(job_env)), family=family,
         unknown=_unknown_notes(unknown, words.form),
-        unsupported=tuple(unsupported), not_modelled=not_modelled(args), ignored=tuple(ignored),
+        unsupported=tuple(unsupported), ignored=tuple(ignored),
         assumptions=tuple(assumptions), args=MappingProxyType(dict(vars(args))))
 
 

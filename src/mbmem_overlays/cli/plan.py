@@ -296,8 +296,9 @@ def run_megatron(args) -> int:
     except UsageError as exc:
         return fail(args, exc, EXIT_USAGE)
     from ..bridge.megatron_args import MegatronArgsError, load_job
+    from ..memory.coverage import with_coverage
     try:
-        job = load_job(checked["text"], world_size=checked["world"], vocab=checked["vocab"])
+        job = with_coverage(load_job(checked["text"], world_size=checked["world"], vocab=checked["vocab"]))
     except MegatronArgsError as exc:
         code = EXIT_REJECTED if exc.rejected else EXIT_USAGE
         flag = exc.flag if exc.flag != "--megatron-args" else "--megatron-args"

@@ -61,7 +61,7 @@ def make_planner(recipe: str | None) -> Callable:
             overlays = [o for o in base_overlays if o not in r.remove_overlays]
             if r.overlay and r.overlay not in overlays:
                 overlays.append(r.overlay)
-            params = {**base_params, **{f"{r.overlay}.{k}": v for k, v in r.params.items()}}
+            params = {**base_params, **{f"{r.overlay}.{k}": C._typed(v) for k, v in r.params.items()}}  # as the validator reads them
             after = footprint(overlays, params, dict(r.overrides))
             r.saves = None if after is None else max(0.0, before - after)
         shortfall = _shortfall(f)

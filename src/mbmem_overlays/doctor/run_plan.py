@@ -243,10 +243,11 @@ def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: f
     """The log's own Megatron-LM arguments, parsed and validated by megatron-core's parser
     (bridge/megatron_args.py), planned and compared line by line like a recipe's job."""
     from ..bridge.megatron_args import load_job
+    from ..memory.coverage import with_coverage
     from ..core.catalog import Catalog
     from ..memory.steps import Start
     path, text = dump
-    job = load_job(text, world_size=world_size)
+    job = with_coverage(load_job(text, world_size=world_size))
     name = f"Megatron-LM arguments dump of {path}"
     start = Start(name)
     planned = _compare(rep, job.config, start, Catalog(), job.world_size, name, [], (), [], margin)

@@ -105,8 +105,8 @@ def _shown(value: Any) -> str:
     return _enum_name(value)
 
 
-def not_modelled(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[str, ...]:
-    """``field=value: reason`` for every NOT_MODELLED field (and ``extra``) set in ``cfg`` where it matters."""
+def unmodelled_fields(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[tuple[str, str, str], ...]:
+    """``(path, value, reason)`` for every NOT_MODELLED field (and ``extra``) set in ``cfg`` where it matters."""
     out = []
     for u in NOT_MODELLED + tuple(extra):
         value = _read(cfg, u.path)
@@ -115,5 +115,24 @@ def not_modelled(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[str, ...
         except Exception:  # noqa: BLE001 — a value of an unexpected type is named rather than judged
             hit = True
         if hit:
-            out.append(f"{u.path}={_shown(value)}: {u.reason}")
+            out.append((u.path, _shown(value), u.reason))
     return tuple(out)
+
+
+def not_modelled(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[str, ...]:
+    """``field=value: reason`` for every NOT_MODELLED field (and ``extra``) set in ``cfg`` where it matters."""
+    return tuple(f"{path}={value}: {reason}" for path, value, reason in unmodelled_fields(cfg, extra))
+
+
+def with_coverage(job: Any) -> Any:
+    """A Megatron-LM job (bridge/megatron_args.MegatronJob) whose ``not_modelled`` names what this model does not
+    follow in the job's config, by the Megatron-LM flag of each field (its name with dashes; megatron-core's
+    arguments.py names its flags after the config fields), so the job's own list and the plan's are one list."""
+    from dataclasses import replace
+
+    from ..bridge.megatron_args import FlagNote
+    notes: dict[str, FlagNote] = {}
+    for path, value, reason in unmodelled_fields(job.config):
+        flag = "--" + path.rsplit(".", 1)[-1].replace("_", "-")
+        notes.setdefault(flag, FlagNote(flag, value, f"{reason} ({path}); the plan does not follow it"))
+    return replace(job, not_modelled=tuple(notes.values()))
