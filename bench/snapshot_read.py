@@ -111,19 +111,10 @@ def snapshot(n_entries: int, depth: int) -> dict:
 
 
 def expandable_snapshot(n: int) -> dict:
-    """``n`` expandable segments, each one mapped range with one live block, mapped and allocated in the trace."""
-    base, gran = 0x7E0000000000, 20 * MiB
-    segs, trace = [], []
-    frames = [{"filename": PREFIX + "megatron/core/transformer/mlp.py", "line": 150, "name": "forward"}]
-    for k in range(n):
-        addr = base + k * 2 * gran   # a gap between ranges: each stays its own segment
-        segs.append({"device": 0, "address": addr, "total_size": gran, "stream": 0, "segment_type": "large",
-                     "is_expandable": True, "blocks": [{"address": addr, "size": gran, "requested_size": gran,
-                                                        "state": "active_allocated", "frames": frames}]})
-        trace.append({"action": "segment_map", "addr": addr, "size": gran, "stream": 0})
-        trace.append({"action": "alloc", "addr": addr, "size": gran, "stream": 0, "frames": frames})
-    segs.reverse()
-    return {"segments": segs, "device_traces": [trace], "allocator_settings": {"expandable_segments": True}}
+    """``n`` expandable segments, each one mapped range with one live block (tests/snapshot_gen.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import snapshot_gen
+    return snapshot_gen.expandable_snapshot(n, PREFIX)
 
 
 def hostile_files() -> list[tuple[str, bytes]]:

@@ -486,3 +486,21 @@ def main(folder: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "fixtures" / "snapshots"))
+
+
+def expandable_snapshot(n: int, prefix: str = "") -> dict:
+    """``n`` expandable segments, each one mapped range with one live block, mapped and allocated in the trace, the
+    segments listed in reverse (the dump's order is no help): the shape that made the reader quadratic (issue 33 #7;
+    tests/test_hostile_round4_snapshot.py and bench/snapshot_read.py)."""
+    base, gran = 0x7E0000000000, 20 * MiB
+    segs, trace = [], []
+    frames = [{"filename": prefix + "megatron/core/transformer/mlp.py", "line": 150, "name": "forward"}]
+    for k in range(n):
+        addr = base + k * 2 * gran   # a gap between ranges: each stays its own segment
+        segs.append({"device": 0, "address": addr, "total_size": gran, "stream": 0, "segment_type": "large",
+                     "is_expandable": True, "blocks": [{"address": addr, "size": gran, "requested_size": gran,
+                                                        "state": "active_allocated", "frames": frames}]})
+        trace.append({"action": "segment_map", "addr": addr, "size": gran, "stream": 0})
+        trace.append({"action": "alloc", "addr": addr, "size": gran, "stream": 0, "frames": frames})
+    segs.reverse()
+    return {"segments": segs, "device_traces": [trace], "allocator_settings": {"expandable_segments": True}}

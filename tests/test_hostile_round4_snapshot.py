@@ -259,19 +259,7 @@ def test_the_build_budget_is_charged_before_building(tmp_path):
 
 
 # --- class 7: linear in the number of expandable segments -----------------------------------------------------------
-def expandable_snapshot(n: int) -> dict:
-    base, gran = 0x7E0000000000, 20 * MiB
-    segs, trace = [], []
-    frames = [{"filename": "megatron/core/transformer/mlp.py", "line": 150, "name": "forward"}]
-    for k in range(n):
-        addr = base + k * 2 * gran   # a gap between ranges: each stays its own segment
-        segs.append({"device": 0, "address": addr, "total_size": gran, "stream": 0, "segment_type": "large",
-                     "is_expandable": True, "blocks": [{"address": addr, "size": gran, "requested_size": gran,
-                                                        "state": "active_allocated", "frames": frames}]})
-        trace.append({"action": "segment_map", "addr": addr, "size": gran, "stream": 0})
-        trace.append({"action": "alloc", "addr": addr, "size": gran, "stream": 0, "frames": frames})
-    segs.reverse()   # the dump's order is no help either
-    return {"segments": segs, "device_traces": [trace], "allocator_settings": {"expandable_segments": True}}
+expandable_snapshot = G.expandable_snapshot   # shared with bench/snapshot_read.py
 
 
 def test_expandable_segments_cost_linear_time():
@@ -280,14 +268,14 @@ def test_expandable_segments_cost_linear_time():
     def cost(n: int) -> float:
         snap = normalize(expandable_snapshot(n))
         best = 1e9
-        for _ in range(2):
+        for _ in range(3):   # best of three: a busy CI worker slows single runs, not the best one
             start = time.perf_counter()
             report = analyze(snap, "s.pickle")
             best = min(best, time.perf_counter() - start)
         assert report.moment.totals.segments == n
         return best
     small, large = cost(1500), cost(6000)
-    assert large < 8 * small + 0.2, (small, large)
+    assert large < 10 * small + 0.3, (small, large)   # linear: ~4x; the quadratic scan was ~16x
 
 
 # --- class 16: a log whose only memory lines are unreadable ---------------------------------------------------------

@@ -24,6 +24,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from .replay import rounded_size
+
 # CUDACachingAllocator.cpp constants (v2.14.1).
 K_MIN_BLOCK = 512                  # kMinBlockSize: all sizes are rounded to at least 512 bytes
 K_SMALL_SIZE = 1 << 20             # kSmallSize: largest "small" allocation is 1 MiB
@@ -67,22 +69,11 @@ class Settings:
 
 def round_size(size: int, s: Settings) -> int:
     """DeviceCachingAllocator::round_size (+ roundup_power2_next_division)."""
-    if size < K_MIN_BLOCK:
-        return K_MIN_BLOCK
     div = 0
-    if s.roundup_power2_divisions:
+    if s.roundup_power2_divisions and size >= K_MIN_BLOCK:
         index = max(0, (size.bit_length() - 1) - (ROUNDUP_START.bit_length() - 1))
         div = s.roundup_power2_divisions[min(index, len(s.roundup_power2_divisions) - 1)]
-    if div > 1 and size > K_MIN_BLOCK * div:
-        if size & (size - 1) == 0:
-            return size
-        floor = 1 << (size.bit_length() - 1)
-        step = floor >> (div.bit_length() - 1)
-        if step == 0:
-            return floor << 1
-        rounded = size & ~(step - 1)
-        return size if rounded == size else rounded + step
-    return K_MIN_BLOCK * ((size + K_MIN_BLOCK - 1) // K_MIN_BLOCK)
+    return rounded_size(size, div)
 
 
 def allocation_size(size: int) -> int:

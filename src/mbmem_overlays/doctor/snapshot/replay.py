@@ -34,6 +34,25 @@ LARGE_GRANULE = 20 << 20        # kLargeBuffer
 MAX_RANGES = 4096               # separate mapped ranges kept; a real trace has a handful per stream and pool
 
 
+
+def rounded_size(size: int, div: int) -> int:
+    """CUDACachingAllocator round_size for a request of ``size`` bytes with ``div`` power-of-two divisions in its
+    size class (roundup_power2_next_division; 0 or 1: none): at least kMinBlockSize, else a multiple of it, or
+    with divisions the next of ``div`` equal steps between two powers of two. One copy for the backward replay
+    and the forward allocator model (allocator.py)."""
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    if div > 1 and size > MIN_BLOCK * div:
+        if size & (size - 1) == 0:
+            return size
+        floor = 1 << (size.bit_length() - 1)
+        step = floor >> (div.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        rounded = size & ~(step - 1)
+        return size if rounded == size else rounded + step
+    return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
 @dataclass(frozen=True)
 class Rounding:
     """What the allocator's settings say about block sizes (allocator_settings, when the file has them)."""
@@ -56,19 +75,7 @@ class Rounding:
 
     def round_size(self, size: int) -> int:
         """CUDACachingAllocator round_size."""
-        if size < MIN_BLOCK:
-            return MIN_BLOCK
-        div = self._divisions(size)
-        if div > 1 and size > MIN_BLOCK * div:
-            if size & (size - 1) == 0:
-                return size
-            floor = 1 << (size.bit_length() - 1)
-            step = floor >> (div.bit_length() - 1)
-            if step == 0:
-                return floor << 1
-            rounded = size & ~(step - 1)
-            return size if rounded == size else rounded + step
-        return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+        return rounded_size(size, self._divisions(size) if size >= MIN_BLOCK else 0)
 
     def _divisions(self, size: int) -> int:
         if not self.divisions:
