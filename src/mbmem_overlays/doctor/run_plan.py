@@ -93,7 +93,7 @@ def _log_value(text: str) -> Any:
 @dataclasses.dataclass
 class RunPlan:
     """The rebuilt configuration and its plan; ``price`` realizes and sizes changes on top of it."""
-    cfg: Any
+    cfg: Any                       # the recipe with the user's overrides, before any overlay (what realize takes)
     start: Any
     world: int
     catalog: Any
@@ -250,7 +250,7 @@ def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: f
     job = with_coverage(load_job(text, world_size=world_size))
     name = f"Megatron-LM arguments dump of {path}"
     start = Start(name)
-    planned = _compare(rep, job.config, start, Catalog(), job.world_size, name, [], (), [], margin)
+    planned = _compare(rep, job.config, job.config, start, Catalog(), job.world_size, name, [], (), [], margin)
     rep.plan["megatron_args"] = job.as_dict()
     if job.not_modelled:
         rep.plan_status += ("; NOT MODELLED: " + "; ".join(n.text() for n in job.not_modelled))
@@ -330,12 +330,17 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
         rep.plan_status = (f"not planned: the configuration rebuilt from the log (recipe {name}, "
                            f"{' '.join(words) or 'no overrides'}, world size {world}) is refused: {exc.reason}")
         return None
-    return _compare(rep, work, start, catalog, world, name, words, overlays, from_log, margin)
+    return _compare(rep, cfg, work, start, catalog, world, name, words, overlays, from_log, margin)
 
 
-def _compare(rep, work, start, catalog, world: int, name: str, words: list[str], overlays: tuple, from_log: list[str],
-             margin: float) -> RunPlan:
-    """Each rank's memory line beside the plan of its stage and iteration, for a built configuration."""
+def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[str], overlays: tuple,
+             from_log: list[str], margin: float) -> RunPlan:
+    """Each rank's memory line beside the plan of its stage and iteration, for a built configuration.
+
+    ``work`` is the job as it ran (its overlays applied), what the lines are compared with; ``cfg`` is the recipe
+    with the user's overrides only, what the returned plan realizes every remedy on (steps.realize): a remedy that
+    removes an overlay must start from a config that never had that overlay's fields written, or its settings
+    (e.g. optimizer.optimizer_cpu_offload=true) survive the removal and the change is priced as nothing."""
     from ..core.paths import read
     from ..memory import model as M
     shape, lay, st = M.from_config(work, world)
@@ -394,5 +399,5 @@ def _compare(rep, work, start, catalog, world: int, name: str, words: list[str],
     if before_training:
         rep.plan_status += (f"; {len(before_training)} line(s) printed before the first training iteration "
                             f"({', '.join(before_training[:8])}) are not compared: no step has run")
-    return RunPlan(work, start, world, catalog, base, rep.capacity, margin, name,
+    return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
                    None if hot is None else hot.stage, measured)
