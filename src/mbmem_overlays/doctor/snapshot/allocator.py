@@ -591,7 +591,14 @@ class Allocator:
         end = seg.base + ((b.ptr + b.size - seg.base) // g) * g
         if begin >= end:
             return
-        pool = b.pool
+        self.unmap_range(b, begin, end)
+        self.device.free(end - begin)
+
+    def unmap_range(self, b: Block, begin: int, end: int) -> None:
+        """[begin, end) inside the free block ``b`` leaves the pool's mapped blocks: the parts of ``b`` before and
+        after it stay free and mapped, the range becomes an unmapped block merged with its unmapped neighbours
+        (unmap_block's granules, or the file's own segment_unmap in the proof)."""
+        pool, seg = b.pool, b.seg
         pool.erase(b)
         if begin > b.ptr:
             before = Block(b.ptr, begin - b.ptr, b.stream, pool, seg)
@@ -600,9 +607,8 @@ class Allocator:
                 b.prev.next = before
             b.prev = before
             pool.insert(before)
-        after_size = b.ptr + b.size - end
-        if after_size > 0:
-            after = Block(end, after_size, b.stream, pool, seg)
+        if b.ptr + b.size > end:
+            after = Block(end, b.ptr + b.size - end, b.stream, pool, seg)
             after.prev, after.next = b, b.next
             if b.next is not None:
                 b.next.prev = after
@@ -614,7 +620,6 @@ class Allocator:
         pool.insert_unmapped(b)
         self.stats.reserved -= end - begin
         self.stats.segment_frees += 1
-        self.device.free(end - begin)
 
     # -- inspection --------------------------------------------------------------------------------------
     def largest_free_block(self, stream: int | None = None, small: bool | None = None) -> int:
@@ -965,7 +970,7 @@ def prove(trace, start: StartState, settings: Settings, keep_choices: bool = Tru
         elif a == M.SEGMENT_UNMAP:
             b = alloc.free_block_containing(addr[i])
             if b is not None and b.seg is not None and b.ptr <= addr[i] and addr[i] + size[i] <= b.ptr + b.size:
-                _unmap_range(alloc, b, addr[i], size[i])
+                alloc.unmap_range(b, addr[i], addr[i] + size[i])   # the file's own segment_unmap
                 proof.segments.as_recorded += 1
             else:
                 proof.segments.differed += 1
@@ -1041,28 +1046,3 @@ class _Grant(RecordedDevice):
         return True
 
 
-def _unmap_range(alloc: Allocator, b: Block, address: int, size: int) -> None:
-    """The file's segment_unmap of [address, +size) inside the free block ``b``."""
-    pool, seg = b.pool, b.seg
-    pool.erase(b)
-    if address > b.ptr:
-        before = Block(b.ptr, address - b.ptr, b.stream, pool, seg)
-        before.prev, before.next = b.prev, b
-        if b.prev is not None:
-            b.prev.next = before
-        b.prev = before
-        pool.insert(before)
-    end = address + size
-    if b.ptr + b.size > end:
-        after = Block(end, b.ptr + b.size - end, b.stream, pool, seg)
-        after.prev, after.next = b, b.next
-        if b.next is not None:
-            b.next.prev = after
-        b.next = after
-        pool.insert(after)
-    b.ptr, b.size, b.mapped = address, size, False
-    alloc.try_merge(b, b.prev)
-    alloc.try_merge(b, b.next)
-    pool.insert_unmapped(b)
-    alloc.stats.reserved -= size
-    alloc.stats.segment_frees += 1
