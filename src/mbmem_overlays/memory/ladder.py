@@ -81,11 +81,11 @@ def _is_lora(state: State) -> bool:
     return type(getattr(state.cfg, "peft", None)).__name__ in ("LoRA", "DoRA")
 
 
-def _own(state: State, overlay: str) -> str | None:
-    """Why the ladder may not change ``overlay``: the user chose it, or set one of its parameters."""
+def _own(state: State, overlay: str, fields: tuple[str, ...] = ()) -> str | None:
+    """Why the ladder may not change ``overlay``: the user chose it, or set one of the ``fields`` it writes."""
     if overlay in state.start.overlays:
         return f"you chose {overlay} (--overlay); the ladder does not replace it"
-    return None
+    return next(filter(None, (_yours(state, path) for path in fields)), None)
 
 
 def expandable(state: State) -> Proposal:
@@ -136,11 +136,10 @@ def _data_parallel_shards(state: State) -> tuple[int, str]:
 def bf16_moments(state: State) -> Proposal:
     """The precision-aware optimizer with bf16 moments: half of Adam's state at no documented throughput cost."""
     from . import model as P
-    if _own(state, "precision_aware_optimizer"):
-        return _own(state, "precision_aware_optimizer")
-    for path in ("optimizer.use_precision_aware_optimizer", "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"):
-        if path in state.start.locked:
-            return f"you set {path} yourself"
+    taken = _own(state, "precision_aware_optimizer", ("optimizer.use_precision_aware_optimizer",
+                                                      "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"))
+    if taken:
+        return taken
     st = P.from_config(state.cfg, state.world)[2]
     if st.lora_rank:
         return SavesNothing("LoRA trains only the adapters: their optimizer state is negligible")
@@ -151,11 +150,10 @@ def bf16_moments(state: State) -> Proposal:
 
 def megatron_fsdp(state: State) -> Proposal:
     """Megatron FSDP: the gradients sharded too (optim_grads), then the weights (optim_grads_params)."""
-    if _own(state, "megatron_fsdp"):
-        return _own(state, "megatron_fsdp")
-    for path in ("ddp.use_megatron_fsdp", "dist.use_megatron_fsdp", "ddp.data_parallel_sharding_strategy"):
-        if path in state.start.locked:
-            return f"you set {path} yourself"
+    taken = _own(state, "megatron_fsdp", ("ddp.use_megatron_fsdp", "dist.use_megatron_fsdp",
+                                          "ddp.data_parallel_sharding_strategy"))
+    if taken:
+        return taken
     shards, layout = _data_parallel_shards(state)
     if shards <= 1:
         return SavesNothing(f"{layout}: Megatron FSDP has no data-parallel ranks to shard across")
@@ -169,10 +167,9 @@ def fine_grained_offload(state: State) -> Proposal:
     keep an activation here first (model.levers.layer_offload_terms), fraction 1."""
     from . import levers
     from . import model as P
-    if _own(state, "fine_grained_offload"):
-        return _own(state, "fine_grained_offload")
-    if "model.fine_grained_activation_offloading" in state.start.locked:
-        return "you set model.fine_grained_activation_offloading yourself"
+    taken = _own(state, "fine_grained_offload", ("model.fine_grained_activation_offloading",))
+    if taken:
+        return taken
     shape, lay, st = P.from_config(state.cfg, state.world)
     b = P.estimate(shape, lay, st)
     largest = max(("parameters", "gradients", "optimizer", "activations"), key=lambda k: getattr(b, k))
