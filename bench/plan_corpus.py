@@ -242,7 +242,7 @@ def plan_case(case: Case) -> Result:
     if str(case.config.get("TEST_TYPE", "")).startswith("frozen"):
         res.features += ("starts from a checkpoint",)
     try:
-        shape, lay, st = P.from_config(job.config, case.world)
+        shape, lay, st = P.from_config(job.config, case.world, arch=arch, env=dict(job.env))
         last = lay.pp - 1
         phases = P.reported_phases(shape, lay, st, last, max(1, case.step))
         peak = max(phases.values(), key=lambda b: b.total)

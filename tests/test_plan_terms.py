@@ -112,6 +112,10 @@ CITED_LINES = {
         ("megatron/bridge/training/train.py", 438, "cuda_graph_helper.create_cudagraphs()"),
         ("megatron/bridge/training/train.py", 869, "optimizer.zero_grad()"),
         ("megatron/core/transformer/cuda_graphs.py", 2681, "optimizer.zero_grad()")],
+    "gemm_workspaces": [
+        ("torch/include/ATen/cuda/CUDAContextLight.h", 97, "cublas_handle_stream_to_workspace();"),
+        ("torch/include/ATen/cuda/CUDAContextLight.h", 99, "size_t getChosenWorkspaceSize();"),
+        ("torch/include/torch/csrc/autograd/engine.h", 237, "void start_device_threads();")],
 }
 
 
@@ -575,3 +579,19 @@ def test_a_plan_names_what_it_does_not_model():
                   not_modelled=("model.fp4=True: FP4 weights and GEMM inputs",))
     assert plan.verdict()[0] == "fits; not modelled: model.fp4=True"
     assert plan.as_dict()["not_modelled"] == ["model.fp4=True: FP4 weights and GEMM inputs"]
+
+
+def test_gemm_workspaces_follow_torch_and_transformer_engine():
+    """torch: one workspace per thread (forward, autograd) of 32 MiB on Hopper/Blackwell, ':4096:2:16:8' elsewhere,
+    CUBLAS_WORKSPACE_CONFIG's sum when set; TE: one of 32 MiB (4 MiB before Hopper), four more for grouped GEMM."""
+    from mbmem_overlays.memory.buffers import gemm_workspaces, torch_cublas_workspace
+    mib = 1 << 20
+    assert torch_cublas_workspace(9) == torch_cublas_workspace(10) == 32 * mib
+    assert torch_cublas_workspace(8) == 8 * mib + 128 * 1024
+    assert torch_cublas_workspace(8, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}) == 32 * mib
+    assert torch_cublas_workspace(9, {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == 128 * 1024
+    assert torch_cublas_workspace(9, {"CUBLAS_WORKSPACE_CONFIG": "junk"}) == 32 * mib   # torch warns, keeps default
+    assert gemm_workspaces(9, None, te=False, te_grouped_gemm=False) == 64 * mib
+    assert gemm_workspaces(9, None, te=True, te_grouped_gemm=False) == 96 * mib
+    assert gemm_workspaces(9, None, te=True, te_grouped_gemm=True) == 224 * mib
+    assert gemm_workspaces(8, None, te=True, te_grouped_gemm=False) == 2 * (8 * mib + 128 * 1024) + 4 * mib

@@ -47,9 +47,11 @@ ASSUMPTIONS = (
     "although it is the fix for that gap. The caching allocator rounds every request up to 512 bytes (negligible) "
     "and hands out a cached large block whole when less than 1 MiB would be left over (CUDACachingAllocator "
     "should_split): that slack depends on the order of allocations and is not modelled",
-    "CUDA context, NCCL communicators, TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
-    "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) and cuBLAS/TE workspaces are outside torch's allocated "
-    "memory and not counted",
+    "CUDA context, NCCL communicators and TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
+    "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) are outside torch's allocated memory and not counted; "
+    "the cuBLAS workspaces are inside it and counted (buffers.gemm_workspaces: torch's per thread and stream, two "
+    "threads; Transformer Engine's one, plus one per compute stream with its grouped GEMM) for a GPU of compute "
+    "capability 9 (H100/H200) unless the plan is told another",
     "the headline peak is the larger of the two phases every training iteration goes through, on the first and "
     "last pipeline ranks (and any middle rank whose layers differ): the 1F1B steady state (most microbatches in "
     "flight, plus the last stage's loss, deferred output-layer gradients and megatron-core's global memory "
@@ -177,6 +179,18 @@ ADDED_TERMS = {
         "optimizer/distrib_optimizer.py:2774-2782 (decoupled_grad only under that flag, else .float()); "
         "megatron/bridge/training/mixed_precision.py:130-131 (setup copies fp8_recipe into the optimizer config), "
         "megatron/bridge/training/config.py:136-142 (OptimizerConfig.finalize runs the post-init after that)"),
+    "gemm_workspaces": (
+        "the cuBLAS workspaces torch's caching allocator holds from the first GEMM on: torch's one per thread and "
+        "stream (the forward's thread and the autograd engine's device thread: 2 x 32 MiB on compute capability "
+        "9/10/12, or CUBLAS_WORKSPACE_CONFIG's sum), Transformer Engine's one (32 MiB from capability 9 on, else 4 "
+        "MiB), and with TE's grouped GEMM one more per TE compute stream (4)",
+        "torch 2.14.1 aten/src/ATen/cuda/CublasHandlePool.cpp (parseChosenWorkspaceSize; setCublasWorkspace: one "
+        "workspace per (cuBLAS handle, stream), getNewWorkspace from CUDACachingAllocator; the unified cuBLASLt "
+        "workspace), declared in torch/include/ATen/cuda/CUDAContextLight.h:97,99 (cublas_handle_stream_to_workspace, "
+        "getChosenWorkspaceSize); a handle per thread (ATen/cuda/detail/DeviceThreadHandles.h); the autograd "
+        "engine's worker thread per device runs the backward (torch/include/torch/csrc/autograd/engine.h:237 "
+        "start_device_threads); TE v2.17.1 transformer_engine/pytorch/module/base.py (get_cublas_workspace_size_bytes, "
+        "get_workspace, get_multi_stream_cublas_workspace)"),
     "graph_capture_after_warmup": (
         "the CUDA graph capture as Bridge runs it, once, before training: with cuda_graph_warmup_steps >= 1 beside "
         "the last warm-up step's fp32 gradient copies, with 0 before the Adam moments exist; a one-time phase "

@@ -7,6 +7,45 @@ from __future__ import annotations
 from .inputs import FP32, Layout, Settings, Shape, _tokens
 from .weights import fsdp_shards, largest_layer_params, optimizer_shards, stage_params
 
+MiB = 1 << 20
+# The autograd engine runs a CUDA backward on its own worker thread per device (torch/csrc/autograd/engine.cpp
+# Engine::start_device_threads), so torch's GEMMs run on two threads: the Python thread's forward and that one's
+# backward, and torch keeps a cuBLAS workspace per thread and stream
+GEMM_THREADS = 2
+TE_GEMM_STREAMS = 4       # TE common/util nvte_get_num_compute_streams (tex.get_num_cublas_streams): 4
+
+
+def torch_cublas_workspace(arch: int, env: dict[str, str] | None = None) -> int:
+    """Bytes of one torch cuBLAS workspace (torch 2.14.1 aten/src/ATen/cuda/CublasHandlePool.cpp
+    parseChosenWorkspaceSize): CUBLAS_WORKSPACE_CONFIG's ``:SIZE_KiB:COUNT`` pairs summed, else 32 MiB on compute
+    capability 9, 10 and 12 and ``:4096:2:16:8`` (8 MiB + 128 KiB) on the others. cuBLASLt shares it (the
+    unified workspace, TORCH_CUBLASLT_UNIFIED_WORKSPACE unset)."""
+    import re
+    config = (env or {}).get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return 32 * MiB if arch in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def gemm_workspaces(arch: int, env: dict[str, str] | None, te: bool, te_grouped_gemm: bool) -> float:
+    """cuBLAS workspaces torch's caching allocator holds from the first GEMM to the end of the job, all counted
+    in its allocated bytes:
+
+    - torch's: one per (thread, stream) that runs a torch GEMM (CublasHandlePool.cpp setCublasWorkspace:
+      cublas_stream_to_workspace is thread_local, each entry getNewWorkspace() from CUDACachingAllocator), here
+      the output layer's and the router's GEMMs in the forward and on the autograd thread: GEMM_THREADS of
+      torch_cublas_workspace;
+    - Transformer Engine's: one for its GEMMs (TE v2.17.1 pytorch/module/base.py get_workspace: torch.empty of
+      get_cublas_workspace_size_bytes(), 32 MiB from compute capability 9 on, else 4 MiB), and with TE's grouped
+      GEMM (MoE experts as TEGroupedMLP) one per compute stream (get_multi_stream_cublas_workspace)."""
+    out = float(GEMM_THREADS * torch_cublas_workspace(arch, env))
+    if te:
+        te_workspace = 32 * MiB if arch >= 9 else 4 * MiB
+        out += te_workspace * (1 + (TE_GEMM_STREAMS if te_grouped_gemm else 0))
+    return out
+
 def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
                            rank: int | None = None) -> float:
     """fp32 gradient copies the distributed optimizer makes at its step when gradients are kept in bf16

@@ -20,6 +20,7 @@ MODEL_READS = frozenset({
     "model.num_query_groups", "model.kv_channels", "model.gated_linear_unit",
     "model.share_embeddings_and_output_weights", "model.num_moe_experts", "model.moe_layer_freq",
     "model.moe_ffn_hidden_size", "model.moe_router_topk", "model.moe_shared_expert_intermediate_size",
+    "model.moe_grouped_gemm", "model.moe_use_legacy_grouped_gemm",
     "model.multi_latent_attention", "model.qk_head_dim", "model.qk_pos_emb_head_dim", "model.v_head_dim",
     "model.kv_lora_rank", "model.q_lora_rank", "model.qk_layernorm", "model.is_hybrid_model",
     "model.hybrid_override_pattern", "model.hybrid_layer_pattern", "model.mamba_num_heads", "model.mamba_head_dim",

@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from .buffers import gemm_workspaces
 from .graphs import WHOLE_LAYER
 from .inputs import BF16, FP8, FP32, Layout, Settings, Shape
 from .pipeline import HYBRID_SYMBOLS
@@ -235,7 +236,11 @@ def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
+def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None
+                ) -> tuple[Shape, Layout, Settings]:
+    """The plan's inputs read from a Bridge ConfigContainer for ``world`` GPUs of compute capability ``arch``
+    (9: H100/H200, 10: B200/GB200, 8: A100) in a job environment ``env`` (what it reads: CUBLAS_WORKSPACE_CONFIG;
+    None: unset)."""
     from ..core.engine import View
     from ..core.paths import read
     from ..core.rules import mixed_precision_config, regather_fallbacks
@@ -306,6 +311,7 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
     fsdp_on = bool(read(cfg, "ddp.use_megatron_fsdp", False) or getattr(getattr(cfg, "dist", None),
                                                                        "use_megatron_fsdp", False))
     scopes = graph_scopes(m)
+    te = str(getattr(m, "transformer_impl", "transformer_engine")) != "local"
     regather: tuple[str, ...] = ()
     if peft is not None and getattr(peft, "sequence_parallel_input_regather", False):
         view = View(cfg, {}, {}, world, (), {})
@@ -353,7 +359,9 @@ def from_config(cfg: Any, world: int) -> tuple[Shape, Layout, Settings]:
         dtype_bytes=compute_dtype_bytes(m),
         attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
         hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,
-        attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0)
+        attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0,
+        gemm_workspace_bytes=gemm_workspaces(arch, env, te=te, te_grouped_gemm=te and bool(experts) and bool(
+            getattr(m, "moe_grouped_gemm", False)) and not getattr(m, "moe_use_legacy_grouped_gemm", False)))
     if settings.dtype_bytes == FP32:
         # fp32 training: fp32 parameters are their own masters (DistributedOptimizer shard_fp32_groups /
         # FP32Optimizer: no main copy), gradients are fp32, and the loss reads fp32 logits (.float() is a no-op;

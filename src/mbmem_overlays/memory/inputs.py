@@ -124,6 +124,9 @@ class Settings:
     attention_scores: str = ""
     hidden_dropout: bool = False              # hidden_dropout > 0: each bias-dropout-add keeps a bool mask
     attention_dropout: bool = False           # attention_dropout > 0: only non-fused attention keeps a mask
+    # cuBLAS workspaces torch's allocator holds for the whole job (buffers.gemm_workspaces): torch's per thread and
+    # stream, Transformer Engine's, and TE's grouped-GEMM streams'; 0 where the plan was not given them
+    gemm_workspace_bytes: float = 0.0
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

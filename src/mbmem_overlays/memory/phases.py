@@ -41,16 +41,20 @@ def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> d
     first, last = rank == 0, rank == lay.pp - 1
     p, g, o = model_state(s, lay, st, first=first, last=last, rank=rank)
     acts = stage_activations(s, lay, st, rank)
-    other = communication_buffers(s, lay, st, rank, p)
+    comm = communication_buffers(s, lay, st, rank, p)
+    workspaces = 0.0 if "gemm_workspaces" in st.without else st.gemm_workspace_bytes
+    other = comm + workspaces
     step = optimizer_step_buffers(s, lay, st, first, last, rank)
     casts = fp8_master_cast_copies(s, lay, st, first, last, rank)
     detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
     if casts:
         detail += (("FP8 master weights cast to the params dtype at the optimizer step", casts),)
-    if st.fsdp is not None and other:
-        detail += (("Megatron FSDP gathered parameters and unsharded gradients", other),)
+    if st.fsdp is not None and comm:
+        detail += (("Megatron FSDP gathered parameters and unsharded gradients", comm),)
     elif (gathered := global_memory_buffer(s, lay, st, rank)):
         detail += (("megatron-core global memory buffer (output layer SP gather)", gathered),)
+    if workspaces:
+        detail += (("cuBLAS workspaces (torch's per thread, Transformer Engine's)", workspaces),)
     resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
     o_no_moments = optimizer_before_first_step(o, st)
     values = {"steady 1F1B": (o, acts.steady, other), "optimizer step": (o, acts.persistent, other + step + casts),
