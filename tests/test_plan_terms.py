@@ -112,6 +112,10 @@ CITED_LINES = {
         ("megatron/bridge/training/train.py", 438, "cuda_graph_helper.create_cudagraphs()"),
         ("megatron/bridge/training/train.py", 869, "optimizer.zero_grad()"),
         ("megatron/core/transformer/cuda_graphs.py", 2681, "optimizer.zero_grad()")],
+    "recompute_after_loss": [
+        ("megatron/core/tensor_parallel/random.py", 647, "outputs = ctx.run_function(*detached_inputs)"),
+        ("megatron/core/pipeline_parallel/schedules.py", 532,
+         "def backward_step(input_tensor, output_tensor, output_tensor_grad, config):")],
     "gemm_workspaces": [
         ("torch/include/ATen/cuda/CUDAContextLight.h", 97, "cublas_handle_stream_to_workspace();"),
         ("torch/include/ATen/cuda/CUDAContextLight.h", 99, "size_t getChosenWorkspaceSize();"),
@@ -595,3 +599,21 @@ def test_gemm_workspaces_follow_torch_and_transformer_engine():
     assert gemm_workspaces(9, None, te=True, te_grouped_gemm=False) == 96 * mib
     assert gemm_workspaces(9, None, te=True, te_grouped_gemm=True) == 224 * mib
     assert gemm_workspaces(8, None, te=True, te_grouped_gemm=False) == 2 * (8 * mib + 128 * 1024) + 4 * mib
+
+
+def test_full_recompute_never_holds_the_loss_and_a_rematerialized_group_together():
+    """On the last stage the logits are released before any checkpointed group re-runs its forward: the peak is
+    the checkpoints plus the larger of the two (recompute_after_loss), on both sides of the crossing."""
+    from mbmem_overlays.memory.stage_activations import stage_activations
+    st = P.Settings(recompute="full", recompute_method="uniform", recompute_layers=2)
+    for vocab in (1024, 262144):   # a group larger than the loss, then a loss larger than the group
+        shape = replace(SMALL, vocab=vocab)
+        lay = P.Layout(world=1, seq=1024, mbs=2, gbs=2)
+        detail = dict(stage_activations(shape, lay, st, 0).detail)
+        working, loss = detail["full recompute working set"], detail[
+            "loss: logits and their fp32 softmax/gradient (last stage)"]
+        on = stage_activations(shape, lay, st, 0).steady
+        off = stage_activations(shape, lay, replace(st, without=frozenset({"recompute_after_loss"})), 0).steady
+        assert off - on == pytest.approx(min(working, loss), rel=1e-12)
+        assert on == pytest.approx(off - working - loss + max(working, loss), rel=1e-12)
+    assert working < loss   # the second vocabulary really crossed over

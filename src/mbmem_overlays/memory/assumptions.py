@@ -191,6 +191,12 @@ ADDED_TERMS = {
         "engine's worker thread per device runs the backward (torch/include/torch/csrc/autograd/engine.h:237 "
         "start_device_threads); TE v2.17.1 transformer_engine/pytorch/module/base.py (get_cublas_workspace_size_bytes, "
         "get_workspace, get_multi_stream_cublas_workspace)"),
+    "recompute_after_loss": (
+        "full recompute on the last stage: a checkpointed group is re-materialized only in its own backward, after "
+        "the loss and the output layer have released the logits, so the peak holds the larger of the loss buffers "
+        "and the re-materialized group, not both",
+        "megatron/core/tensor_parallel/random.py:625,647 (CheckpointFunction.backward: outputs = "
+        "ctx.run_function(*detached_inputs)); pipeline_parallel/schedules.py:532 (backward_step from the loss)"),
     "graph_capture_after_warmup": (
         "the CUDA graph capture as Bridge runs it, once, before training: with cuda_graph_warmup_steps >= 1 beside "
         "the last warm-up step's fp32 gradient copies, with 0 before the Adam moments exist; a one-time phase "

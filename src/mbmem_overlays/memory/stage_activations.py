@@ -83,7 +83,9 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             kept = per_stage / n * boundary
         acts = kept * mbs_alive + working
         detail.append(("full recompute working set", working))
+        recompute_working = working
     else:
+        recompute_working = 0.0
         layers_on_gpu = per_stage
         if st.cpu_offload_layers:
             layers_on_gpu -= min(per_stage, st.cpu_offload_layers) - (1 if st.cpu_offload_double_buffer else 0)
@@ -106,6 +108,13 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + logits)
             detail.append(("MTP layers with their logits and loss (last stage)", mtp))
             acts += mtp
+        if recompute_working and "recompute_after_loss" not in st.without:
+            # the loss buffers live from the output layer's forward to its backward; a checkpointed group is
+            # re-materialized only in its own backward (tensor_parallel/random.py:625-647 CheckpointFunction.backward
+            # re-runs the forward), which the autograd pass reaches after the loss and output layer have released
+            # the logits: the two never coexist, and the larger of them is the peak's
+            loss_time = logits + (mtp if s.mtp_layers else 0.0)
+            acts -= min(recompute_working, loss_time)
         if st.deferred_wgrad_microbatches:
             # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
             # and its sequence-local input until the pipeline flush (megatron-core tensor_parallel/layers.py)
