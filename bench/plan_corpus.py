@@ -333,6 +333,8 @@ def plan_case(case: Case) -> Result:
         return res
     args = argparse.Namespace(**dict(job.args))
     res.features = features(args)
+    if job.family == "hybrid" and "hybrid Mamba" not in res.features:   # a Mamba script without a pattern
+        res.features += ("hybrid Mamba",)
     if str(case.config.get("TEST_TYPE", "")).startswith("frozen"):
         res.features += ("starts from a checkpoint",)
     try:

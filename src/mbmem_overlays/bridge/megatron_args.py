@@ -887,7 +887,12 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
                                         "configuration"))
     assumptions = [f"vocabulary {size} ({how}), padded to {padded} (make-vocab-size-divisible-by "
                    f"{args.make_vocab_size_divisible_by} x TP {args.tensor_model_parallel_size})",
-                   f"validate_args asked as on a GPU of compute capability {arch}.x"]
+                   f"GPUs of compute capability {arch}.x: validate_args is asked as on them, and the plan sizes "
+                   "the cuBLAS and Transformer Engine workspaces for them"]
+    workspace = job_env.get("CUBLAS_WORKSPACE_CONFIG")
+    assumptions.append(f"CUBLAS_WORKSPACE_CONFIG={workspace} from the job's environment sizes torch's cuBLAS "
+                       "workspaces" if workspace else "the job's environment does not set CUBLAS_WORKSPACE_CONFIG: "
+                       "torch's default cuBLAS workspace size")
     te, installed = te_version()
     assumptions.append(f"validate_args asked as with Transformer Engine {te} where it checks TE's version"
                        + ("" if installed else " (TE is not installed here: the version Megatron Bridge 0.6.2 pins)"))
