@@ -55,6 +55,9 @@ MODEL_READS = frozenset({
     "model.fine_grained_activation_offloading", "model.offload_modules", "model.activation_offload_fraction",
     "model.min_offloaded_tensor_size", "model.delta_offload_bytes_across_pp_ranks",
     "ddp.megatron_fsdp_main_grads_dtype", "ddp.megatron_fsdp_main_params_dtype", "optimizer.exp_avg_sq_dtype",
+    # Muon and the layer-wise optimizer (memory/optimizers.py): what a per-tensor count reads
+    "optimizer.optimizer", "optimizer.use_layer_wise_distributed_optimizer", "model.normalization",
+    "model.add_bias_linear", "model.position_embedding_type",
 })
 
 
