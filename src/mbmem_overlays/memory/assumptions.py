@@ -207,7 +207,8 @@ ADDED_TERMS = {
         "and the all-gather pipeline's reset preserves non-unit buckets",
         "megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:1072 (the post-forward release hook, "
         "units only); megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:4352-4361 "
-        "(AllGatherPipeline.reset: non-unit buckets PRESERVED), :4632 (release_bucket: non-unit modules remain persistently allocated)"),
+        "(AllGatherPipeline.reset: non-unit buckets PRESERVED), :4632 (release_bucket: non-unit modules remain "
+        "persistently allocated)"),
     "fsdp_grad_dtypes": (
         "Megatron FSDP with FP8 parameters and megatron_fsdp_main_grads_dtype unset keeps only the FP8 weights' "
         "gradients in bf16; the other parameters' (embeddings, output layer) stay in the params dtype (fp32 "
