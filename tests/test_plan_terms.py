@@ -129,9 +129,6 @@ CITED_LINES = {
     "unfused_attention_output": [
         ("megatron/core/transformer/dot_product_attention.py", 239,
          "context = torch.bmm(attention_probs, value.transpose(0, 1))")],
-    "distopt_gather_in_place": [
-        ("megatron/core/distributed/param_and_grad_buffer.py", 515, "dist_all_gather_func("),
-        ("megatron/core/distributed/param_and_grad_buffer.py", 516, "bucket.param_data,")],
     "muon_state": [
         ("megatron/core/optimizer/emerging_optimizers.py", 130,
          "return getattr(param, 'is_embedding_or_output_parameter', False) or len(param.shape) != 2"),
@@ -672,15 +669,6 @@ def test_non_fused_attention_keeps_no_kernel_output(fp8):
     before = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings(attention_scores="fused_softmax", fp8=fp8,
                                                                    without=frozenset({"unfused_attention_output"})))
     assert sum(before.values()) - sum(unfused.values()) == (out if fp8 else 0)
-
-
-def test_distributed_optimizer_gathers_parameters_in_place():
-    st = P.Settings(dist_optimizer=True)
-    lay = replace(SMALL_LAY, world=8)
-    assert P.communication_buffers(SMALL, lay, st, 0, 1e9) == P.global_memory_buffer(SMALL, lay, st, 0)
-    old = replace(st, without=frozenset({"distopt_gather_in_place"}))
-    assert P.communication_buffers(SMALL, lay, old, 0, 1e9) - P.communication_buffers(SMALL, lay, st, 0, 1e9) == \
-        40e6 * P.BF16
 
 
 def test_layer_wise_optimizer_shards_whole_parameters_ping_pong():

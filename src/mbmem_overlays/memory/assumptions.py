@@ -111,8 +111,14 @@ ASSUMPTIONS = (
     "(megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers; with several optimizer "
     "instances optimizer state spans all of DP only when outer_dp_sharding_strategy is optim); every layer is one "
     "FSDP unit, and the transient unsharded copies are two units of parameters (the current one and the prefetched "
-    "next) and one unit of gradients; the embedding and output layer are sharded like the rest and their own "
-    "gathered copy is not counted; no fp32 gradient copy is made at the step (FSDP owns its main-grad buffers)",
+    "next) and one unit of gradients; under optim_grads_params the embedding and output layer (outside every "
+    "unit) stay gathered for the whole job beside their shard; no fp32 gradient copy is made at the step (FSDP "
+    "owns its main-grad buffers)",
+    "Muon steps every 2-D non-embedding parameter with one fp32 momentum, Adam the rest; with the distributed "
+    "optimizer it is the layer-wise optimizer's legacy path (--no-use-layer-wise-param-layout: whole parameters "
+    "ping-pong over DP ranks, the plan's figure is the most loaded rank unless Settings.dp_rank names one); the "
+    "default shard-aligned layout path (bin-packed buckets, Adam parameters byte-sharded by a DistributedOptimizer) "
+    "is planned the same way; Newton-Schulz temporaries of one matrix at the step are not counted",
 )
 
 
@@ -221,12 +227,6 @@ ADDED_TERMS = {
         "megatron/core/transformer/dot_product_attention.py:239 (context = torch.bmm(attention_probs, value...)); "
         "TE v2.17.1 transformer_engine/pytorch/attention/dot_product_attention/backends.py "
         "UnfusedDotProductAttention.forward (torch.bmm(attention_probs, value_layer...), then a permuted copy)"),
-    "distopt_gather_in_place": (
-        "the distributed optimizer's parameter all-gather writes into the full param buffer every rank already "
-        "holds (counted as parameters): no extra in-flight bucket of gathered parameters (the plan added up to "
-        "40M parameters' worth)",
-        "megatron/core/distributed/param_and_grad_buffer.py:504-518 (start_param_sync: dist_all_gather_func("
-        "bucket.param_data, local_data_view), local_data_view a shard of bucket.param_data)"),
     "muon_state": (
         "Muon keeps one fp32 momentum per 2-D non-embedding parameter beside its fp32 master (Adam's two moments "
         "only for the rest), and is never the DistributedOptimizer: --use-distributed-optimizer becomes the "

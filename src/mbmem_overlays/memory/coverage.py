@@ -89,6 +89,8 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.experimental_attention_variant", "an experimental attention variant"),
     Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
+    Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon: its state is planned as Adam's",
+               lambda v: str(v) not in ("adam", "muon")),
     Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
     Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
 )
