@@ -80,8 +80,12 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         out = D * s.heads * (s.v_head_dim or s.head_dim) / t
         if (keeps_input("linear_proj") and (frozen or not st.fp8)) or "core_attn_output" in st.without:
             terms["attention_output"] = out
-        else:
+        elif not st.attention_scores or "unfused_attention_output" in st.without:
             terms["attention_kernel_output"] = out
+        # A non-fused attention ends in bmm(probs, v), which saves its inputs, not its output (megatron-core
+        # dot_product_attention.py:239; TE v2.17.1 attention/dot_product_attention/backends.py
+        # UnfusedDotProductAttention.forward: torch.bmm(attention_probs, value_layer), then a permuted copy for
+        # linear_proj): only linear_proj's own saved input (above, or its FP8 copy) stays
         if st.fp8 and not frozen:
             terms["attention_output_fp8"] = FP8 * s.heads * (s.v_head_dim or s.head_dim) / t
         lora_gathered("linear_qkv")

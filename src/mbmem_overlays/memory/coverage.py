@@ -56,6 +56,9 @@ MODEL_READS = frozenset({
     "model.fine_grained_activation_offloading", "model.offload_modules", "model.activation_offload_fraction",
     "model.min_offloaded_tensor_size", "model.delta_offload_bytes_across_pp_ranks",
     "ddp.megatron_fsdp_main_grads_dtype", "ddp.megatron_fsdp_main_params_dtype", "optimizer.exp_avg_sq_dtype",
+    # Muon and the layer-wise optimizer (memory/optimizers.py): what a per-tensor count reads
+    "optimizer.optimizer", "optimizer.use_layer_wise_distributed_optimizer", "model.normalization",
+    "model.add_bias_linear", "model.position_embedding_type",
 })
 
 
@@ -87,6 +90,8 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.experimental_attention_variant", "an experimental attention variant"),
     Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
+    Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon: its state is planned as Adam's",
+               lambda v: str(v) not in ("adam", "muon")),
     Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
     Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
 )

@@ -278,7 +278,13 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
         mamba_heads=getattr(m, "mamba_num_heads", 0) or 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
         mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
-        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0))
+        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0),
+        norm_bias=str(getattr(m, "normalization", "LayerNorm")) == "LayerNorm",
+        linear_bias=bool(getattr(m, "add_bias_linear", False)),
+        # GPTModel builds learned absolute position embeddings of max_sequence_length = seq_length rows
+        # (Bridge gpt_provider.py:297, :301)
+        position_embeddings=int(m.seq_length) if str(getattr(m, "position_embedding_type", "")) == "learned_absolute"
+        else 0)
     chunks = chunk_layers(m, layers)
     pp = m.pipeline_model_parallel_size
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
@@ -357,6 +363,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather,
         dtype_bytes=compute_dtype_bytes(m),
+        optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
+        layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),
         attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
         hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,
         attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0,

@@ -4,6 +4,7 @@ the distributed optimizer, Megatron FSDP and optimizer CPU offload shard or move
 from __future__ import annotations
 
 from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
+from .optimizers import emerging_optimizer_bytes, muon_state
 from .pipeline import layer_kinds, rank_layers
 
 def _attention_params(s: Shape) -> float:
@@ -187,8 +188,14 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
     params = (layer_params * weight_bytes + embed * st.dtype_bytes + adapters * st.dtype_bytes) / p_dense + expert * weight_bytes / p_expert
     grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
+    if st.embed_grad_bytes and not frozen and "fsdp_grad_dtypes" not in st.without:
+        # Megatron FSDP keeps an FP8 weight's gradient in bf16 and every other parameter's in its own dtype
+        # (param_and_grad_buffer.py _resolve_group_grad_dtype :2306-2315): the embeddings' in the params dtype
+        grads += embed * (st.embed_grad_bytes - st.grad_bytes) / g_dense
     dense_shards, expert_shards = optimizer_shards(lay, st)
     opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * optimizer_gpu_bytes(st)
+    if muon_state(st) and not frozen and not st.optimizer_offload:
+        opt = emerging_optimizer_bytes(s, lay, st, rank)   # Muon's momentum, whole-parameter shards
     return params, grads, opt
 
 def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
