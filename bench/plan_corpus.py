@@ -31,7 +31,7 @@ import math
 import re
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +339,9 @@ def plan_case(case: Case) -> Result:
         res.features += ("starts from a checkpoint",)
     try:
         shape, lay, st = P.from_config(job.config, case.world, arch=arch, env=dict(job.env))
+        # the figure is the last rank's: with optimizer state dealt unevenly over DP ranks (the layer-wise
+        # optimizer) plan that rank, not the most loaded one
+        st = replace(st, dp_rank=-1)
         last = lay.pp - 1
         phases = P.reported_phases(shape, lay, st, last, max(1, case.step))
         peak = max(phases.values(), key=lambda b: b.total)

@@ -116,6 +116,9 @@ CITED_LINES = {
         ("megatron/core/tensor_parallel/random.py", 647, "outputs = ctx.run_function(*detached_inputs)"),
         ("megatron/core/pipeline_parallel/schedules.py", 532,
          "def backward_step(input_tensor, output_tensor, output_tensor_grad, config):")],
+    "param_gather_in_place": [
+        ("megatron/core/distributed/param_and_grad_buffer.py", 515, "dist_all_gather_func("),
+        ("megatron/core/distributed/param_and_grad_buffer.py", 516, "bucket.param_data,")],
     "gemm_workspaces": [
         ("torch/include/ATen/cuda/CUDAContextLight.h", 97, "cublas_handle_stream_to_workspace();"),
         ("torch/include/ATen/cuda/CUDAContextLight.h", 99, "size_t getChosenWorkspaceSize();"),

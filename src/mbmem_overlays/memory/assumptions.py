@@ -185,6 +185,12 @@ ADDED_TERMS = {
         "optimizer/distrib_optimizer.py:2774-2782 (decoupled_grad only under that flag, else .float()); "
         "megatron/bridge/training/mixed_precision.py:130-131 (setup copies fp8_recipe into the optimizer config), "
         "megatron/bridge/training/config.py:136-142 (OptimizerConfig.finalize runs the post-init after that)"),
+    "param_gather_in_place": (
+        "the distributed optimizer all-gathers each bucket's parameters into the bucket's own param_data, which "
+        "every rank already holds whole (its shard is a view of it): no in-flight copy of a bucket (before: one "
+        "bucket of up to 40M parameters counted beside the state)",
+        "megatron/core/distributed/param_and_grad_buffer.py:504-518 (start_param_sync: shard_buffer(bucket.param_data), "
+        "dist_all_gather_func(bucket.param_data, local_data_view))"),
     "gemm_workspaces": (
         "the cuBLAS workspaces torch's caching allocator holds from the first GEMM on: torch's one per thread and "
         "stream (the forward's thread and the autograd engine's device thread: 2 x 32 MiB on compute capability "

@@ -103,12 +103,8 @@ def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params
         return gathered + unsharded_grads + fsdp_non_unit_params(s, lay, st, rank) + global_memory_buffer(
             s, lay, st, rank)
     out = global_memory_buffer(s, lay, st, rank)
-    if st.dist_optimizer and lay.dp * lay.cp > 1:
-        # overlap_param_gather keeps one bucket's all-gathered params (Megatron bucket_size 40M params).
-        # Issue 30 found no such buffer in megatron-core 0.19.2: the distributed optimizer all-gathers each bucket
-        # in place (distributed/param_and_grad_buffer.py start_param_sync :504-518, dist_all_gather_func(
-        # bucket.param_data, a shard view of it)); the term stays because dropping it moves the held-out public
-        # MoE rows of bench/plan_accuracy.py further under (Moonlight -2.3% -> -2.5%), which they may not
+    if st.dist_optimizer and lay.dp * lay.cp > 1 and "param_gather_in_place" in st.without:
+        # the term before issue 30: one bucket's all-gathered params (Megatron bucket_size 40M params) in flight
         out += min(40e6, (params / st.param_bytes)) * st.param_bytes
     return out
 
