@@ -236,6 +236,18 @@ def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def mamba_heads(m: Any) -> int:
+    """The Mamba mixer's SSM heads: ``mamba_num_heads``, or, unset (megatron-core's default), the inner width
+    ``expand * hidden_size`` over ``mamba_head_dim`` with MambaMixer's ``expand=2``, which the hybrid stack never
+    overrides (megatron/core/ssm/mamba_mixer.py:179, :216, :243-249: nheads = d_inner // headdim;
+    transformer_config.py ``mamba_num_heads``: "If None, ... hidden_size * expand // mamba_head_dim")."""
+    heads = getattr(m, "mamba_num_heads", None)
+    if heads:
+        return int(heads)
+    head_dim = getattr(m, "mamba_head_dim", 0) or 0
+    return 2 * m.hidden_size // head_dim if head_dim else 0
+
+
 def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None
                 ) -> tuple[Shape, Layout, Settings]:
     """The plan's inputs read from a Bridge ConfigContainer for ``world`` GPUs of compute capability ``arch``
@@ -276,7 +288,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         qk_pos_dim=getattr(m, "qk_pos_emb_head_dim", 0) or 0, v_head_dim=getattr(m, "v_head_dim", 0) or 0,
         kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0,
         qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
-        mamba_heads=getattr(m, "mamba_num_heads", 0) or 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
+        mamba_heads=mamba_heads(m) if "mamba" in kinds else 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
         mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
         mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0))
     chunks = chunk_layers(m, layers)

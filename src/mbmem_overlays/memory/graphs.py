@@ -24,7 +24,7 @@ GRAPH_SCOPE_TERMS = {
     # EP communication (then they run outside the graph)
     "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert"),
     "mamba": ("mamba_layernorm_input", "mamba_dropout_mask", "mamba_layernorm_output", "mamba_in_proj_output", "mamba_scan_output",
-              "mamba_out_proj_input", "lora_a_gathered_input_in_proj"),
+              "mamba_norm_input", "mamba_out_proj_input", "lora_a_gathered_input_in_proj"),
 }
 WHOLE_LAYER = ("attn", "mlp", "moe", "mamba")   # empty cuda_graph_modules: every graphable layer, whole
 

@@ -20,10 +20,15 @@ def _mlp_params(hidden: int, ffn: int, gated: bool) -> float:
 
 
 def _mamba_params(s: Shape) -> float:
+    """One Mamba mixer's parameters over all TP ranks (megatron-core ssm/mamba_mixer.py MambaMixer.__init__):
+    in_proj (hidden -> z, x, B, C, dt), the depthwise conv1d's weight and bias over x, B and C (conv_dim x d_conv,
+    conv_dim), dt_bias, A_log and D (one per head), the group RMSNorm's weight (d_inner) and out_proj
+    (d_inner -> hidden); no linear biases (``assert not bias``). The layer's own norm is in_proj's fused one."""
     inner = s.mamba_heads * s.mamba_head_dim
     bc = 2 * s.mamba_groups * s.mamba_state
     in_proj = s.hidden * (2 * inner + bc + s.mamba_heads)            # z, x, B, C, dt
-    return in_proj + (inner + bc) * s.mamba_conv + 3 * s.mamba_heads + inner + inner * s.hidden
+    conv = (inner + bc) * (s.mamba_conv + 1)                          # weight and bias
+    return in_proj + conv + 3 * s.mamba_heads + inner + inner * s.hidden
 
 def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     """(dense, expert) parameters of one block on one GPU; every block has its own norm."""
