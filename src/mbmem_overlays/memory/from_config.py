@@ -236,6 +236,24 @@ def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def hybrid_pattern(pattern: str, mtp_pattern: str | None = None
+                   ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+    """(layer kinds, the blocks of one MTP depth, layers per pipe-delimited segment) of a hybrid layer pattern.
+
+    megatron-core's models/hybrid/hybrid_layer_allocation.py: parse_hybrid_pattern splits the main pattern from
+    the MTP depths at "/" (every depth the same pattern; Bridge's hybrid provider appends its
+    ``mtp_hybrid_override_pattern`` the same way); select_pipeline_segment gives pipeline rank r's virtual stage
+    v the segment ``v * pp + r`` of the "|"-delimited main pattern (chunk order), and splits a pattern without
+    "|" evenly or by num_layers_in_first/last_pipeline_stage (chunk_layers). Symbols the model has no block for
+    (G, D, +) are named by coverage.py, not counted."""
+    main, *mtp = pattern.split("/")
+    if not any(mtp) and mtp_pattern:
+        mtp = [mtp_pattern]
+    blocks = lambda text: tuple(HYBRID_SYMBOLS[c] for c in text if c in HYBRID_SYMBOLS)  # noqa: E731
+    parts = main.split("|")
+    return blocks(main), blocks(next((p for p in mtp if p), "")), tuple(len(blocks(p)) for p in parts)
+
+
 def mamba_heads(m: Any) -> int:
     """The Mamba mixer's SSM heads: ``mamba_num_heads``, or, unset (megatron-core's default), the inner width
     ``expand * hidden_size`` over ``mamba_head_dim`` with MambaMixer's ``expand=2``, which the hybrid stack never
@@ -261,9 +279,11 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     freq = getattr(m, "moe_layer_freq", 1)
     experts = getattr(m, "num_moe_experts", None) or 0
     pattern = getattr(m, "hybrid_override_pattern", None) or getattr(m, "hybrid_layer_pattern", None)
+    mtp_blocks: tuple[str, ...] = ()
+    segments: tuple[int, ...] = ()
     if getattr(m, "is_hybrid_model", False) and isinstance(pattern, str) and pattern:
-        # hybrid stacks (Nemotron-H): one block per symbol; MTP blocks after "/" are not modelled
-        kinds = tuple(HYBRID_SYMBOLS[c] for c in pattern.split("/")[0] if c in HYBRID_SYMBOLS)
+        # hybrid stacks (Nemotron-H): one block per symbol, the MTP depth's blocks after "/"
+        kinds, mtp_blocks, segments = hybrid_pattern(pattern, getattr(m, "mtp_hybrid_override_pattern", None))
         layers = len(kinds)
     else:
         if not experts:
@@ -288,10 +308,11 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         qk_pos_dim=getattr(m, "qk_pos_emb_head_dim", 0) or 0, v_head_dim=getattr(m, "v_head_dim", 0) or 0,
         kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0,
         qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
-        mamba_heads=mamba_heads(m) if "mamba" in kinds else 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
+        mamba_heads=mamba_heads(m) if "mamba" in kinds + mtp_blocks else 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
         mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
-        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0))
-    chunks = chunk_layers(m, layers)
+        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0),
+        mtp_blocks=mtp_blocks, mtp_shared=bool(getattr(m, "mtp_use_repeated_layer", False)))
+    chunks = segments if len(segments) > 1 else chunk_layers(m, layers)
     pp = m.pipeline_model_parallel_size
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
                  vpp=len(chunks) // pp if chunks else (m.virtual_pipeline_model_parallel_size or 1), cp=m.context_parallel_size,

@@ -44,6 +44,10 @@ class Shape:
     mamba_state: int = 0
     mamba_conv: int = 4
     mtp_layers: int = 0           # mtp_num_layers: multi-token prediction layers on the last pipeline stage
+    # The blocks of one MTP depth's layer: a hybrid pattern's part after "/" ("*E": attn, moe); empty: the
+    # model's last layer kind. mtp_shared (mtp_use_repeated_layer): one MTP layer's parameters run at every depth.
+    mtp_blocks: tuple[str, ...] = ()
+    mtp_shared: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,15 @@ def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     raise ValueError(f"unknown layer block {block!r}")
 
 
+def mtp_blocks(s: Shape) -> tuple[str, ...]:
+    """The decoder blocks of one MTP depth: a hybrid pattern's MTP part ("*E": attention, then MoE, each its own
+    layer; models/hybrid/hybrid_layer_allocation.py parse_hybrid_pattern), else one layer of the model's last kind
+    (GPT: the decoder's layer spec)."""
+    if s.mtp_blocks:
+        return s.mtp_blocks
+    return tuple((layer_kinds(s)[-1] if s.layers else "attn+mlp").split("+"))
+
+
 def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | None = None) -> tuple[float, float, float]:
     """(transformer-layer params, embedding/output params, expert params) on one GPU of pipeline rank ``rank``
     (default: the first stage when ``first``, else the last)."""
@@ -61,15 +70,16 @@ def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | Non
         embed += s.vocab * s.hidden / lay.tp
     if last and s.mtp_layers:
         # MTP on the last stage (transformer/multi_token_prediction.py MultiTokenPredictionLayer): per layer an
-        # enorm and hnorm, eh_proj (2h -> h, column-parallel), one decoder layer of the model's last kind and a
-        # final norm; with PP the last stage builds its own embedding for the shifted inputs
-        # (models/gpt/gpt_model.py:167: pre_process or mtp_process)
-        kind = layer_kinds(s)[-1] if s.layers else "attn+mlp"
-        for block in kind.split("+"):
+        # enorm and hnorm, eh_proj (2h -> h, column-parallel), its decoder blocks (mtp_blocks) and a final norm;
+        # with mtp_use_repeated_layer one such layer serves every depth (MultiTokenPredictionBlock._build_layers,
+        # "build one layer, use it for all depths"). With PP the last stage builds its own embedding for the
+        # shifted inputs (models/gpt/gpt_model.py:167, models/hybrid/hybrid_model.py:234: pre_process or mtp_process)
+        built = 1 if s.mtp_shared else s.mtp_layers
+        for block in mtp_blocks(s):
             d, e = _block_params(s, lay, block)
-            dense += s.mtp_layers * d
-            expert += s.mtp_layers * e
-        dense += s.mtp_layers * (3 * s.hidden + 2 * s.hidden * s.hidden / lay.tp)
+            dense += built * d
+            expert += built * e
+        dense += built * (3 * s.hidden + 2 * s.hidden * s.hidden / lay.tp)
         if lay.pp > 1:
             embed += s.vocab * s.hidden / lay.tp
     return dense, embed, expert
