@@ -144,3 +144,12 @@ def test_a_megatron_lm_hybrid_job_is_planned_from_its_pattern(bridge):
     assert lay.chunk_layers == (4, 5)                  # the pipe, not an even split
     assert P.rank_layers(shape, lay, 0) == {"mamba": 2, "mlp": 1, "attn": 1}
     assert P.rank_layers(shape, lay, 1) == {"mamba": 3, "mlp": 2}
+
+
+def test_hybrid_layers_without_a_block_and_the_non_fused_mixer_are_named():
+    from mbmem_overlays.memory.coverage import not_modelled
+    model = SimpleNamespace(hybrid_layer_pattern="MG*-/D", use_mamba_mem_eff_path=False)
+    named = not_modelled(SimpleNamespace(model=model))
+    assert [n.split("=")[0] for n in named] == ["model.hybrid_layer_pattern", "model.use_mamba_mem_eff_path"]
+    assert not not_modelled(SimpleNamespace(model=SimpleNamespace(hybrid_layer_pattern="M*-E/*E",
+                                                                  use_mamba_mem_eff_path=True)))

@@ -55,6 +55,8 @@ MODEL_READS = frozenset({
     "model.fine_grained_activation_offloading", "model.offload_modules", "model.activation_offload_fraction",
     "model.min_offloaded_tensor_size", "model.delta_offload_bytes_across_pp_ranks",
     "ddp.megatron_fsdp_main_grads_dtype", "ddp.megatron_fsdp_main_params_dtype", "optimizer.exp_avg_sq_dtype",
+    # hybrid stacks: the MTP depth's pattern and one shared MTP layer (from_config.hybrid_pattern)
+    "model.mtp_hybrid_override_pattern", "model.mtp_use_repeated_layer",
 })
 
 
@@ -86,6 +88,13 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.experimental_attention_variant", "an experimental attention variant"),
     Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
+    Unmodelled("model.hybrid_layer_pattern", "hybrid layers the plan has no block for (G: gated delta net, "
+               "D: DeepSeek sparse attention, +: MLA) are left out",
+               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
+    Unmodelled("model.hybrid_override_pattern", "hybrid layers the plan has no block for (G, D, +) are left out",
+               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
+    Unmodelled("model.use_mamba_mem_eff_path", "the Mamba mixer's non-fused path (--disable-mamba-mem-eff-path: "
+               "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False),
     Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
     Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
 )

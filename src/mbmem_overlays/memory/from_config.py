@@ -308,7 +308,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         qk_pos_dim=getattr(m, "qk_pos_emb_head_dim", 0) or 0, v_head_dim=getattr(m, "v_head_dim", 0) or 0,
         kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0,
         qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
-        mamba_heads=mamba_heads(m) if "mamba" in kinds + mtp_blocks else 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
+        mamba_heads=mamba_heads(m) if "mamba" in kinds + mtp_blocks else 0,
+        mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
         mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
         mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0),
         mtp_blocks=mtp_blocks, mtp_shared=bool(getattr(m, "mtp_use_repeated_layer", False)))
