@@ -91,7 +91,9 @@ ASSUMPTIONS = (
     "unless 'layernorm' is selected too, which megatron-core turns off for MoE layers under a TE moe_router "
     "graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
     "can_recompute_pre_mlp_layernorm_for_cudagraph)",
-    "hybrid (Mamba) blocks use the fused conv1d+scan kernel, which keeps its input projection and scan output",
+    "hybrid (Mamba) blocks use the fused conv1d+scan kernel (use_mamba_mem_eff_path, the default), which keeps "
+    "its input projection and scan output and recomputes the conv output and chunk states; the mixer's group "
+    "RMSNorm keeps its input and out_proj its input",
     VOCAB_FROM_TOKENIZER,
     "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
     "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones the "

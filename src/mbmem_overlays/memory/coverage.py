@@ -59,6 +59,8 @@ MODEL_READS = frozenset({
     # Muon and the layer-wise optimizer (memory/optimizers.py): what a per-tensor count reads
     "optimizer.optimizer", "optimizer.use_layer_wise_distributed_optimizer", "model.normalization",
     "model.add_bias_linear", "model.position_embedding_type",
+    # hybrid stacks: the MTP depth's pattern and one shared MTP layer (from_config.hybrid_pattern)
+    "model.mtp_hybrid_override_pattern", "model.mtp_use_repeated_layer",
 })
 
 
@@ -92,6 +94,13 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
     Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon: its state is planned as Adam's",
                lambda v: str(v) not in ("adam", "muon")),
+    Unmodelled("model.hybrid_layer_pattern", "hybrid layers the plan has no block for (G: gated delta net, "
+               "D: DeepSeek sparse attention, +: MLA) are left out",
+               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
+    Unmodelled("model.hybrid_override_pattern", "hybrid layers the plan has no block for (G, D, +) are left out",
+               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
+    Unmodelled("model.use_mamba_mem_eff_path", "the Mamba mixer's non-fused path (--disable-mamba-mem-eff-path: "
+               "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False),
     Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
     Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
 )

@@ -49,6 +49,10 @@ class Shape:
     norm_bias: bool = False
     linear_bias: bool = False
     position_embeddings: int = 0
+    # The blocks of one MTP depth's layer: a hybrid pattern's part after "/" ("*E": attn, moe); empty: the
+    # model's last layer kind. mtp_shared (mtp_use_repeated_layer): one MTP layer's parameters run at every depth.
+    mtp_blocks: tuple[str, ...] = ()
+    mtp_shared: bool = False
 
 
 @dataclass(frozen=True)
