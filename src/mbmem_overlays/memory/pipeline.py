@@ -64,8 +64,9 @@ def vp_group(lay: Layout) -> int:
 @functools.lru_cache(maxsize=4096)
 def alive_chunk_microbatches(pp: int, vpp: int, rank: int, microbatches: int,
                              group: int) -> tuple[tuple[int, ...], ...]:
-    """Every distinct count, per model chunk of pipeline rank ``rank``, of the microbatches whose forward has run
-    and whose backward has not, right after each forward step: the moments the rank's activations peak.
+    """The distinct counts, per model chunk of pipeline rank ``rank``, of the microbatches whose forward has run
+    and whose backward has not, right after each forward step (the moments the rank's activations peak), less those
+    another count matches or exceeds in every chunk.
 
     Non-interleaved 1F1B (schedules.py forward_backward_pipelining_without_interleaving :2243-2245): min(pp - rank
     - 1, m) warm-up forwards, then one forward and one backward per step: pp - rank microbatches alive at most.
@@ -85,16 +86,16 @@ def alive_chunk_microbatches(pp: int, vpp: int, rank: int, microbatches: int,
         end = m if start + group >= m else start + group
         table += [chunk for chunk in range(vpp) for _ in range(start, end)]
     alive = [0] * vpp
-    seen: dict[tuple[int, ...], None] = {}
-
-    def forward(k: int) -> None:
-        alive[table[k]] += 1
-        seen.setdefault(tuple(alive))
-
     for k in range(warmup):
-        forward(k)
+        alive[table[k]] += 1
+    if warmup == total:   # everything in warm-up: all forwards, then all backwards
+        return (tuple(alive),)
+    # In warm-up the counts only grow, so the first steady-state one covers them all; every steady step runs one
+    # forward and one backward, so its counts all sum to warmup + 1 and none covers another.
+    seen: dict[tuple[int, ...], None] = {}
     for k in range(total - warmup):
-        forward(warmup + k)
+        alive[table[warmup + k]] += 1
+        seen.setdefault(tuple(alive))
         alive[vpp - 1 - table[k]] -= 1
     return tuple(seen)
 

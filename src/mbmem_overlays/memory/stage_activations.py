@@ -53,8 +53,10 @@ def peak_alive(s: Shape, lay: Layout, st: Settings, rank: int, weights: tuple[fl
     if "interleaved_schedule" in st.without and lay.pp > 1:
         alive = in_flight(replace(lay, vp_group=0, chunk_layers=()), rank) * lay.vpp
         return tuple([alive / len(weights)] * len(weights))
-    return max(rank_alive(lay, rank),
-               key=lambda counts: sum(n * w for n, w in zip(counts, weights)) + (once if counts[-1] else 0.0))
+    moments = rank_alive(lay, rank)
+    if len(moments) == 1 or (not once and len(set(weights)) == 1):   # every moment alike (their counts sum alike)
+        return moments[0]
+    return max(moments, key=lambda counts: sum(n * w for n, w in zip(counts, weights)) + (once if counts[-1] else 0.0))
 
 
 def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageActivations:
@@ -87,7 +89,7 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         weights[0] += hidden_local   # the embedding output
     if last:
         weights[-1] += saved + loss_chunk_inputs(s, lay, st)
-    mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + logits) if last else 0.0
+    mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + logits) if last and s.mtp_layers else 0.0
     alive = peak_alive(s, lay, st, rank, tuple(weights), logits - saved + mtp if last else 0.0)
     # the loss's microbatches: in the 1F1B steady state the last chunk's forward is followed by its backward (one
     # alive), but an interleaved schedule whose last microbatch group is shorter (m not a multiple of the group)
