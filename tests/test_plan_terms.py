@@ -119,6 +119,26 @@ CITED_LINES = {
     "param_gather_in_place": [
         ("megatron/core/distributed/param_and_grad_buffer.py", 515, "dist_all_gather_func("),
         ("megatron/core/distributed/param_and_grad_buffer.py", 516, "bucket.param_data,")],
+    "interleaved_schedule": [
+        ("megatron/core/pipeline_parallel/schedules.py", 938,
+         "num_warmup_microbatches += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage"),
+        ("megatron/core/pipeline_parallel/schedules.py", 962,
+         "def get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage):"),
+        ("megatron/core/pipeline_parallel/schedules.py", 1221, "model_chunk_id = num_model_chunks - model_chunk_id - 1"),
+        ("megatron/core/pipeline_parallel/schedules.py", 1708, "forward_k = k + num_warmup_microbatches"),
+        ("megatron/core/model_parallel_config.py", 568,
+         "self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size")],
+    "loss_chunk_inputs": [
+        ("megatron/core/transformer/transformer_block.py", 693,
+         "hidden_states = apply_module(self.final_layernorm)(cast(Tensor, hidden_states))"),
+        ("megatron/core/tensor_parallel/layers.py", 548, "ctx.save_for_backward(input, weight)")],
+    "mcore_attention_buffer": [
+        ("megatron/core/transformer/dot_product_attention.py", 189,
+         "matmul_input_buffer = parallel_state.get_global_memory_buffer().get_tensor("),
+        ("megatron/core/transformer/dot_product_attention.py", 190, 'query.dtype, "mpu"'),
+        ("megatron/core/utils.py", 712, "self.buffer[(name, dtype)] = torch.empty("),
+        ("megatron/bridge/models/gpt_provider.py", 279,
+         "transformer_layer_spec.submodules.self_attention.submodules.core_attention = MCoreDotProductAttention")],
     "gemm_workspaces": [
         ("torch/include/ATen/cuda/CUDAContextLight.h", 97, "cublas_handle_stream_to_workspace();"),
         ("torch/include/ATen/cuda/CUDAContextLight.h", 99, "size_t getChosenWorkspaceSize();"),

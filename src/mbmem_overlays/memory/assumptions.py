@@ -211,6 +211,28 @@ ADDED_TERMS = {
         "and the re-materialized group, not both",
         "megatron/core/tensor_parallel/random.py:625,647 (CheckpointFunction.backward: outputs = "
         "ctx.run_function(*detached_inputs)); pipeline_parallel/schedules.py:532 (backward_step from the loss)"),
+    "interleaved_schedule": (
+        "the microbatches alive on a pipeline rank follow Megatron's schedule step by step: per model chunk (chunks "
+        "of an uneven split, a pipeline layout or the embedding/loss counted as a layer hold different layers, the "
+        "last rank's last chunk holds the loss), with the interleaved warm-up of (pp - rank - 1) x 2 + (vpp - 1) x "
+        "microbatch_group_size_per_vp_stage (before: every chunk alike, the group taken as pp)",
+        "megatron/core/pipeline_parallel/schedules.py:937-951 (get_pp_rank_microbatches), :962-989 "
+        "(get_schedule_table), :1217-1222 (get_model_chunk_id: backward runs chunk vpp - 1 - c), :1706-1900 (steady "
+        "1F1B: a forward, then a backward); megatron/core/model_parallel_config.py:567-568 (group defaults to pp)"),
+    "loss_chunk_inputs": (
+        "the last stage keeps, per microbatch, the final norm's input and the output layer's input (two "
+        "sequence-local hidden states no decoder layer keeps)",
+        "megatron/core/transformer/transformer_block.py:692-693 (final_layernorm on the last layer's output); "
+        "megatron/core/tensor_parallel/layers.py:548 (the output layer's LinearWithGradAccumulationAndAsync"
+        "Communication: ctx.save_for_backward(input, weight))"),
+    "mcore_attention_buffer": (
+        "megatron-core's own DotProductAttention (transformer_impl local, attention_backend local) preallocates "
+        "its raw scores [b x heads/tp, s, s] in the global memory buffer, which keeps the largest request for the "
+        "job; the output layer's SP gather shares that buffer (name \"mpu\", the same dtype)",
+        "megatron/core/transformer/dot_product_attention.py:189-191 (get_global_memory_buffer().get_tensor(..., "
+        "query.dtype, \"mpu\")); megatron/core/utils.py:701-719 (GlobalMemoryBuffer.get_tensor: one buffer per "
+        "name and dtype, grown, never freed); megatron/bridge/models/gpt_provider.py:277-279 (attention_backend "
+        "local swaps DotProductAttention in)"),
     "graph_capture_after_warmup": (
         "the CUDA graph capture as Bridge runs it, once, before training: with cuda_graph_warmup_steps >= 1 beside "
         "the last warm-up step's fp32 gradient copies, with 0 before the Adam moments exist; a one-time phase "

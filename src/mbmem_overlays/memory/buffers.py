@@ -5,6 +5,7 @@ bucket) and megatron-core's global memory buffer."""
 from __future__ import annotations
 
 from .inputs import FP32, Layout, Settings, Shape, _tokens
+from .pipeline import rank_layers
 from .weights import fsdp_shards, largest_layer_params, optimizer_shards, stage_params
 
 MiB = 1 << 20
@@ -130,13 +131,24 @@ def fsdp_non_unit_params(s: Shape, lay: Layout, st: Settings, rank: int) -> floa
 
 
 def global_memory_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
-    """megatron-core's GlobalMemoryBuffer on the last stage under SP: the trainable output layer (a megatron-core,
-    not TE, ColumnParallelLinear) all-gathers its sequence-parallel input into a buffer that lives for the rest
-    of the job (tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication:
-    get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu"), full sequence x hidden, bf16); the
-    deferred output-layer wgrad drain gathers into a second one ("mpu_0", utils.py drain_embedding_wgrad_compute).
-    A frozen output layer (LoRA) gathers into a fresh tensor instead (layers.py linear_with_frozen_weight)."""
-    if "global_memory_buffer" in st.without or not lay.sp or rank != lay.pp - 1 or st.lora_rank or not s.vocab:
+    """megatron-core's GlobalMemoryBuffer: one tensor per (name, dtype), grown to the largest request and kept for
+    the rest of the job (utils.py GlobalMemoryBuffer.get_tensor :701-719).
+
+    Under "mpu": on the last stage under SP the trainable output layer (a megatron-core, not TE,
+    ColumnParallelLinear) all-gathers its sequence-parallel input into it (tensor_parallel/layers.py:570, full
+    sequence x hidden); megatron-core's DotProductAttention (mcore_attention_buffer) preallocates its raw scores
+    there (transformer/dot_product_attention.py:189-191, [b x heads/tp, sq, sk] in the query's dtype) on every
+    rank with attention layers. Both ask for the compute dtype, so they share one buffer: the larger. The deferred
+    output-layer wgrad drain gathers into a second one ("mpu_0", utils.py drain_embedding_wgrad_compute). A frozen
+    output layer (LoRA) gathers into a fresh tensor instead (layers.py linear_with_frozen_weight)."""
+    if "global_memory_buffer" in st.without:
         return 0.0
-    full = st.dtype_bytes * s.hidden * _tokens(lay)   # the gathered sequence: s x mbs / cp tokens x hidden
-    return full * (2 if st.deferred_wgrad_microbatches else 1)
+    gather = 0.0
+    if lay.sp and rank == lay.pp - 1 and not st.lora_rank and s.vocab:
+        gather = st.dtype_bytes * s.hidden * _tokens(lay)   # the gathered sequence: s x mbs / cp tokens x hidden
+    scores = 0.0
+    if st.mcore_attention and "mcore_attention_buffer" not in st.without and any(
+            "attn" in kind for kind in rank_layers(s, lay, rank)):
+        # DotProductAttention refuses context parallelism (dot_product_attention.py:57-58): sq = sk = seq
+        scores = st.dtype_bytes * lay.mbs * max(1, s.heads // lay.tp) * lay.seq * lay.seq
+    return max(gather, scores) + (gather if st.deferred_wgrad_microbatches else 0.0)

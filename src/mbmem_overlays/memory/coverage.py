@@ -43,7 +43,7 @@ MODEL_READS = frozenset({
     "model.transformer_impl",
     "model.pipeline_model_parallel_layout", "model.num_layers_in_first_pipeline_stage",
     "model.num_layers_in_last_pipeline_stage", "model.account_for_embedding_in_pipeline_split",
-    "model.account_for_loss_in_pipeline_split",
+    "model.account_for_loss_in_pipeline_split", "model.microbatch_group_size_per_vp_stage",
     "train.micro_batch_size", "train.global_batch_size",
     "optimizer.use_precision_aware_optimizer", "optimizer.main_params_dtype", "optimizer.exp_avg_dtype",
     "optimizer.fp8_recipe", "optimizer.optimizer_cpu_offload", "optimizer.optimizer_offload_fraction",

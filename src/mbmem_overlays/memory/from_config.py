@@ -191,6 +191,15 @@ def attention_scores(m: Any, seq: int, mbs: int, tp: int) -> str:
     return "fused_softmax" if kernel else "torch_softmax"
 
 
+def mcore_attention(m: Any) -> bool:
+    """Whether megatron-core's DotProductAttention is the core attention: every layer of the local
+    transformer_impl (models/backends.py LocalSpecProvider.core_attention), and attention_backend local, for which
+    Bridge's and Megatron-LM's model builders swap it into the layer spec (megatron/bridge/models/gpt_provider.py
+    :277-279, megatron/training/models/gpt.py:296-298)."""
+    backend = str(getattr(getattr(m, "attention_backend", None), "name", getattr(m, "attention_backend", "")))
+    return backend == "local" or str(getattr(m, "transformer_impl", "transformer_engine")) == "local"
+
+
 def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
     """Decoder layers of each model chunk in chunk order (chunk c = virtual stage c // pp on pipeline rank c % pp),
     when megatron-core does not split them evenly; () for the even split.
@@ -327,7 +336,9 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
                  etp=getattr(m, "expert_tensor_parallel_size", None) or m.tensor_model_parallel_size,  # mcore default
                  sp=bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1,
                  seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size,
-                 chunk_layers=chunks)
+                 chunk_layers=chunks,
+                 # model_parallel_config.py:431-445 (None: the pipeline size, set in __post_init__ :567-568)
+                 vp_group=int(getattr(m, "microbatch_group_size_per_vp_stage", None) or 0))
     mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
     grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
     if grad_fp32 is None:
@@ -400,6 +411,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
         layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),
         attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
+        mcore_attention=mcore_attention(m),
         hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,
         attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0,
         gemm_workspace_bytes=gemm_workspaces(arch, env, te=te, te_grouped_gemm=te and bool(experts) and bool(

@@ -72,6 +72,9 @@ class Layout:
     # evenly: pipeline_model_parallel_layout, num_layers_in_first/last_pipeline_stage, or the embedding / loss
     # counted as a layer (from_config.chunk_layers); empty: the even split
     chunk_layers: tuple[int, ...] = ()
+    # microbatch_group_size_per_vp_stage: the microbatches each virtual stage runs in a row in the interleaved
+    # schedule; 0: megatron-core's default, the pipeline size (model_parallel_config.py:567-568)
+    vp_group: int = 0
 
     @property
     def dp(self) -> int:
@@ -131,6 +134,10 @@ class Settings:
     # megatron-core's scaled masked softmax kernel runs (bf16/fp16, 16 < s <= 4096), "torch_softmax" otherwise
     # (activations.attention_scores_bytes)
     attention_scores: str = ""
+    # megatron-core's own DotProductAttention runs (transformer_impl local, or attention_backend local: Bridge's
+    # gpt_provider.py and Megatron-LM's model builder swap it in); it takes its raw scores' buffer from the global
+    # memory buffer (buffers.global_memory_buffer)
+    mcore_attention: bool = False
     hidden_dropout: bool = False              # hidden_dropout > 0: each bias-dropout-add keeps a bool mask
     attention_dropout: bool = False           # attention_dropout > 0: only non-fused attention keeps a mask
     # cuBLAS workspaces torch's allocator holds for the whole job (buffers.gemm_workspaces): torch's per thread and

@@ -52,7 +52,7 @@ def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> d
     if st.fsdp is not None and comm:
         detail += (("Megatron FSDP gathered parameters and unsharded gradients", comm),)
     elif (gathered := global_memory_buffer(s, lay, st, rank)):
-        detail += (("megatron-core global memory buffer (output layer SP gather)", gathered),)
+        detail += (("megatron-core global memory buffer (output layer SP gather, local attention scores)", gathered),)
     if workspaces:
         detail += (("cuBLAS workspaces (torch's per thread, Transformer Engine's)", workspaces),)
     resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0

@@ -52,15 +52,74 @@ def _rank_layers(kinds: tuple[str, ...], pp: int, vpp: int, rank: int,
     return tuple(counts.items())
 
 
-def in_flight(lay: Layout, rank: int) -> float:
-    """Layer-microbatches of activations alive on pipeline rank ``rank``, in units of 'all this stage's layers'."""
-    m = lay.microbatches
+def vp_group(lay: Layout) -> int:
+    """The interleaved schedule's microbatch group per virtual stage (microbatch_group_size_per_vp_stage): the
+    pipeline size unless set (model_parallel_config.py:567-568). megatron-core refuses a group outside
+    [pp, microbatches] (schedules.py:1133-1141); the plan keeps such a layout plannable (the search tries other
+    pipeline sizes with the same settings) by holding the group to that range."""
+    group = lay.vp_group or lay.pp
+    return max(lay.pp, min(group, max(lay.pp, lay.microbatches)))
+
+
+@functools.lru_cache(maxsize=4096)
+def alive_chunk_microbatches(pp: int, vpp: int, rank: int, microbatches: int,
+                             group: int) -> tuple[tuple[int, ...], ...]:
+    """The distinct counts, per model chunk of pipeline rank ``rank``, of the microbatches whose forward has run
+    and whose backward has not, right after each forward step (the moments the rank's activations peak), less those
+    another count matches or exceeds in every chunk.
+
+    Non-interleaved 1F1B (schedules.py forward_backward_pipelining_without_interleaving :2243-2245): min(pp - rank
+    - 1, m) warm-up forwards, then one forward and one backward per step: pp - rank microbatches alive at most.
+    Interleaved (forward_backward_pipelining_with_interleaving): get_pp_rank_microbatches (:937-951) gives the
+    warm-up forwards, (pp - rank - 1) x 2 + (vpp - 1) x group, all m x vpp when that is as many; the virtual
+    microbatch k runs model chunk get_schedule_table(m, vpp, group)[k] (:962-989) forward, and the backward k
+    runs chunk vpp - 1 - that (get_model_chunk_id :1217-1222), each step a forward then a backward
+    (forward_backward_helper_wrapper, the steady loop :1706-1900), the rest backward in the cool-down. A chunk's
+    backward pops its oldest input and output (backward_step_helper_preprocess :1392-1409)."""
+    m = max(1, microbatches)
+    if vpp <= 1:
+        return ((min(pp - rank, m),),)
+    total = m * vpp
+    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
+    table = []   # model chunk of each virtual microbatch, get_schedule_table
+    for start in range(0, m, group):
+        end = m if start + group >= m else start + group
+        table += [chunk for chunk in range(vpp) for _ in range(start, end)]
+    alive = [0] * vpp
+    for k in range(warmup):
+        alive[table[k]] += 1
+    if warmup == total:   # everything in warm-up: all forwards, then all backwards
+        return (tuple(alive),)
+    # In warm-up the counts only grow, so the first steady-state one covers them all; every steady step runs one
+    # forward and one backward, so its counts all sum to warmup + 1 and none covers another.
+    seen: dict[tuple[int, ...], None] = {}
+    for k in range(total - warmup):
+        alive[table[warmup + k]] += 1
+        seen.setdefault(tuple(alive))
+        alive[vpp - 1 - table[k]] -= 1
+    return tuple(seen)
+
+
+def rank_alive(lay: Layout, rank: int) -> tuple[tuple[int, ...], ...]:
+    """alive_chunk_microbatches for pipeline rank ``rank`` of ``lay``."""
+    return alive_chunk_microbatches(lay.pp, lay.vpp if lay.pp > 1 else 1, rank if lay.pp > 1 else 0,
+                                    lay.microbatches, vp_group(lay))
+
+
+def in_flight(lay: Layout, rank: int, chunk_weights: tuple[float, ...] | None = None) -> float:
+    """Layer-microbatches of activations alive on pipeline rank ``rank`` at its peak, in units of 'all this
+    stage's layers': the largest rank_alive count weighted by each chunk's share (``chunk_weights``, one per
+    chunk of the rank: its layers or their bytes; None: the layers of Layout.chunk_layers, else equal chunks)."""
     if lay.pp == 1:
         return 1.0
-    if lay.vpp > 1:  # interleaved 1F1B: warm-up chunks, each 1/vpp of the stage's layers (Megatron schedules)
-        chunks = min((lay.pp - rank - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, m * lay.vpp)
-        return chunks / lay.vpp
-    return float(min(lay.pp - rank, m))
+    if chunk_weights is None:
+        sizes = lay.chunk_layers
+        chunk_weights = (tuple(float(sizes[c]) for c in range(rank, len(sizes), lay.pp))
+                         if sizes and len(sizes) == lay.pp * lay.vpp else (1.0,) * lay.vpp)
+    stage = sum(chunk_weights)
+    if stage <= 0:
+        return float(max(max(counts) for counts in rank_alive(lay, rank)))
+    return max(sum(n * w for n, w in zip(counts, chunk_weights)) for counts in rank_alive(lay, rank)) / stage
 
 
 def _candidate_ranks(s: Shape, lay: Layout) -> list[int]:

@@ -3,12 +3,12 @@ activation offload or CUDA graphs, plus the first stage's embedding output and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .activations import layer_activation
 from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
 from .inputs import BF16, FP32, Layout, Settings, Shape
-from .pipeline import in_flight, rank_layers
+from .pipeline import in_flight, rank_alive, rank_chunks, rank_layers
 from .weights import mtp_blocks
 
 @dataclass(frozen=True)
@@ -41,6 +41,33 @@ def loss_kept_bytes(st: Settings) -> float:
     return FP32
 
 
+def loss_chunk_inputs(s: Shape, lay: Layout, st: Settings) -> float:
+    """Bytes the last model chunk keeps per microbatch between its decoder layers and the logits: the final
+    norm's input (the last layer's output, which no layer keeps) and the output layer's input (the norm's output),
+    both sequence-local hidden states (gpt_model.py _postprocess -> output_layer; layers.py
+    LinearWithGradAccumulationAndAsyncCommunication saves its sequence-local input; TE's and megatron-core's
+    norms save their input)."""
+    if "loss_chunk_inputs" in st.without:
+        return 0.0
+    tokens = lay.seq * lay.mbs / lay.cp
+    return 2 * st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
+
+
+def peak_alive(s: Shape, lay: Layout, st: Settings, rank: int, weights: tuple[float, ...],
+               once: float = 0.0) -> tuple[float, ...]:
+    """The per-chunk count of microbatches alive (pipeline.rank_alive) at which pipeline rank ``rank`` holds the
+    most activation bytes: ``weights`` are each chunk's bytes per alive microbatch, ``once`` what the last chunk
+    adds once while any of its microbatches is alive (the loss's own peak). With interleaved_schedule switched off:
+    the count before it, every chunk alike at min(warm-up + 1, m x vpp) with the pipeline size as the group."""
+    if "interleaved_schedule" in st.without and lay.pp > 1:
+        alive = in_flight(replace(lay, vp_group=0, chunk_layers=()), rank) * lay.vpp
+        return tuple([alive / len(weights)] * len(weights))
+    moments = rank_alive(lay, rank)
+    if len(moments) == 1 or (not once and len(set(weights)) == 1):   # every moment alike (their counts sum alike)
+        return moments[0]
+    return max(moments, key=lambda counts: sum(n * w for n, w in zip(counts, weights)) + (once if counts[-1] else 0.0))
+
+
 def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageActivations:
     counts = rank_layers(s, lay, rank)
     per_stage = sum(counts.values()) or 1
@@ -50,8 +77,43 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
 
     tokens = lay.seq * lay.mbs / lay.cp
     hidden_local = st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)   # one sequence-local hidden state
-    per_layer = full_layer = mean(lambda kind: layer_activation(s, lay, st, kind))
-    mbs_alive = in_flight(lay, rank)
+    layer_bytes = {kind: layer_activation(s, lay, st, kind) for kind in counts}
+    per_layer = full_layer = mean(lambda kind: layer_bytes[kind])
+    last = rank == lay.pp - 1
+    per_logit = st.logits_bytes
+    if "te_cross_entropy_in_place" in st.without and st.cross_entropy_impl == "te":
+        per_logit = BF16 + FP32
+    logits = per_logit * s.vocab / lay.tp * tokens
+    # What the loss keeps from its forward to its backward: the fp32 softmax (tensor_parallel/cross_entropy.py:181
+    # save_for_backward(exp_logits, ...); the native fusion alike) or TE's bf16 logits that receive the gradient;
+    # the rest of logits_bytes is the loss's own transient, for the one microbatch whose loss runs
+    saved = min(logits, loss_kept_bytes(st) * s.vocab / lay.tp * tokens)
+    # Which microbatches of which model chunk are alive at the rank's peak (Megatron's schedules): chunks may hold
+    # different layers (an uneven split, a pipeline layout, the embedding or loss counted as a layer), and the
+    # interleaved schedule's warm-up depends on microbatch_group_size_per_vp_stage.
+    chunks = rank_chunks(s, lay, rank)
+    chunk_bytes = [sum(layer_bytes[kind] for kind in chunk) for chunk in chunks]
+    weights = list(chunk_bytes)
+    if rank == 0:
+        weights[0] += hidden_local   # the embedding output
+    if last:
+        weights[-1] += saved + loss_chunk_inputs(s, lay, st)
+    # MTP, in the last model chunk, which like the loss runs its backward right after its forward: one
+    # microbatch's worth. Each depth computes its logits and loss in the forward (process_mtp_loss: output_layer,
+    # compute_language_model_loss) and keeps only what its loss saves (loss_kept_bytes) until the backward; the
+    # main loss's backward, which runs first, is the one at the loss's peak (the MTP losses join through
+    # MTPLossAutoScaler, multi_token_prediction.py:714-747, after it).
+    mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + saved) if last and s.mtp_layers else 0.0
+    alive = peak_alive(s, lay, st, rank, tuple(weights), logits - saved + mtp if last else 0.0)
+    # the loss's microbatches: in the 1F1B steady state the last chunk's forward is followed by its backward (one
+    # alive), but an interleaved schedule whose last microbatch group is shorter (m not a multiple of the group)
+    # can run a second one's forward first
+    n_loss = 1 if "interleaved_schedule" in st.without else alive[-1]
+    stage_bytes = sum(chunk_bytes)
+    if stage_bytes > 0:
+        mbs_alive = sum(n * b for n, b in zip(alive, chunk_bytes)) / stage_bytes
+    else:
+        mbs_alive = float(max(alive))
     detail: list[tuple[str, float]] = []
     capture = pool = 0.0
     graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
@@ -103,22 +165,17 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             from .levers import offloaded_activations
             acts -= offloaded_activations(s, lay, st, rank).gpu_removed
     if rank == 0:
-        acts += hidden_local * mbs_alive  # embedding output
-    if rank == lay.pp - 1:
-        per_logit = st.logits_bytes
-        if "te_cross_entropy_in_place" in st.without and st.cross_entropy_impl == "te":
-            per_logit = BF16 + FP32
-        logits = per_logit * s.vocab / lay.tp * tokens
-        detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", logits))
-        acts += logits
-        if s.mtp_layers:
-            # in the last model chunk, which like the loss runs its backward right after its forward: one
-            # microbatch's worth. Each depth computes its logits and loss in the forward (process_mtp_loss:
-            # output_layer, compute_language_model_loss) and keeps only what its loss saves (loss_kept_bytes)
-            # until the backward; the main loss's backward, which runs first, is the one at the loss's peak (the
-            # MTP losses join through MTPLossAutoScaler, multi_token_prediction.py:714-747, after it).
-            kept = loss_kept_bytes(st) * s.vocab / lay.tp * tokens
-            mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + kept)
+        acts += hidden_local * alive[0]  # embedding output, one per microbatch alive in the first chunk
+    if last:
+        if n_loss:
+            loss = logits + (n_loss - 1) * saved
+            detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", loss))
+            acts += loss
+        inputs = loss_chunk_inputs(s, lay, st) * n_loss
+        if inputs:
+            detail.append(("final norm and output layer inputs (last stage)", inputs))
+            acts += inputs
+        if s.mtp_layers and n_loss:
             detail.append(("MTP layers with their logits and loss (last stage)", mtp))
             acts += mtp
         if recompute_working and "recompute_after_loss" not in st.without:
