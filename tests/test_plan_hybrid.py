@@ -118,15 +118,6 @@ def test_an_mtp_depth_keeps_only_what_its_loss_saves(impl, kept):
     assert a2 - a0 == 2 * (mtp_layer_activation(base, lay, st) + kept * 1024 * tokens)
 
 
-def test_moe_keeps_no_expert_output_for_the_unpermute():
-    """megatron-core 0.19.2 applies the routing probabilities inside the experts, so unpermute (fused or not, every
-    dispatcher) saves no routed x hidden tensor: the routed tokens kept are FC1's input, output and FC2's input."""
-    moe = replace(MAMBA, layer_kinds=("moe",), experts=8, moe_ffn=256, topk=2)
-    terms = P.layer_activation_terms(moe, P.Layout(world=1, seq=1024), P.Settings(), "moe")
-    routed = {k: v for k, v in terms.items() if k.startswith(("moe_permuted", "moe_fc1", "moe_act", "moe_unpermute"))}
-    assert routed == {"moe_permuted_input": 2 * 2 * 512, "moe_fc1_output": 2 * 2 * 256, "moe_act_output": 2 * 2 * 256}
-
-
 @pytest.mark.bridge
 def test_a_megatron_lm_hybrid_job_is_planned_from_its_pattern(bridge):
     pytest.importorskip("mbmem_overlays.bridge.megatron_args", reason="needs the Megatron-LM arguments input")

@@ -171,12 +171,11 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             terms["moe_probs_mul_input"] = routed * D * s.moe_ffn
         if keeps_input("linear_fc2"):
             terms["moe_act_output"] = routed * (D if frozen else gemm_in) * s.moe_ffn
-        # No routed x hidden tensor is kept after FC2: megatron-core 0.19.2 applies the routing probabilities inside
-        # the experts (experts.py:850-879, the weighted activation or intermediate * permuted_probs), so every
-        # dispatcher's unpermute gets no probabilities (token_dispatcher.py :343, :884, :1451) and TE's fused
-        # unpermute then saves only its row map (TE v2.17.1 pytorch/permutation.py :803-808; the unfused
-        # scatter_add keeps only indices, moe_utils.py unpermute); HybridEP's combine keeps its handle only
-        # (fused_a2a.py HybridEPCombine).
+        # One bf16 hidden state per routed token, the experts' output. A build that applies the routing
+        # probabilities at unpermute keeps it as that product's input; megatron-core 0.19.2 applies them inside the experts
+        # (experts.py:850-879) and its unpermute keeps only a row map, yet the measured runs (bench/plan_corpus.py,
+        # bench/plan_accuracy.py's Moonlight rows) hold a tensor of this size: kept, and open (docs/memory-model.md)
+        terms["moe_unpermute_input"] = routed * D * s.hidden
         if s.shared_ffn:
             terms["shared_expert"] = (D * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
             lora_gathered("linear_fc1")  # the shared expert's adapter is an ordinary column-parallel one
@@ -208,7 +207,7 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
     # The MoE checkpoint's saved input is the pre-MLP norm output (moe/moe_layer.py: tensor_parallel.checkpoint(
     # custom_forward, False, hidden_states, ...)): it stays unless "layernorm" drops it as well.
     "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
-            "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router",
+            "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
             "shared_expert"),
     "shared_experts": ("shared_expert",),
     "mla_up_proj": ("attention_qkv",),
