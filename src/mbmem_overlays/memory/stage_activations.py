@@ -47,6 +47,7 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     capture = pool = 0.0
     graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
     persistent = 0.0
+    offload = None            # levers.OffloadedActivations with fine-grained activation offloading
     if graphed:
         # Graphed scopes keep their activations in the graphs' private pool: allocated while the graphs are
         # captured (after the warm-up steps, in pipeline order, no eager activations alive), reserved-only in
@@ -90,7 +91,10 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         acts = layers_on_gpu * per_layer * mbs_alive
         if st.fine_grained_offload is not None:   # the offloaded modules' saved inputs wait on the host
             from .levers import offloaded_activations
-            acts -= offloaded_activations(s, lay, st, rank).gpu_removed
+            offload = offloaded_activations(s, lay, st, rank)
+            acts -= offload.gpu_removed
+            if offload.working:
+                detail.append(("fine-grained offload: working layer and reloaded layer", offload.working))
     if rank == 0:
         acts += hidden_local * mbs_alive  # embedding output
     if rank == lay.pp - 1:
@@ -99,13 +103,19 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             per_logit = BF16 + FP32
         logits = per_logit * s.vocab / lay.tp * tokens
         detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", logits))
-        acts += logits
+        loss = logits
         if s.mtp_layers:
             # in the last model chunk, which like the loss runs its backward right after its forward: one
             # microbatch's worth
             mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + logits)
             detail.append(("MTP layers with their logits and loss (last stage)", mtp))
-            acts += mtp
+            loss += mtp
+        if offload is not None and offload.working:
+            # with fine-grained offloading the loss runs beside the layer the offload keeps (the loss chunk's last
+            # layer: an MTP layer, or the margin / look-ahead layer; levers.offloaded_activations), not beside
+            # another layer's working set: the larger of the two is the peak
+            loss = max(0.0, loss + (0.0 if s.mtp_layers else offload.beside_loss) - offload.working)
+        acts += loss
         if st.deferred_wgrad_microbatches:
             # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
             # and its sequence-local input until the pipeline flush (megatron-core tensor_parallel/layers.py)
