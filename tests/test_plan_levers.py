@@ -242,6 +242,17 @@ def test_offload_never_plans_more_than_keeping_the_activations():
     assert P.stage_activations(shape, lay, st, 0).steady == P.stage_activations(shape, lay, base, 0).steady
 
 
+def test_offload_reads_cuda_graph_modules_given_as_one_name():
+    """TransformerConfig.cuda_graph_modules is one name ("full" by default) or a list: one name is one module,
+    not its letters."""
+    from types import SimpleNamespace
+    m = SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                        cuda_graph_modules="attn")
+    assert L.offload_from_config(m).graph_modules == ("attn",)
+    assert L.offload_from_config(SimpleNamespace(**{**vars(m), "cuda_graph_modules": [
+        "attn", "moe_router"]})).graph_modules == ("attn", "moe_router")
+
+
 # megatron-core 0.19.2 lines the offload terms cite (memory/levers.py), checked against the installed package
 OFFLOAD_CITED_LINES = [
     ("pipeline_parallel/fine_grained_activation_offload.py", 583, "last_group_with_same_name = {}"),

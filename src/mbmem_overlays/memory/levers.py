@@ -95,7 +95,10 @@ def offload_from_config(m: Any) -> FineGrainedOffload | None:
     if not bool(getattr(m, "fine_grained_activation_offloading", False)):
         return None
     modules = tuple(str(x) for x in (getattr(m, "offload_modules", None) or ()))
-    graphs = tuple(str(getattr(x, "name", x)) for x in (getattr(m, "cuda_graph_modules", None) or ()))
+    graphs = getattr(m, "cuda_graph_modules", None) or ()
+    if isinstance(graphs, str):   # transformer_config.py:1047: one name ("full" by default) or a list
+        graphs = (graphs,)
+    graphs = tuple(str(getattr(x, "name", x)) for x in graphs)
     return FineGrainedOffload(
         modules=modules, fraction=float(getattr(m, "activation_offload_fraction", 1.0) or 0.0),
         min_elements=int(getattr(m, "min_offloaded_tensor_size", MIN_OFFLOADED_ELEMENTS) or 0),
