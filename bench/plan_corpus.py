@@ -11,7 +11,9 @@ global_vars.py): ``mem-max-allocated-bytes`` at step N is ``torch.cuda.memory_st
 of the tensorboard writer, the LAST rank (last pipeline stage, last tensor-parallel rank), and nothing resets the
 peak, so it is the high-water mark of that rank from the job's start to step N. The plan's figure is therefore
 the largest allocated total over the phases that rank has been through by iteration N
-(``memory.model.reported_phases`` for the last pipeline rank). The world size is the recipe's nodes x GPUs.
+(``memory.model.reported_phases`` for the last pipeline rank). The world size is the nodes x GPUs per node of the
+recipe row that runs the figure's platform (``recipe_index``; a checkpoint-consistency test's first run has its own
+GPUs per node, ``run_world``); a case no recipe runs is out with the reason, never given a guessed world size.
 
 Each case is planned through ``bridge/megatron_args.py`` (megatron-core 0.19.2's own parser and
 ``core_transformer_config_from_args``), the same path as ``mbmem plan --megatron-args``. Nothing in the plan is
@@ -23,12 +25,13 @@ Megatron-LM's ``theoretical_memory_usage`` and Bridge's estimator on the same ca
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,12 @@ GPU_BYTES = {"dev_dgx_h100": 80 * 2**30, "dev_dgx_gb200": 186 * 2**30, "dev_dgx_
 OUT_FAMILIES = {"bert": "T5/BERT", "t5": "T5/BERT", "multimodal-llava": "multimodal", "mimo": "multimodal",
                 "gpt-nemo": "NeMo run (no Megatron-LM command line)"}
 SCRIPTS_IN_SCOPE = re.compile(r"pretrain_(gpt|mamba|hybrid)\.py$")
+# A flag that puts a case out: the plan cannot size what it adds (memory/coverage.py NOT_MODELLED_FLAGS names it as
+# not modelled in a user's plan too).
+OUT_OF_SCOPE_FLAGS = {
+    "--export-kd-teacher-load": "knowledge distillation: the teacher model is loaded from a checkpoint "
+                                "(--export-kd-teacher-load) whose shape is not in the arguments",
+}
 
 
 @dataclass
@@ -57,6 +66,7 @@ class Case:
     world: int = 0
     script: str = ""
     others: dict = field(default_factory=dict)   # other platforms' figures at their last step
+    commented_in: str = ""    # the recipe file whose entry for it is commented out (when no recipe runs it)
 
 
 @dataclass
@@ -92,25 +102,88 @@ def _yaml(path: Path) -> Any:
     return yaml.safe_load(path.read_text())
 
 
-def recipe_index(recipes: Path) -> dict[tuple[str, str], tuple[int, str]]:
-    """(recipe folder, test case) -> (world size = nodes x gpus, training script) from recipes/*/*.yaml."""
-    out: dict[tuple[str, str], tuple[int, str]] = {}
+@dataclass(frozen=True)
+class RecipeRow:
+    """One (test case, environment, platform) a recipe runs, as Megatron-LM's recipe_parser.py flattens it
+    (flatten_products / flatten_workload: a product's keys replace the spec's)."""
+    file: str                 # recipes/<folder>/<name>.yaml
+    environment: str
+    platform: str             # dgx_h100, dgx_gb200, dgx_a100 ...
+    nodes: int
+    gpus_per_node: int
+    script: str
+
+
+_COMMENTED = re.compile(r"^\s*#\s*-\s*test_case:\s*\[([^\]]*)\]", re.M)
+_GPUS_IN_SCRIPT = re.compile(r"\bGPUS_PER_NODE=(\d+)\b")
+
+
+def _one(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def recipe_index(recipes: Path) -> tuple[dict[str, list[RecipeRow]], dict[str, str]]:
+    """(test case -> the rows the recipes run it in, test case -> the recipe file where its entry is commented out)
+    from recipes/*/*.yaml. The GPUs per node are the recipe's ``gpus`` (its script exports GPUS_PER_NODE={gpus},
+    or leaves it to _run_training.sh's default of 8, which the H100 recipes' gpus: 8 equal) unless its script sets
+    a number itself (the perf recipes: ``GPUS_PER_NODE=1 bash ...``)."""
+    rows: dict[str, list[RecipeRow]] = {}
+    commented: dict[str, str] = {}
     for f in sorted(recipes.glob("*/*.yaml")):
+        rel = f"recipes/{f.parent.name}/{f.name}"
         try:
+            text = f.read_text()
             d = _yaml(f)
         except Exception:  # noqa: BLE001 — a recipe we cannot read gives no world size
             continue
+        for m in _COMMENTED.finditer(text):
+            for name in m.group(1).split(","):
+                commented.setdefault(name.strip().strip("'\""), rel)
         if not isinstance(d, dict) or not isinstance(d.get("spec"), dict):
             continue
-        spec = d["spec"]
-        world = int(spec.get("nodes", 1) or 1) * int(spec.get("gpus", 8) or 8)
-        m = re.search(r"TRAINING_SCRIPT_PATH=([\w./-]+)", str(spec.get("script", "")))
-        script = Path(m.group(1)).name if m else ""
         for product in d.get("products") or []:
+            if not isinstance(product, dict):
+                continue
             names = product.get("test_case") or []
+            inner = product.get("products") or [{}]
             for name in names if isinstance(names, list) else [names]:
-                out.setdefault((f.parent.name, str(name)), (world, script))
-    return out
+                for params in inner:
+                    keys = [k for k in params if k != "cadence"] if isinstance(params, dict) else []
+                    values = [v if isinstance(v, list) else [v] for v in (params[k] for k in keys)]
+                    for combo in itertools.product(*values):
+                        spec = {**d["spec"], **dict(zip(keys, combo))}
+                        script_text = str(spec.get("script", ""))
+                        m = re.search(r"TRAINING_SCRIPT_PATH=([\w./-]+)", script_text)
+                        fixed = _GPUS_IN_SCRIPT.search(script_text)
+                        try:
+                            nodes = int(_one(spec.get("nodes", 1)) or 1)
+                            gpus = int(fixed.group(1)) if fixed else int(_one(spec.get("gpus", 8)) or 8)
+                        except (TypeError, ValueError):
+                            continue
+                        rows.setdefault(str(name), []).append(RecipeRow(
+                            rel, str(_one(spec.get("environment", ""))), str(_one(spec.get("platforms", ""))),
+                            nodes, gpus, Path(m.group(1)).name if m else ""))
+    return rows, commented
+
+
+def run_world(case_config: dict, row: RecipeRow) -> int:
+    """The world size of the run whose figure the golden file holds. A checkpoint-consistency test runs each
+    MODEL_ARGS[_N] with its own MODEL_ENV_VARS.<key>.GPUS_PER_NODE (run_ci_test.sh), and its golden values are
+    read from the first run's event file (python_test_utils/common.py read_tb_logs_as_list, index 0): MODEL_ARGS's."""
+    if case_config.get("TEST_TYPE") == "checkpoint-consistency":
+        own = ((case_config.get("MODEL_ENV_VARS") or {}).get("MODEL_ARGS") or {}).get("GPUS_PER_NODE")
+        if isinstance(own, int) and own > 0:
+            return row.nodes * own
+    return row.nodes * row.gpus_per_node
+
+
+def recipe_row(rows: list[RecipeRow], platform: str) -> RecipeRow | None:
+    """The row that runs ``platform`` (dev_dgx_h100 ...): that environment and platform, else any row of the
+    platform's recipe folder (its spec gives the same nodes and GPUs)."""
+    environment, _, gpu = platform.partition("_")
+    folder = PLATFORMS[platform][1]
+    exact = [r for r in rows if r.environment == environment and r.platform == gpu]
+    return (exact or [r for r in rows if r.file.split("/")[1] == folder] or [None])[0]
 
 
 def last_peak(golden: dict) -> tuple[int, float] | None:
@@ -125,7 +198,7 @@ def last_peak(golden: dict) -> tuple[int, float] | None:
 
 def load_cases(root: Path) -> list[Case]:
     cases_dir, recipes_dir = corpus_dirs(root)
-    recipes = recipe_index(recipes_dir)
+    recipes, commented = recipe_index(recipes_dir)
     out = []
     for config in sorted(cases_dir.glob("*/*/model_config.yaml")):
         d = config.parent
@@ -143,10 +216,16 @@ def load_cases(root: Path) -> list[Case]:
                 peak = None
             if peak:
                 figures[platform] = peak
-        main = next((p for p in PLATFORMS if p in figures), None)
+        # the first platform (H100, GB200, A100) whose figure a recipe runs; else the first with a figure, out
+        with_figure = [p for p in PLATFORMS if p in figures]
+        rows = recipes.get(case.name, [])
+        main = next((p for p in with_figure if recipe_row(rows, p)), with_figure[0] if with_figure else None)
         if main:
             case.platform, (case.step, case.figure) = main, figures[main]
-            case.world, case.script = recipes.get((PLATFORMS[main][1], case.name), (0, ""))
+            row = recipe_row(rows, main)
+            if row is not None:
+                case.world, case.script = run_world(case.config, row), row.script
+        case.commented_in = commented.get(case.name, "") if not rows else ""
         case.others = {p: v for p, v in figures.items() if p != main}
         out.append(case)
     return out
@@ -164,9 +243,24 @@ def scope_reason(case: Case) -> str:
         return "no MODEL_ARGS"
     if case.script and not SCRIPTS_IN_SCOPE.search(case.script):
         return f"not a GPT/hybrid pretraining script ({case.script})"
+    flags = case.config["MODEL_ARGS"]
+    if any(_given(flags.get(f)) for f in OUT_OF_SCOPE_FLAGS):
+        return OUT_OF_SCOPE_FLAGS[next(f for f in OUT_OF_SCOPE_FLAGS if _given(flags.get(f)))]
     if not case.world:
-        return "no recipe gives its world size"
+        # Megatron-LM's CI reads the recipes/ folders and a private local_recipes checkout
+        # (tests/test_utils/python_scripts/recipe_parser.py load_workloads; .gitlab/stages/04.functional-tests.yml
+        # adds it): a case no public recipe runs has no world size here, and is not guessed one
+        if str(case.config.get("TEST_TYPE", "")) == "release":
+            return ("release test, in no public recipe at this commit: its world size is in Megatron-LM's private "
+                    "local_recipes")
+        if case.commented_in:
+            return f"commented out in the recipes at this commit: not run, figure may be stale ({case.commented_in})"
+        return "not in any recipe at this commit: figure may be stale"
     return ""
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value is not False and str(value).strip() not in ("", "None", "false")
 
 
 # ----------------------------------------------------------------------------- features of a case
@@ -239,10 +333,15 @@ def plan_case(case: Case) -> Result:
         return res
     args = argparse.Namespace(**dict(job.args))
     res.features = features(args)
+    if job.family == "hybrid" and "hybrid Mamba" not in res.features:   # a Mamba script without a pattern
+        res.features += ("hybrid Mamba",)
     if str(case.config.get("TEST_TYPE", "")).startswith("frozen"):
         res.features += ("starts from a checkpoint",)
     try:
         shape, lay, st = P.from_config(job.config, case.world, arch=arch, env=dict(job.env))
+        # the figure is the last rank's: with optimizer state dealt unevenly over DP ranks (the layer-wise
+        # optimizer) plan that rank, not the most loaded one
+        st = replace(st, dp_rank=-1)
         last = lay.pp - 1
         phases = P.reported_phases(shape, lay, st, last, max(1, case.step))
         peak = max(phases.values(), key=lambda b: b.total)
@@ -312,7 +411,7 @@ def summary(results: list[Result]) -> list[str]:
     reasons: dict[str, int] = {}
     for r in results:
         if r.reason:
-            key = r.reason.split(":")[0] if r.reason.startswith(("arguments refused", "not planned")) else r.reason
+            key = r.reason.split(":")[0]
             reasons[key] = reasons.get(key, 0) + 1
     if MLM_ERRORS:
         lines.append(f"Megatron-LM's theoretical_memory_usage failed on {len(MLM_ERRORS)} cases, e.g. "

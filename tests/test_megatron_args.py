@@ -168,3 +168,109 @@ def test_doctor_plan_uses_the_logs_own_arguments(bridge, capsys):
     assert rc == 0, text[:2000]
     assert "Megatron-LM arguments dump" in text and "NOT MODELLED" in text
     assert "--delay-wgrad-compute" in text
+
+
+# ----------------------------------------------------------------------------- the job's GPU and environment
+def _yaml_with_env(tmp_path, extra_env: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(MOE.read_text().replace("ENV_VARS:\n", f"ENV_VARS:\n{extra_env}", 1))
+    return path
+
+
+def test_plan_megatron_args_plans_with_the_jobs_environment_and_gpu_arch(bridge, capsys, tmp_path):
+    def plan(*words):
+        assert main(["plan", "--megatron-args", *words, "--world-size", "4", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    default = plan(str(MOE))
+    small = plan(str(_yaml_with_env(tmp_path, '  CUBLAS_WORKSPACE_CONFIG: ":16:8"\n')))
+    a100 = plan(str(MOE), "--gpu-arch", "A100")
+    assert "--gpu-arch not given: GPUs of compute capability 9 (H100/H200) assumed" in default["assumptions"]
+    assert any("does not set CUBLAS_WORKSPACE_CONFIG" in a for a in default["assumptions"])
+    # :16:8 is 8 x 16 KiB per torch cuBLAS workspace instead of 32 MiB on Hopper (memory/buffers.py)
+    assert any("CUBLAS_WORKSPACE_CONFIG=:16:8 from the job's environment" in a for a in small["assumptions"])
+    assert small["total_bytes"] < default["total_bytes"]
+    # an A100 (compute capability 8): smaller torch and Transformer Engine workspaces, and validate_args asked as on it
+    assert any("compute capability 8.x" in a for a in a100["assumptions"])
+    assert not any("--gpu-arch not given" in a for a in a100["assumptions"])
+    assert a100["total_bytes"] < default["total_bytes"]
+
+
+def test_gpu_arch_is_a_compute_capability_or_a_name():
+    from mbmem_overlays.cli.common import gpu_arch_option
+    assert [gpu_arch_option(t)[0] for t in ("9", "10.0", "sm_90", "sm100a", "H200", "NVIDIA GB200", "a100")] == \
+        [9, 10, 9, 10, 9, 10, 8]
+    for bad in ("13", "h9000", "9" * 500, ""):
+        value, problem = gpu_arch_option(bad)
+        assert value is None and "--gpu-arch 9" in problem.fix
+
+
+def test_a_bad_gpu_arch_is_a_usage_error_before_bridge(capsys):
+    assert main(["plan", "--megatron-args", str(GPT), "--gpu-arch", "Z80", "--json"]) == 2
+    assert "--gpu-arch" in capsys.readouterr().out
+    assert main(["doctor", str(LOG), "--plan", "--gpu-arch", "Z80", "--json"]) == 2
+
+
+def test_doctor_plan_plans_the_log_on_the_gpu_it_is_told(bridge, capsys):
+    def peaks(*words):
+        main(["doctor", str(LOG), "--plan", *words, "--json"])
+        payload = json.loads(capsys.readouterr().out)
+        return json.dumps(payload), [v for k, v in _walk(payload) if k == "planned_peak_bytes"]
+
+    default_text, default = peaks()
+    a100_text, a100 = peaks("--gpu-arch", "8")
+    assert "--gpu-arch not given" in default_text and "--gpu-arch not given" not in a100_text
+    assert "compute capability 8.x" in a100_text
+    assert default and len(default) == len(a100) and all(a < d for a, d in zip(a100, default))
+
+
+def _walk(obj):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield k, v
+            yield from _walk(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk(v)
+
+
+# ----------------------------------------------------------------------------- distillation, TE version
+def test_distillation_flags_are_named_not_modelled_not_unknown(bridge, capsys, tmp_path):
+    job = tmp_path / "distill.sh"
+    job.write_text(GPT.read_text().replace("--no-such-flag 3", "--export-kd-teacher-load /ckpt/teacher "
+                                           "--export-kd-cfg /ckpt/kd.yaml --no-such-flag 3"))
+    rc = main(["plan", "--megatron-args", str(job), "--json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    verdict = payload["megatron_args"]["verdict"]
+    assert "NOT MODELLED: " in verdict and "--export-kd-teacher-load" in verdict and "--export-kd-cfg" in verdict
+    notes = {n["flag"]: n for n in payload["megatron_args"]["not_modelled"]}
+    assert notes["--export-kd-teacher-load"]["value"] == "/ckpt/teacher"
+    assert "teacher" in notes["--export-kd-teacher-load"]["reason"]
+    assert [n["flag"] for n in payload["megatron_args"]["unknown"]] == ["--no-such-flag"]
+
+
+def test_a_dumps_distillation_flag_counts_only_when_set():
+    from types import SimpleNamespace
+
+    from mbmem_overlays.bridge.megatron_args import FlagNote, MegatronJob
+    from mbmem_overlays.memory.coverage import with_coverage
+    why = "in the dump but not an argument of megatron-core 0.19.2 (another version's)"
+    job = MegatronJob(config=SimpleNamespace(), world_size=8, world_from="dump", form=FORM_DUMP, argv=(), env={},
+                      family="gpt", unknown=(FlagNote("export_kd_teacher_load", "/ckpt/teacher", why),
+                                             FlagNote("export_kd_cfg", "None", why), FlagNote("other_arg", "3", why)))
+    covered = with_coverage(job)
+    assert [n.flag for n in covered.not_modelled] == ["--export-kd-teacher-load"]
+    assert [n.flag for n in covered.unknown] == ["export_kd_cfg", "other_arg"]   # unset: still only unknown
+
+
+def test_validate_args_is_asked_with_the_te_version_bridge_pins(bridge):
+    from mbmem_overlays.bridge.megatron_args import ASSUMED_TE_VERSION, load_job, te_version
+    # delay_wgrad_compute with overlap_grad_reduce needs TE >= 2.8.0 (arguments.py validate_args)
+    job = load_job(GPT.read_text().replace("--delay-wgrad-compute", "--delay-wgrad-compute --overlap-grad-reduce"))
+    te, installed = te_version()
+    assert installed or te == ASSUMED_TE_VERSION == "2.17.1"
+    assert any(f"Transformer Engine {te}" in a for a in job.assumptions)
+    import megatron.training.arguments as mlm_arguments
+    from megatron.core.utils import is_te_min_version
+    assert mlm_arguments.is_te_min_version is is_te_min_version   # restored after validation

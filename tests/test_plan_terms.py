@@ -112,10 +112,38 @@ CITED_LINES = {
         ("megatron/bridge/training/train.py", 438, "cuda_graph_helper.create_cudagraphs()"),
         ("megatron/bridge/training/train.py", 869, "optimizer.zero_grad()"),
         ("megatron/core/transformer/cuda_graphs.py", 2681, "optimizer.zero_grad()")],
+    "recompute_after_loss": [
+        ("megatron/core/tensor_parallel/random.py", 647, "outputs = ctx.run_function(*detached_inputs)"),
+        ("megatron/core/pipeline_parallel/schedules.py", 532,
+         "def backward_step(input_tensor, output_tensor, output_tensor_grad, config):")],
+    "param_gather_in_place": [
+        ("megatron/core/distributed/param_and_grad_buffer.py", 515, "dist_all_gather_func("),
+        ("megatron/core/distributed/param_and_grad_buffer.py", 516, "bucket.param_data,")],
     "gemm_workspaces": [
         ("torch/include/ATen/cuda/CUDAContextLight.h", 97, "cublas_handle_stream_to_workspace();"),
         ("torch/include/ATen/cuda/CUDAContextLight.h", 99, "size_t getChosenWorkspaceSize();"),
         ("torch/include/torch/csrc/autograd/engine.h", 237, "void start_device_threads();")],
+    "fsdp_non_unit_params": [
+        ("megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py", 1072,
+         "module.register_forward_hook(_post_forward, prepend=False)"),
+        ("megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py", 4359,
+         "if preserve_non_fsdp_units and not is_unit_bucket:"),
+        ("megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py", 4632,
+         "`optim_grads_params`. Non-unit modules should remain persistently allocated")],
+    "fsdp_grad_dtypes": [
+        ("megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py", 2315,
+         "return torch.bfloat16 if is_fp8 else group.dtype")],
+    "unfused_attention_output": [
+        ("megatron/core/transformer/dot_product_attention.py", 239,
+         "context = torch.bmm(attention_probs, value.transpose(0, 1))")],
+    "muon_state": [
+        ("megatron/core/optimizer/emerging_optimizers.py", 130,
+         "return getattr(param, 'is_embedding_or_output_parameter', False) or len(param.shape) != 2"),
+        ("megatron/training/arguments.py", 1681, "args.use_layer_wise_distributed_optimizer = True"),
+        ("megatron/training/arguments.py", 1682, "args.use_distributed_optimizer = False"),
+        ("megatron/core/optimizer/layer_wise_optimizer.py", 645,
+         "dp_cp_loop = list(range(dp_cp_size)) + list(range(dp_cp_size))[::-1]"),
+        ("megatron/core/optimizer/layer_wise_optimizer.py", 659, "param_list.sort(key=lambda x: x[0].numel())")],
 }
 
 
@@ -532,7 +560,7 @@ def test_pipeline_layout_places_the_layers_it_names():
     assert P.rank_layers(SMALL.__class__(**{**SMALL.__dict__, "layers": 8}), lay, 1) == {"attn+mlp": 5}
 
 
-def test_mtp_layers_add_a_layer_logits_and_an_embedding_on_the_last_stage():
+def test_mtp_layers_add_a_layer_its_loss_and_an_embedding_on_the_last_stage():
     lay = P.Layout(world=2, pp=2, seq=1024, mbs=1, gbs=8)
     base = replace(SMALL, tied=True)
     mtp = replace(base, mtp_layers=1)
@@ -544,9 +572,10 @@ def test_mtp_layers_add_a_layer_logits_and_an_embedding_on_the_last_stage():
     st = P.Settings()
     a0 = P.stage_activations(base, lay, st, 1).steady
     a1 = P.stage_activations(mtp, lay, st, 1).steady
-    logits = st.logits_bytes * 1024 * 1024
-    from mbmem_overlays.memory.stage_activations import mtp_layer_activation
-    assert a1 - a0 == pytest.approx(mtp_layer_activation(mtp, lay, st) + logits)
+    # the MTP depth's loss keeps its saved fp32 softmax until the main loss's backward (tests/test_plan_hybrid.py)
+    from mbmem_overlays.memory.stage_activations import loss_kept_bytes, mtp_layer_activation
+    kept = loss_kept_bytes(st) * 1024 * 1024
+    assert a1 - a0 == pytest.approx(mtp_layer_activation(mtp, lay, st) + kept)
     assert P.stage_params(mtp, lay, first=True, last=False) == P.stage_params(base, lay, first=True, last=False)
 
 
@@ -595,3 +624,134 @@ def test_gemm_workspaces_follow_torch_and_transformer_engine():
     assert gemm_workspaces(9, None, te=True, te_grouped_gemm=False) == 96 * mib
     assert gemm_workspaces(9, None, te=True, te_grouped_gemm=True) == 224 * mib
     assert gemm_workspaces(8, None, te=True, te_grouped_gemm=False) == 2 * (8 * mib + 128 * 1024) + 4 * mib
+
+
+def test_full_recompute_never_holds_the_loss_and_a_rematerialized_group_together():
+    """On the last stage the logits are released before any checkpointed group re-runs its forward: the peak is
+    the checkpoints plus the larger of the two (recompute_after_loss), on both sides of the crossing."""
+    from mbmem_overlays.memory.stage_activations import stage_activations
+    st = P.Settings(recompute="full", recompute_method="uniform", recompute_layers=2)
+    for vocab in (1024, 262144):   # a group larger than the loss, then a loss larger than the group
+        shape = replace(SMALL, vocab=vocab)
+        lay = P.Layout(world=1, seq=1024, mbs=2, gbs=2)
+        detail = dict(stage_activations(shape, lay, st, 0).detail)
+        working, loss = detail["full recompute working set"], detail[
+            "loss: logits and their fp32 softmax/gradient (last stage)"]
+        on = stage_activations(shape, lay, st, 0).steady
+        off = stage_activations(shape, lay, replace(st, without=frozenset({"recompute_after_loss"})), 0).steady
+        assert off - on == pytest.approx(min(working, loss), rel=1e-12)
+        assert on == pytest.approx(off - working - loss + max(working, loss), rel=1e-12)
+    assert working < loss   # the second vocabulary really crossed over
+
+
+# ----------------------------------------------------------------------------- issue 30: FSDP, unfused attention, Muon
+def test_megatron_fsdp_keeps_the_non_unit_parameters_gathered():
+    """optim_grads_params: the embedding and output layer (outside every FSDP unit) stay all-gathered beside their
+    shard, in the compute dtype; nothing is gathered where there is nothing to shard."""
+    st = P.Settings(fsdp="optim_grads_params", dist_optimizer=True, grad_bytes=P.BF16)
+    lay = replace(SMALL_LAY, world=8)                                     # DP 4
+    _, embed, _ = P.stage_params(SMALL, lay, True, True, 0)
+    assert embed == 2 * SMALL.vocab * SMALL.hidden / lay.tp               # untied: embedding and output layer
+    from mbmem_overlays.memory.buffers import fsdp_non_unit_params
+    assert fsdp_non_unit_params(SMALL, lay, st, 0) == embed * P.BF16
+    off = replace(st, without=frozenset({"fsdp_non_unit_params"}))
+    assert P.communication_buffers(SMALL, lay, st, 0, 0.0) - P.communication_buffers(
+        SMALL, lay, off, 0, 0.0) == embed * P.BF16
+    assert fsdp_non_unit_params(SMALL, lay, replace(st, fsdp="optim_grads"), 0) == 0   # parameters not sharded
+    assert fsdp_non_unit_params(SMALL, replace(lay, world=2), st, 0) == 0              # DP 1
+
+
+def test_megatron_fsdp_fp8_run_keeps_the_embedding_gradients_in_the_params_dtype():
+    st = P.Settings(fsdp="optim_grads_params", dist_optimizer=True, grad_bytes=P.BF16, param_bytes=P.FP8,
+                    dtype_bytes=P.FP32, embed_grad_bytes=P.FP32)
+    lay = replace(SMALL_LAY, world=8)
+    _, embed, _ = P.stage_params(SMALL, lay, True, True, 0)
+    _, grads, _ = P.model_state(SMALL, lay, st, True, True, 0)
+    _, before, _ = P.model_state(SMALL, lay, replace(st, without=frozenset({"fsdp_grad_dtypes"})), True, True, 0)
+    assert grads - before == pytest.approx(embed / lay.dp * (P.FP32 - P.BF16), rel=1e-12)
+
+
+def test_megatron_fsdp_reads_the_fp8_embedding_gradient_dtype(bridge):
+    from mbmem_overlays.bridge.megatron_args import load_job
+    argv = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "512",
+            "--max-position-embeddings", "512", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--train-iters", "10", "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer",
+            "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+            "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor", "--fp8-format", "e4m3",
+            "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
+    _, _, st = P.from_config(load_job(argv, world_size=2, arch=10, env={}).config, 2, arch=10)
+    assert (st.fsdp, st.param_bytes, st.grad_bytes, st.embed_grad_bytes) == ("optim_grads_params", 1, 2, 4)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_non_fused_attention_keeps_no_kernel_output(fp8):
+    unfused = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings(attention_scores="fused_softmax", fp8=fp8))
+    fused = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings(fp8=fp8))
+    out = P.BF16 * SMALL.heads * SMALL.head_dim / SMALL_LAY.tp
+    assert "attention_kernel_output" not in unfused
+    # bf16: linear_proj keeps the bmm's (permuted) output as its input either way; FP8: only its quantized copy
+    assert unfused.get("attention_output") == (None if fp8 else out)
+    assert fused.get("attention_kernel_output" if fp8 else "attention_output") == out
+    before = P.layer_activation_terms(SMALL, SMALL_LAY, P.Settings(attention_scores="fused_softmax", fp8=fp8,
+                                                                   without=frozenset({"unfused_attention_output"})))
+    assert sum(before.values()) - sum(unfused.values()) == (out if fp8 else 0)
+
+
+def test_layer_wise_optimizer_shards_whole_parameters_ping_pong():
+    from mbmem_overlays.memory.optimizers import ping_pong_owner
+    # layer_wise_optimizer.py _shard_params_ping_pong's own example: 4 ranks, p0..p9 sorted by size ->
+    # [[p0, p7, p8], [p1, p6, p9], [p2, p5], [p3, p4]]
+    owners = ping_pong_owner([(i + 1, True) for i in range(10)], 4)
+    assert owners == [0, 1, 2, 3, 3, 2, 1, 0, 0, 1]
+    assert ping_pong_owner([(5, True), (1, True)], 2) == [1, 0]    # sorted by size first
+
+
+MOE = P.Shape(layers=2, hidden=64, ffn=256, heads=4, groups=4, head_dim=16, vocab=1000, gated=False, tied=True,
+              experts=4, moe_ffn=128, topk=1, moe_layers=2, layer_kinds=("attn+moe", "attn+moe"), norm_bias=True)
+
+
+def test_muon_keeps_one_momentum_for_matrices_and_adam_moments_for_the_rest():
+    from mbmem_overlays.memory.optimizers import stage_tensors
+    lay = P.Layout(world=2, ep=2, seq=128, mbs=1, gbs=2)
+    dense, expert = stage_tensors(MOE, lay, 0)
+    # embedding; per layer qkv, its fused norm weight and bias, proj, the pre-MLP norm weight and bias, router;
+    # the final norm weight and bias (tied: no output layer); experts: fc1 and fc2 of the 2 local experts per layer
+    assert len(dense) == 1 + 2 * 7 + 2 and len(expert) == 2 * 4
+    matrices = sum(n for n, muon in dense + expert if muon)
+    rest = sum(n for n, muon in dense + expert if not muon)
+    assert rest == MOE.vocab * MOE.hidden + 2 * 4 * MOE.hidden + 2 * MOE.hidden
+    st = P.Settings(optimizer="muon")
+    _, _, opt = P.model_state(MOE, lay, st, True, True, 0)
+    assert opt == matrices * (P.FP32 + P.FP32) + rest * (P.FP32 + 2 * P.FP32)
+    _, _, adam = P.model_state(MOE, lay, replace(st, without=frozenset({"muon_state"})), True, True, 0)
+    assert adam == sum(P.stage_params(MOE, lay, True, True, 0)) * (P.FP32 + 2 * P.FP32)   # the model before
+
+
+def test_layer_wise_muon_state_is_the_ranks_own_parameters():
+    from mbmem_overlays.memory.optimizers import emerging_optimizer_bytes, ping_pong_owner, stage_tensors
+    lay = P.Layout(world=4, ep=2, seq=128, mbs=1, gbs=4)                # DP 4 (dense), expert DP 2
+    st = P.Settings(optimizer="muon", layer_wise_optimizer=True)
+    dense, expert = stage_tensors(MOE, lay, 0)
+
+    def owned(tensors, ranks, rank):
+        return sum(n * (P.FP32 + (P.FP32 if m else 2 * P.FP32))
+                   for (n, m), r in zip(tensors, ping_pong_owner(tensors, ranks)) if r == rank)
+
+    last = emerging_optimizer_bytes(MOE, lay, replace(st, dp_rank=-1), 0)
+    assert last == owned(dense, 4, 3) + owned(expert, 2, 1)
+    most = emerging_optimizer_bytes(MOE, lay, st, 0)
+    assert most == max(owned(dense, 4, r) for r in range(4)) + max(owned(expert, 2, r) for r in range(2))
+    everything = emerging_optimizer_bytes(MOE, lay, replace(st, layer_wise_optimizer=False), 0)
+    assert sum(owned(dense, 4, r) for r in range(4)) + sum(owned(expert, 2, r) for r in range(2)) == everything
+    assert last < most < everything                          # the embedding's state went to another rank
+
+
+def test_megatron_args_muon_with_the_distributed_optimizer_is_layer_wise(bridge):
+    from mbmem_overlays.bridge.megatron_args import load_job
+    argv = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "512",
+            "--max-position-embeddings", "512", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--train-iters", "10", "--vocab-size", "1024", "--tokenizer-type", "NullTokenizer", "--bf16",
+            "--optimizer", "muon", "--use-distributed-optimizer", "--no-use-layer-wise-param-layout"]
+    shape, lay, st = P.from_config(load_job(argv, world_size=2).config, 2)
+    assert (st.optimizer, st.layer_wise_optimizer, st.dist_optimizer) == ("muon", True, False)
+    assert shape.norm_bias and shape.position_embeddings == 512

@@ -61,6 +61,11 @@ _DUMP_LINE = re.compile(r"^\s+([A-Za-z_][A-Za-z0-9_]*) \.* (.*)$")   # '  {name}
 _ENV_WORD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 GPT2_VOCAB = 50257          # GPT-2's vocab.json (GPT2BPETokenizer), used when the vocab file is not readable here
 DEFAULT_ARCH = 9            # compute capability major of the GPU validate_args is asked about: Hopper (H100)
+# The Transformer Engine version validate_args is asked about (its is_te_min_version checks) where TE is not installed
+# here (a CPU host: megatron.core.utils.get_te_version then says 0.0.0 and every such check fails): v2.17.1, the tag
+# Megatron Bridge 0.6.x's uv.lock pins (the TE source memory/assumptions.py ADDED_TERMS cites). Where TE is
+# installed, its own version is asked.
+ASSUMED_TE_VERSION = "2.17.1"
 
 # The argparse groups of megatron-core 0.19.2's parser whose flags cannot change GPU memory during training:
 # flags of these groups that the mapping does not carry are "ignored", not "unsupported".
@@ -509,16 +514,37 @@ def _quiet():
         yield sink
 
 
+def te_version() -> tuple[str, bool]:
+    """(the Transformer Engine version validate_args is asked about, whether it is the installed one)."""
+    from megatron.core.utils import get_te_version
+    from packaging.version import Version
+    installed = get_te_version()
+    if installed > Version("0.0.0"):
+        return str(installed), True
+    return ASSUMED_TE_VERSION, False
+
+
+def _te_min_version(te: str):
+    """megatron.core.utils.is_te_min_version against ``te`` instead of the installed package."""
+    from packaging.version import Version
+
+    def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+        return Version(te) >= Version(version) if check_equality else Version(te) > Version(version)
+    return is_te_min_version
+
+
 @contextlib.contextmanager
 def validation_env(job_env: Mapping[str, str], arch: int, requirements: Mapping[str, str] = ENV_REQUIREMENTS):
     """validate_args as on the job's GPUs: the job's own values of the variables it reads (ours removed), the
-    launch scripts' requirements where the job is silent, and the GPU's compute capability (it asks torch.cuda
-    and get_device_arch_version). Everything is restored on exit, whatever happens."""
+    launch scripts' requirements where the job is silent, the GPU's compute capability (it asks torch.cuda
+    and get_device_arch_version) and Transformer Engine's version (it asks is_te_min_version: te_version, the
+    installed TE or the one Bridge pins). Everything is restored on exit, whatever happens."""
     import torch
 
     import megatron.training.arguments as mlm_arguments
     saved = {k: os.environ.get(k) for k in set(JOB_ENV_KEYS) | set(job_env) | set(ENV_REQUIREMENTS)}
-    patched = [(torch.cuda, "get_device_capability"), (mlm_arguments, "get_device_arch_version")]
+    patched = [(torch.cuda, "get_device_capability"), (mlm_arguments, "get_device_arch_version"),
+               (mlm_arguments, "is_te_min_version")]
     originals = [(obj, name, getattr(obj, name)) for obj, name in patched]
     try:
         for k in JOB_ENV_KEYS:
@@ -529,6 +555,7 @@ def validation_env(job_env: Mapping[str, str], arch: int, requirements: Mapping[
             os.environ.setdefault(k, v)
         torch.cuda.get_device_capability = lambda device=None: (arch, 0)
         mlm_arguments.get_device_arch_version = lambda: arch
+        mlm_arguments.is_te_min_version = _te_min_version(te_version()[0])
         with _quiet():
             yield
     finally:
@@ -860,7 +887,15 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
                                         "configuration"))
     assumptions = [f"vocabulary {size} ({how}), padded to {padded} (make-vocab-size-divisible-by "
                    f"{args.make_vocab_size_divisible_by} x TP {args.tensor_model_parallel_size})",
-                   f"validate_args asked as on a GPU of compute capability {arch}.x"]
+                   f"GPUs of compute capability {arch}.x: validate_args is asked as on them, and the plan sizes "
+                   "the cuBLAS and Transformer Engine workspaces for them"]
+    workspace = job_env.get("CUBLAS_WORKSPACE_CONFIG")
+    assumptions.append(f"CUBLAS_WORKSPACE_CONFIG={workspace} from the job's environment sizes torch's cuBLAS "
+                       "workspaces" if workspace else "the job's environment does not set CUBLAS_WORKSPACE_CONFIG: "
+                       "torch's default cuBLAS workspace size")
+    te, installed = te_version()
+    assumptions.append(f"validate_args asked as with Transformer Engine {te} where it checks TE's version"
+                       + ("" if installed else " (TE is not installed here: the version Megatron Bridge 0.6.2 pins)"))
     required = env_requirements(argv)
     silent = [k for k in required if k not in job_env]
     if silent:
@@ -871,7 +906,7 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
     return MegatronJob(
         config=cfg, world_size=world, world_from=world_from, form=words.form, argv=tuple(argv),
         env=MappingProxyType(dict(job_env)), family=family,
-        unknown=_unknown_notes(unknown, words.form),
+        unknown=_unknown_notes(unknown, words.form, words.dump),
         unsupported=tuple(unsupported), ignored=tuple(ignored),
         assumptions=tuple(assumptions), args=MappingProxyType(dict(vars(args))))
 
@@ -888,8 +923,9 @@ def _given_dests(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[s
     return out
 
 
-def _unknown_notes(unknown: Sequence[str], form: str) -> tuple[FlagNote, ...]:
-    """Words the parser left, as flags with the words after them (``--foo 3``); a stray word is its own note."""
+def _unknown_notes(unknown: Sequence[str], form: str, dump: Mapping[str, str] | None = None) -> tuple[FlagNote, ...]:
+    """Words the parser left, as flags with the words after them (``--foo 3``); a stray word is its own note. A
+    dump's unknown name keeps its printed value (``None`` when the job did not set it)."""
     why = ("in the dump but not an argument of megatron-core 0.19.2 (another version's)" if form == FORM_DUMP
            else "not a flag of megatron-core 0.19.2's Megatron-LM parser")
     notes: list[list[str]] = []
@@ -898,6 +934,8 @@ def _unknown_notes(unknown: Sequence[str], form: str) -> tuple[FlagNote, ...]:
             notes.append([w])
         else:
             notes[-1].append(w)
+    if form == FORM_DUMP:
+        return tuple(FlagNote(n[0], str((dump or {}).get(n[0], "")), why) for n in notes)
     return tuple(FlagNote(n[0], " ".join(n[1:]), why) for n in notes)
 
 

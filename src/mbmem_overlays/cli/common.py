@@ -4,6 +4,7 @@ no Bridge (run before the 20-30 s import), and building the user's recipe."""
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 from typing import Any
 
@@ -64,6 +65,33 @@ def capacity_option(text: str | None) -> tuple[float | None, Problem | None]:
         return parse_size(text), None
     except ValueError as exc:
         return None, usage_problem("--gpu-memory", text, str(exc), "e.g. --gpu-memory 80GiB")
+
+
+# --gpu-arch: the GPUs' compute capability major (what the plan and Megatron-LM's validate_args read of the GPU),
+# or a data-center GPU's name; the default is Hopper (H100/H200), as every plan assumed before the option.
+DEFAULT_GPU_ARCH = 9
+GPU_ARCH_NAMES = {"a100": 8, "a800": 8, "a10": 8, "a30": 8, "a40": 8, "l4": 8, "l40": 8, "l40s": 8, "h100": 9,
+                  "h200": 9, "h800": 9, "h20": 9, "gh200": 9, "b100": 10, "b200": 10, "gb200": 10, "b300": 10,
+                  "gb300": 10}
+
+
+def gpu_arch_option(text: str | None) -> tuple[int | None, Problem | None]:
+    """--gpu-arch (None when not given): ``9``, ``9.0``, ``sm90``/``sm_90`` or a name (H100, GB200 ...) -> 9."""
+    if text is None:
+        return None, None
+    t = str(text).strip().lower().replace("nvidia", "").strip(" -_") if len(str(text)) <= 32 else ""
+    major = None
+    if t in GPU_ARCH_NAMES:
+        major = GPU_ARCH_NAMES[t]
+    elif re.fullmatch(r"\d{1,2}(\.\d)?", t):
+        major = int(t.split(".")[0])
+    elif m := re.fullmatch(r"sm_?(\d{2,3})[a-z]?", t):
+        major = int(m.group(1)[:-1])
+    if major is not None and 7 <= major <= 12:
+        return major, None
+    return None, usage_problem("--gpu-arch", text, f"--gpu-arch {short_repr(text)} is not a compute capability or a "
+                               "GPU name I know", "e.g. --gpu-arch 9 (H100/H200), 10 (B200/GB200), 8 (A100), or "
+                               "--gpu-arch H100")
 
 
 def count_arg(maximum: int):

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from ..core.errors import OverlayError, Problem
-from .common import UsageError, capacity_option, count_option, margin_option, usage_problem
+from .common import UsageError, capacity_option, count_option, gpu_arch_option, margin_option, usage_problem
 
 EPILOG = ("exit codes: 0 diagnosed or reported (an OOM diagnosis, or a run report from the memory lines: healthy, "
           "at_risk, fragmenting, over_provisioned); 2 usage error or unreadable input (binary, damaged gzip, missing, a "
@@ -44,6 +44,9 @@ def register(sub) -> None:
                         "validate the next command on the recipe (imports Megatron Bridge; slow)")
     p.add_argument("--gpu-memory", metavar="SIZE",
                    help="capacity per GPU (e.g. 80GiB), when the input does not show it")
+    p.add_argument("--gpu-arch", metavar="ARCH",
+                   help="with --plan: the GPUs' compute capability (9: H100/H200, 10: B200/GB200, 8: A100) or their "
+                        "name (default 9)")
     p.add_argument("--margin", default="0.05", metavar="F",
                    help="headroom a healthy rank keeps free, a fraction of capacity in [0, 1) (default 0.05)")
     p.add_argument("--plot", metavar="FILE", help="run report: per-rank bars to FILE (.png, .pdf or .svg)")
@@ -66,13 +69,14 @@ def checked_options(args) -> dict[str, Any]:
     from ..bridge.recipes import recipe_name_problem
     from ..core.outfile import output_problems
     problems: list[Problem] = []
-    out: dict[str, Any] = {"capacity": None, "world": None, "margin": 0.05}
+    out: dict[str, Any] = {"capacity": None, "world": None, "margin": 0.05, "arch": None}
     if args.recipe is not None and (p := recipe_name_problem(args.recipe)):
         problems.append(p)
     for s in args.set:
         if p := syntax_problem(s):
             problems.append(p)
-    found = {"capacity": capacity_option(args.gpu_memory), "margin": margin_option(args.margin)}
+    found = {"capacity": capacity_option(args.gpu_memory), "margin": margin_option(args.margin),
+             "arch": gpu_arch_option(args.gpu_arch)}
     if args.world_size is not None:
         found["world"] = count_option("--world-size", args.world_size)
     out.update({key: value for key, (value, problem) in found.items() if not problem})
@@ -141,6 +145,8 @@ def replan_command(args, checked: dict[str, Any]) -> str:
         words += ["--world-size", str(checked["world"])]
     if args.gpu_memory:
         words += ["--gpu-memory", args.gpu_memory]
+    if checked.get("arch"):
+        words += ["--gpu-arch", args.gpu_arch]
     if args.margin != "0.05":
         words += ["--margin", args.margin]
     return render_tokens(words)
@@ -159,7 +165,7 @@ def run_logs(args, logs: list[str], checked: dict[str, Any] | None = None) -> tu
         from ..doctor.run_plan import make_run_planner
         planner = make_planner(args.recipe)
         run_planner = make_run_planner(args.recipe, list(args.set), checked["world"], list(args.overlay_dir),
-                                       checked["margin"], logs=list(logs))
+                                       checked["margin"], logs=list(logs), arch=checked.get("arch"))
     d = diagnose(findings, args.recipe, planner=planner, capacity=checked["capacity"], margin=checked["margin"],
                  run_planner=run_planner, overlay_dirs=list(args.overlay_dir),
                  replan=None if args.plan else replan_command(args, checked))

@@ -14,8 +14,9 @@ from typing import Any
 
 from ..core.errors import OverlayError, Problem
 from ..core.text import shown
-from .common import (EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, capacity_option, catalog_for,
-                     count_option, csv_list, margin_option, preflight, split_sets, usage_problem)
+from .common import (DEFAULT_GPU_ARCH, EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, capacity_option,
+                     catalog_for, count_option, csv_list, gpu_arch_option, margin_option, preflight, split_sets,
+                     usage_problem)
 
 
 def register(sub) -> None:
@@ -47,6 +48,9 @@ def add_memory_options(p, *, capacity_help: str, megatron: bool = False) -> None
         p.add_argument("--tokenizer-vocab", metavar="N",
                        help="with --megatron-args: the tokenizer's vocabulary when its files cannot be read here "
                             "(SentencePiece, Hugging Face)")
+        p.add_argument("--gpu-arch", metavar="ARCH",
+                       help="with --megatron-args: the GPUs' compute capability (9: H100/H200, 10: B200/GB200, "
+                            "8: A100) or their name; validate_args and the workspace sizes read it (default 9)")
     p.add_argument("--overlay", "-O", action="append", default=[],
                    help="overlays you already use (comma-separated or repeated); every step and command keeps them")
     p.add_argument("--gpu-memory", metavar="SIZE", help=capacity_help)
@@ -92,8 +96,13 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
              "margin": margin_option(args.margin)}
     if getattr(args, "top", None) is not None:
         found["top"] = count_option("--top", args.top, MAX_TOP)
+    if getattr(args, "gpu_arch", None) is not None:
+        found["arch"] = gpu_arch_option(args.gpu_arch)
     out.update({key: value for key, (value, _) in found.items()})
     problems: list[Problem] = [p for _, p in found.values() if p]
+    if getattr(args, "gpu_arch", None) is not None and getattr(args, "search", False):
+        problems.append(_problem("--gpu-arch", args.gpu_arch, "--search plans GPUs of compute capability "
+                                 f"{DEFAULT_GPU_ARCH} (H100/H200)", "drop --gpu-arch with --search"))
     if args.gpu_memory is None and capacity_required:
         problems.append(_problem("--gpu-memory", None, f"--gpu-memory is required {capacity_required}",
                                  "add the memory of one GPU, e.g. --gpu-memory 80GiB (or 80GB, 80G, bytes)"))
@@ -178,7 +187,7 @@ def run_plan(args, cfg, start, checked) -> int:
     from ..memory.steps import build_plan, plan_figure, render_plan
     plan = build_plan(cfg, list(start.overlays), world=checked["world"], recipe=args.recipe, params=start.params,
                       capacity=checked["capacity"], margin=checked["margin"], locked=start.locked,
-                      catalog=checked["catalog"])
+                      catalog=checked["catalog"], arch=checked.get("arch") or DEFAULT_GPU_ARCH)
     if args.plot:
         write_plot(args, lambda: plan_figure(plan))
     if args.json:
@@ -265,7 +274,8 @@ def megatron_checks(args) -> dict[str, Any]:
         world = count_option("--world-size", args.world_size)
     if args.tokenizer_vocab is not None:
         vocab = count_option("--tokenizer-vocab", args.tokenizer_vocab, 1 << 24)
-    problems += [p for _, p in (world, capacity, margin, vocab) if p]
+    arch = gpu_arch_option(args.gpu_arch)
+    problems += [p for _, p in (world, capacity, margin, vocab, arch) if p]
     problems += plot_problems(args)
     try:
         catalog = catalog_for(args.overlay_dir)
@@ -283,6 +293,7 @@ def megatron_checks(args) -> dict[str, Any]:
     if problems:
         raise UsageError(problems)
     return {"world": world[0], "capacity": capacity[0], "margin": margin[0], "vocab": vocab[0], "text": text,
+            "arch": arch[0],
             "catalog": catalog, "overlays": tuple(dict.fromkeys(catalog.resolve(n).name for n in names))}
 
 
@@ -298,7 +309,8 @@ def run_megatron(args) -> int:
     from ..bridge.megatron_args import MegatronArgsError, load_job
     from ..memory.coverage import with_coverage
     try:
-        job = with_coverage(load_job(checked["text"], world_size=checked["world"], vocab=checked["vocab"]))
+        job = with_coverage(load_job(checked["text"], world_size=checked["world"], vocab=checked["vocab"],
+                                     arch=checked["arch"] or DEFAULT_GPU_ARCH))
     except MegatronArgsError as exc:
         code = EXIT_REJECTED if exc.rejected else EXIT_USAGE
         flag = exc.flag if exc.flag != "--megatron-args" else "--megatron-args"
@@ -306,9 +318,12 @@ def run_megatron(args) -> int:
     try:
         from ..memory.steps import build_plan, plan_figure, render_plan
         overlays = list(checked["overlays"])
+        arch = checked["arch"] or DEFAULT_GPU_ARCH
         plan = build_plan(job.config, overlays, world=job.world_size, recipe=f"Megatron-LM {job.form}",
-                          capacity=checked["capacity"], margin=checked["margin"], catalog=checked["catalog"])
-        plan = dataclasses.replace(plan, assumptions=plan.assumptions + job.assumptions)
+                          capacity=checked["capacity"], margin=checked["margin"], catalog=checked["catalog"],
+                          arch=arch, env=dict(job.env))
+        plan = dataclasses.replace(plan, assumptions=plan.assumptions + job.assumptions
+                                   + gpu_arch_assumptions(checked["arch"]))
         flags = megatron_overlay_flags(job, overlays, checked["catalog"])
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
@@ -327,6 +342,13 @@ def run_megatron(args) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0 if plan.fits(plan.steps[-1]) is not False else EXIT_REJECTED
+
+
+def gpu_arch_assumptions(given: int | None) -> tuple[str, ...]:
+    """What the plan says of the GPU when --gpu-arch was not given."""
+    if given is not None:
+        return ()
+    return (f"--gpu-arch not given: GPUs of compute capability {DEFAULT_GPU_ARCH} (H100/H200) assumed",)
 
 
 def megatron_overlay_flags(job, overlays: list[str], catalog):

@@ -23,6 +23,7 @@ from typing import Any
 from . import command as C
 
 GiB = 1 << 30
+DEFAULT_ARCH = 9   # compute capability of the GPUs planned when --gpu-arch is not given: H100/H200
 SKIP_OVERRIDE_PREFIXES = ("recipe", "run.", "hydra", "mem.", "+")
 
 # What the log prints (parse.py CONFIG_KEYS / layout) -> the Bridge field it is (bridge-config-surface.md §1).
@@ -103,6 +104,8 @@ class RunPlan:
     recipe: str
     hot_stage: int | None
     measured: dict                 # stage -> (measured peak used, measured max allocated, the plan of that line)
+    arch: int = DEFAULT_ARCH       # the GPUs' compute capability and the job's environment, as from_config reads them
+    env: dict | None = None
 
     def price(self, remedies: list[C.Remedy], rep) -> list[dict]:
         return [self._price(r) for r in remedies]
@@ -121,7 +124,7 @@ class RunPlan:
             work, _ = realize(self.cfg, start, cand, self.world, catalog=self.catalog, validate=True)
         except Rejected as exc:
             return {"check": f"rejected by our rules or Bridge's validation: {exc.reason}"}
-        planned_work = M.from_config(work, self.world)
+        planned_work = M.from_config(work, self.world, arch=self.arch, env=self.env)
         stages = stage_breakdowns(*planned_work)
         command = train_command(start, cand, self.world)
         check = (f"validated (our rules and Bridge's validation) on recipe {self.recipe} at world size {self.world}; "
@@ -175,7 +178,8 @@ class RunPlan:
 
 
 def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None, overlay_dirs: list[str] | None,
-                     margin: float, logs: list[str] | None = None) -> Callable:
+                     margin: float, logs: list[str] | None = None, arch: int | None = None) -> Callable:
+    """``arch``: the GPUs' compute capability (--gpu-arch; None: DEFAULT_ARCH, H100/H200, and the plan says so)."""
     def planner(rep, ctx, f) -> RunPlan | None:
         name = recipe or f.recipe
         missing = []
@@ -185,7 +189,7 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
             dump = megatron_dump(logs or [])
             if dump is not None:   # a Megatron-LM job: its own arguments dump is its configuration
                 try:
-                    return _plan_megatron(rep, dump, world_size, margin)
+                    return _plan_megatron(rep, dump, world_size, margin, arch)
                 except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
                     rep.plan_status = f"not planned: {' '.join(str(exc).split())[:400]}"
                     return None
@@ -198,7 +202,7 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
         overridden = f"--world-size {world_size}, not the {shown} the log shows" if world_size and shown and \
             shown != world_size else ""
         try:
-            planned = _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin)
+            planned = _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin, arch)
         except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
             rep.plan_status = f"not planned: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             planned = None
@@ -239,7 +243,7 @@ def megatron_dump(paths: list[str]) -> tuple[str, str] | None:
     return None
 
 
-def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: float):
+def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: float, arch: int | None = None):
     """The log's own Megatron-LM arguments, parsed and validated by megatron-core's parser
     (bridge/megatron_args.py), planned and compared line by line like a recipe's job."""
     from ..bridge.megatron_args import load_job
@@ -247,11 +251,13 @@ def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: f
     from ..core.catalog import Catalog
     from ..memory.steps import Start
     path, text = dump
-    job = with_coverage(load_job(text, world_size=world_size))
+    job = with_coverage(load_job(text, world_size=world_size, arch=arch or DEFAULT_ARCH))
     name = f"Megatron-LM arguments dump of {path}"
     start = Start(name)
-    planned = _compare(rep, job.config, job.config, start, Catalog(), job.world_size, name, [], (), [], margin)
+    planned = _compare(rep, job.config, job.config, start, Catalog(), job.world_size, name, [], (), [], margin,
+                       arch=arch, env=dict(job.env))
     rep.plan["megatron_args"] = job.as_dict()
+    rep.plan["assumptions"] += list(job.assumptions)
     if job.not_modelled:
         rep.plan_status += ("; NOT MODELLED: " + "; ".join(n.text() for n in job.not_modelled))
     if job.unknown:
@@ -270,7 +276,8 @@ def _world_from_layout(f) -> int | None:
     return None
 
 
-def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: list[str], margin: float):
+def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: list[str], margin: float,
+          arch: int | None = None):
     from ..bridge.overrides import check_overrides, write_all
     from ..bridge.recipes import load_recipe
     from ..bridge.stack import prepare
@@ -330,11 +337,11 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
         rep.plan_status = (f"not planned: the configuration rebuilt from the log (recipe {name}, "
                            f"{' '.join(words) or 'no overrides'}, world size {world}) is refused: {exc.reason}")
         return None
-    return _compare(rep, cfg, work, start, catalog, world, name, words, overlays, from_log, margin)
+    return _compare(rep, cfg, work, start, catalog, world, name, words, overlays, from_log, margin, arch=arch)
 
 
 def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[str], overlays: tuple,
-             from_log: list[str], margin: float) -> RunPlan:
+             from_log: list[str], margin: float, arch: int | None = None, env: dict | None = None) -> RunPlan:
     """Each rank's memory line beside the plan of its stage and iteration, for a built configuration.
 
     ``work`` is the job as it ran (its overlays applied), what the lines are compared with; ``cfg`` is the recipe
@@ -343,7 +350,7 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
     (e.g. optimizer.optimizer_cpu_offload=true) survive the removal and the change is priced as nothing."""
     from ..core.paths import read
     from ..memory import model as M
-    shape, lay, st = M.from_config(work, world)
+    shape, lay, st = M.from_config(work, world, arch=arch or DEFAULT_ARCH, env=env)
     base = stage_breakdowns(shape, lay, st)
     mapping = bool(read(work, "dist.use_tp_pp_dp_mapping", False))
     per_stage, tp_cp = world // lay.pp, lay.tp * lay.cp
@@ -387,7 +394,9 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
     lay_text = (f"TP{lay.tp} PP{lay.pp}" + (f" VPP{lay.vpp}" if lay.vpp > 1 else "") + f" CP{lay.cp} DP{lay.dp}"
                 + (f" EP{lay.ep}" if lay.ep > 1 else ""))
     rep.plan = {"recipe": name, "world_size": world, "layout": lay_text, "words": list(words),
-                "overlays": list(overlays), "from_log": from_log, "assumptions": list(PLAN_ASSUMPTIONS),
+                "overlays": list(overlays), "from_log": from_log,
+                "assumptions": list(PLAN_ASSUMPTIONS) + ([] if arch else [
+                    f"--gpu-arch not given: GPUs of compute capability {DEFAULT_ARCH} (H100/H200) assumed"]),
                 "stages": [{"stage": i, "planned_peak_bytes": int(b.total), "phase": b.phase} for i, b in enumerate(base)]}
     mean = f"; mean |error| {sum(errors) / len(errors):.1f}% over {len(errors)} rank(s)" if errors else ""
     rep.plan_status = (f"the memory model on recipe {name} at world size {world} ({lay_text}"
@@ -400,4 +409,4 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
         rep.plan_status += (f"; {len(before_training)} line(s) printed before the first training iteration "
                             f"({', '.join(before_training[:8])}) are not compared: no step has run")
     return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
-                   None if hot is None else hot.stage, measured)
+                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env)

@@ -3,6 +3,8 @@ Mamba, LoRA), and what selective recompute drops."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from .inputs import FP8, FP32, Layout, Settings, Shape, _tokens
 
 def attention_scores_bytes(st: Settings, lay: Layout) -> float:
@@ -20,6 +22,44 @@ def attention_scores_bytes(st: Settings, lay: Layout) -> float:
     if st.attention_dropout:
         return softmax + 1.0 + st.dtype_bytes
     return softmax + (st.dtype_bytes if softmax != st.dtype_bytes else 0.0)
+
+
+def mamba_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, gemm_in: float,
+                           keeps_input: Any) -> dict[str, float]:
+    """Bytes per token one Mamba mixer keeps for backward on one GPU, beside its layer's norm input and dropout
+    mask (megatron-core 0.19.2 ssm/mamba_mixer.py MambaMixer.forward / _ssm_training, the training path with
+    ``use_mamba_mem_eff_path``, its default).
+
+    - in_proj is TELayerNormColumnParallelLinear (models/hybrid/hybrid_layer_specs.py hybrid_stack_spec): the
+      fused norm's output is its GEMM input, kept sequence-local as for the other blocks.
+    - ``rearrange(zxBCdt, "l b d -> b l d").contiguous()`` (mamba_mixer.py:739) copies in_proj's output; the copy
+      is what mamba_split_conv1d_scan_combined saves (mamba_ssm ops/triton/ssd_combined.py
+      MambaSplitConv1dScanCombinedFn.forward ``ctx.save_for_backward(zxbcdt, ..., out_x, ...)``), in_proj's own
+      output is freed. Per token: z and x (d_inner), B and C (ngroups x d_state each), dt (nheads), over TP. With
+      CP the all-to-all gives each rank the whole sequence and 1/CP of the channels; B and C are repeated when CP
+      exceeds the local groups (mamba_context_parallel.py pre_conv_ssm: group_repeat_count), so per local token
+      the B and C width is max(ngroups / TP, CP) x d_state each.
+    - ``out_x``, the scan output before the z gate (with the D skip), d_inner in the compute dtype; the conv
+      output, dt, dA_cumsum and the chunk states are recomputed in backward (ssd_combined.py backward:
+      "Recompute x, B, C", _mamba_chunk_scan_combined_bwd), the gated output is returned and not kept.
+    - The gated output is rearranged back to ``l b d`` with ``.contiguous()`` (mamba_mixer.py:775), a new tensor,
+      and the group RMSNorm (ExtendedRMSNorm = mamba_ssm ops/triton/layernorm_gated.py RMSNorm; LayerNormFn
+      ``ctx.save_for_backward(x, weight, bias, mean, rstd, z)``) keeps that input and one fp32 rstd per group.
+    - out_proj (TERowParallelLinear) keeps the norm's output as its input for the weight gradient (a quantized
+      copy under FP8, as FC2's input)."""
+    t = lay.tp
+    D = st.dtype_bytes
+    inner = s.mamba_heads * s.mamba_head_dim / t
+    bc = 2 * max(s.mamba_groups / t, lay.cp) * s.mamba_state
+    terms: dict[str, float] = {}
+    if keeps_input("in_proj"):
+        terms["mamba_layernorm_output"] = ln_out * s.hidden / (t if lay.sp else 1)
+    terms["mamba_in_proj_output"] = D * (2 * inner + bc + s.mamba_heads / t)
+    terms["mamba_scan_output"] = D * inner
+    terms["mamba_norm_input"] = D * inner + FP32 * s.mamba_groups / t
+    if keeps_input("out_proj"):
+        terms["mamba_out_proj_input"] = (D if st.lora_rank > 0 else gemm_in) * inner
+    return terms
 
 
 def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> dict[str, float]:
@@ -80,8 +120,12 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         out = D * s.heads * (s.v_head_dim or s.head_dim) / t
         if (keeps_input("linear_proj") and (frozen or not st.fp8)) or "core_attn_output" in st.without:
             terms["attention_output"] = out
-        else:
+        elif not st.attention_scores or "unfused_attention_output" in st.without:
             terms["attention_kernel_output"] = out
+        # A non-fused attention ends in bmm(probs, v), which saves its inputs, not its output (megatron-core
+        # dot_product_attention.py:239; TE v2.17.1 attention/dot_product_attention/backends.py
+        # UnfusedDotProductAttention.forward: torch.bmm(attention_probs, value_layer), then a permuted copy for
+        # linear_proj): only linear_proj's own saved input (above, or its FP8 copy) stays
         if st.fp8 and not frozen:
             terms["attention_output_fp8"] = FP8 * s.heads * (s.v_head_dim or s.head_dim) / t
         lora_gathered("linear_qkv")
@@ -127,22 +171,17 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             terms["moe_probs_mul_input"] = routed * D * s.moe_ffn
         if keeps_input("linear_fc2"):
             terms["moe_act_output"] = routed * (D if frozen else gemm_in) * s.moe_ffn
-        # unpermute weights each expert output by its routing probability and keeps it for that gradient
-        terms["moe_unpermute_input"] = routed * D * s.hidden
+        # No routed x hidden tensor is kept after FC2: megatron-core 0.19.2 applies the routing probabilities inside
+        # the experts (experts.py:850-879, the weighted activation or intermediate * permuted_probs), so every
+        # dispatcher's unpermute gets no probabilities (token_dispatcher.py :343, :884, :1451) and TE's fused
+        # unpermute then saves only its row map (TE v2.17.1 pytorch/permutation.py :803-808; the unfused
+        # scatter_add keeps only indices, moe_utils.py unpermute); HybridEP's combine keeps its handle only
+        # (fused_a2a.py HybridEPCombine).
         if s.shared_ffn:
             terms["shared_expert"] = (D * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
             lora_gathered("linear_fc1")  # the shared expert's adapter is an ordinary column-parallel one
     if "mamba" in blocks:
-        inner = s.mamba_heads * s.mamba_head_dim
-        bc = 2 * s.mamba_groups * s.mamba_state
-        if keeps_input("in_proj"):
-            terms["mamba_layernorm_output"] = ln_out * s.hidden / sp_div
-        # The fused conv1d + chunked-scan kernel (mamba_split_conv1d_scan_combined) keeps its input z, x, B, C,
-        # dt and the scan output, and recomputes the rest in backward; out_proj keeps its input for its weight.
-        terms["mamba_in_proj_output"] = D * (2 * inner + bc + s.mamba_heads) / t
-        terms["mamba_scan_output"] = D * inner / t
-        if keeps_input("out_proj"):
-            terms["mamba_out_proj_input"] = D * inner / t
+        terms.update(mamba_activation_terms(s, lay, st, ln_out, gemm_in, keeps_input))
         lora_gathered("in_proj")
     if st.hidden_dropout:
         # every block ends in a bias-dropout-add (fusions/fused_bias_dropout.py _bias_dropout_add_func:
@@ -169,7 +208,7 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
     # The MoE checkpoint's saved input is the pre-MLP norm output (moe/moe_layer.py: tensor_parallel.checkpoint(
     # custom_forward, False, hidden_states, ...)): it stays unless "layernorm" drops it as well.
     "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
-            "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
+            "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router",
             "shared_expert"),
     "shared_experts": ("shared_expert",),
     "mla_up_proj": ("attention_qkv",),

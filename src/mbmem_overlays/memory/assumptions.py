@@ -91,7 +91,9 @@ ASSUMPTIONS = (
     "unless 'layernorm' is selected too, which megatron-core turns off for MoE layers under a TE moe_router "
     "graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
     "can_recompute_pre_mlp_layernorm_for_cudagraph)",
-    "hybrid (Mamba) blocks use the fused conv1d+scan kernel, which keeps its input projection and scan output",
+    "hybrid (Mamba) blocks use the fused conv1d+scan kernel (use_mamba_mem_eff_path, the default), which keeps "
+    "its input projection and scan output and recomputes the conv output and chunk states; the mixer's group "
+    "RMSNorm keeps its input and out_proj its input",
     VOCAB_FROM_TOKENIZER,
     "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
     "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones the "
@@ -111,8 +113,14 @@ ASSUMPTIONS = (
     "(megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers; with several optimizer "
     "instances optimizer state spans all of DP only when outer_dp_sharding_strategy is optim); every layer is one "
     "FSDP unit, and the transient unsharded copies are two units of parameters (the current one and the prefetched "
-    "next) and one unit of gradients; the embedding and output layer are sharded like the rest and their own "
-    "gathered copy is not counted; no fp32 gradient copy is made at the step (FSDP owns its main-grad buffers)",
+    "next) and one unit of gradients; under optim_grads_params the embedding and output layer (outside every "
+    "unit) stay gathered for the whole job beside their shard; no fp32 gradient copy is made at the step (FSDP "
+    "owns its main-grad buffers)",
+    "Muon steps every 2-D non-embedding parameter with one fp32 momentum, Adam the rest; with the distributed "
+    "optimizer it is the layer-wise optimizer's legacy path (--no-use-layer-wise-param-layout: whole parameters "
+    "ping-pong over DP ranks, the plan's figure is the most loaded rank unless Settings.dp_rank names one); the "
+    "default shard-aligned layout path (bin-packed buckets, Adam parameters byte-sharded by a DistributedOptimizer) "
+    "is planned the same way; Newton-Schulz temporaries of one matrix at the step are not counted",
 )
 
 
@@ -179,6 +187,12 @@ ADDED_TERMS = {
         "optimizer/distrib_optimizer.py:2774-2782 (decoupled_grad only under that flag, else .float()); "
         "megatron/bridge/training/mixed_precision.py:130-131 (setup copies fp8_recipe into the optimizer config), "
         "megatron/bridge/training/config.py:136-142 (OptimizerConfig.finalize runs the post-init after that)"),
+    "param_gather_in_place": (
+        "the distributed optimizer all-gathers each bucket's parameters into the bucket's own param_data, which "
+        "every rank already holds whole (its shard is a view of it): no in-flight copy of a bucket (before: one "
+        "bucket of up to 40M parameters counted beside the state)",
+        "megatron/core/distributed/param_and_grad_buffer.py:504-518 (start_param_sync: shard_buffer(bucket.param_data), "
+        "dist_all_gather_func(bucket.param_data, local_data_view))"),
     "gemm_workspaces": (
         "the cuBLAS workspaces torch's caching allocator holds from the first GEMM on: torch's one per thread and "
         "stream (the forward's thread and the autograd engine's device thread: 2 x 32 MiB on compute capability "
@@ -191,6 +205,12 @@ ADDED_TERMS = {
         "engine's worker thread per device runs the backward (torch/include/torch/csrc/autograd/engine.h:237 "
         "start_device_threads); TE v2.17.1 transformer_engine/pytorch/module/base.py (get_cublas_workspace_size_bytes, "
         "get_workspace, get_multi_stream_cublas_workspace)"),
+    "recompute_after_loss": (
+        "full recompute on the last stage: a checkpointed group is re-materialized only in its own backward, after "
+        "the loss and the output layer have released the logits, so the peak holds the larger of the loss buffers "
+        "and the re-materialized group, not both",
+        "megatron/core/tensor_parallel/random.py:625,647 (CheckpointFunction.backward: outputs = "
+        "ctx.run_function(*detached_inputs)); pipeline_parallel/schedules.py:532 (backward_step from the loss)"),
     "graph_capture_after_warmup": (
         "the CUDA graph capture as Bridge runs it, once, before training: with cuda_graph_warmup_steps >= 1 beside "
         "the last warm-up step's fp32 gradient copies, with 0 before the Adam moments exist; a one-time phase "
@@ -200,4 +220,35 @@ ADDED_TERMS = {
         "cuda_graph_warmup_steps, before train_step), :866-869 (train_step: optimizer.zero_grad); "
         "megatron/core/transformer/cuda_graphs.py:2671-2681 (_reset_after_capture zeroes after capture); TE "
         "v2.17.1 transformer_engine/pytorch/optimizers/fused_adam.py:615-616 (moments created at the first step)"),
+    # issue 30, Megatron FSDP, non-fused attention and Muon (found on the corpus's FSDP, MLA and Muon cases)
+    "fsdp_non_unit_params": (
+        "Megatron FSDP optim_grads_params keeps the parameters outside its units (embedding, output layer, final "
+        "norm) all-gathered for the whole job beside their shard: only units are released after their forward, "
+        "and the all-gather pipeline's reset preserves non-unit buckets",
+        "megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:1072 (the post-forward release hook, "
+        "units only); megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:4352-4361 "
+        "(AllGatherPipeline.reset: non-unit buckets PRESERVED), :4632 (release_bucket: non-unit modules remain "
+        "persistently allocated)"),
+    "fsdp_grad_dtypes": (
+        "Megatron FSDP with FP8 parameters and megatron_fsdp_main_grads_dtype unset keeps only the FP8 weights' "
+        "gradients in bf16; the other parameters' (embeddings, output layer) stay in the params dtype (fp32 "
+        "when training in fp32)",
+        "megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:2306-2315 "
+        "(_resolve_group_grad_dtype: bf16 for float8 groups, else the group's dtype)"),
+    "unfused_attention_output": (
+        "a non-fused attention (unfused/local backend) ends in bmm(probs, v), which saves its inputs, not its "
+        "output: no kernel output is kept beside linear_proj's own (FP8: quantized) input",
+        "megatron/core/transformer/dot_product_attention.py:239 (context = torch.bmm(attention_probs, value...)); "
+        "TE v2.17.1 transformer_engine/pytorch/attention/dot_product_attention/backends.py "
+        "UnfusedDotProductAttention.forward (torch.bmm(attention_probs, value_layer...), then a permuted copy)"),
+    "muon_state": (
+        "Muon keeps one fp32 momentum per 2-D non-embedding parameter beside its fp32 master (Adam's two moments "
+        "only for the rest), and is never the DistributedOptimizer: --use-distributed-optimizer becomes the "
+        "layer-wise optimizer, which gives whole parameters to data-parallel ranks ping-pong by size, so the rank "
+        "that draws the embedding holds its state",
+        "megatron/core/optimizer/emerging_optimizers.py:128-130 (_is_nonlinear_or_embedding: embeddings and "
+        "non-2-D to the scalar optimizer); Emerging-Optimizers orthogonalized_optimizer.py _init_group "
+        "(state['momentum_buffer'] = torch.zeros_like(p)); megatron/training/arguments.py:1670-1682 "
+        "(use_layer_wise_distributed_optimizer, use_distributed_optimizer = False); "
+        "megatron/core/optimizer/layer_wise_optimizer.py:645,659 (_shard_params_ping_pong)"),
 }

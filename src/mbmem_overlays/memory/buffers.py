@@ -100,12 +100,33 @@ def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params
         unit = largest_layer_params(s, lay, rank)
         gathered = 2 * unit * (st.param_bytes + st.fp8_weight_copy_bytes) if p_shard > 1 else 0.0
         unsharded_grads = unit * st.grad_bytes if g_shard > 1 and not st.lora_rank else 0.0
-        return gathered + unsharded_grads + global_memory_buffer(s, lay, st, rank)
+        return gathered + unsharded_grads + fsdp_non_unit_params(s, lay, st, rank) + global_memory_buffer(
+            s, lay, st, rank)
     out = global_memory_buffer(s, lay, st, rank)
-    if st.dist_optimizer and lay.dp * lay.cp > 1:
-        # overlap_param_gather keeps one bucket's all-gathered params (Megatron bucket_size 40M params)
+    if st.dist_optimizer and lay.dp * lay.cp > 1 and "param_gather_in_place" in st.without:
+        # the term before issue 30: one bucket's all-gathered params (Megatron bucket_size 40M params) in flight
         out += min(40e6, (params / st.param_bytes)) * st.param_bytes
     return out
+
+
+def fsdp_non_unit_params(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """The unsharded copy Megatron FSDP keeps of the parameters outside its units (embedding, output layer, final
+    norm: every module that is not a TransformerLayer, MoETransformerLayer or MambaLayer) under
+    optim_grads_params.
+
+    Their modules all-gather their own parameters before their forward (megatron_fsdp.py _register_fsdp_hooks:
+    the pre-forward unshard hook on every module) but only FSDP units get the post-forward release hook
+    (megatron_fsdp.py:1072), and the all-gather pipeline's reset marks non-unit buckets PRESERVED instead of
+    freeing them (param_and_grad_buffer.py AllGatherPipeline.reset :4352-4361; release_bucket: "Non-unit modules
+    should remain persistently allocated", :4632): the gathered copy lives beside the shard for the whole job, in
+    the compute dtype (embeddings are never FP8)."""
+    if st.fsdp is None or "fsdp_non_unit_params" in st.without:
+        return 0.0
+    (p_shard, _), _ = fsdp_shards(lay, st)
+    if p_shard <= 1:
+        return 0.0
+    _, embed, _ = stage_params(s, lay, rank == 0, rank == lay.pp - 1, rank)
+    return embed * st.dtype_bytes
 
 
 def global_memory_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> float:

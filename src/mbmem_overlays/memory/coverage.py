@@ -5,7 +5,8 @@ every field from_config.py reads is declared here). ``NOT_MODELLED`` lists field
 the model does not follow, each with the values at which it matters and why; ``not_modelled(cfg)`` names those
 set in a configuration ("not modelled: field=value"), which the plan carries into its verdict and JSON
 (memory/plan.py). Another part of the project that finds a memory-relevant field the model does not follow adds it
-here (one ``Unmodelled`` each), not in its own list.
+here (one ``Unmodelled`` each), not in its own list; a memory-relevant Megatron-LM flag with no configuration field
+(a training script's own flag, outside megatron-core's parser) is one ``UnmodelledFlag`` in ``NOT_MODELLED_FLAGS``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ MODEL_READS = frozenset({
     "model.fine_grained_activation_offloading", "model.offload_modules", "model.activation_offload_fraction",
     "model.min_offloaded_tensor_size", "model.delta_offload_bytes_across_pp_ranks",
     "ddp.megatron_fsdp_main_grads_dtype", "ddp.megatron_fsdp_main_params_dtype", "optimizer.exp_avg_sq_dtype",
+    # Muon and the layer-wise optimizer (memory/optimizers.py): what a per-tensor count reads
+    "optimizer.optimizer", "optimizer.use_layer_wise_distributed_optimizer", "model.normalization",
+    "model.add_bias_linear", "model.position_embedding_type",
+    # hybrid stacks: the MTP depth's pattern and one shared MTP layer (from_config.hybrid_pattern)
+    "model.mtp_hybrid_override_pattern", "model.mtp_use_repeated_layer",
 })
 
 
@@ -86,9 +92,55 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.experimental_attention_variant", "an experimental attention variant"),
     Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
+    Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon: its state is planned as Adam's",
+               lambda v: str(v) not in ("adam", "muon")),
+    Unmodelled("model.hybrid_layer_pattern", "hybrid layers the plan has no block for (G: gated delta net, "
+               "D: DeepSeek sparse attention, +: MLA) are left out",
+               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
+    Unmodelled("model.hybrid_override_pattern", "hybrid layers the plan has no block for (G, D, +) are left out",
+               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
+    Unmodelled("model.use_mamba_mem_eff_path", "the Mamba mixer's non-fused path (--disable-mamba-mem-eff-path: "
+               "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False),
     Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
     Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
 )
+
+
+@dataclass(frozen=True)
+class UnmodelledFlag:
+    """A Megatron-LM flag that changes GPU memory and has no configuration field to read it from: not a flag of
+    megatron-core 0.19.2's parser (a training script adds it), so a job that gives it lists it as unknown
+    (bridge/megatron_args.py); ``with_coverage`` names it as not modelled instead, where its value is set."""
+    flag: str
+    reason: str
+
+
+# Megatron-LM's ModelOpt flags (megatron/post_training/arguments.py add_modelopt_args, which pretrain_gpt.py passes
+# as extra_args_provider when nvidia-modelopt is installed). Knowledge distillation builds a second, frozen model
+# beside the student (post_training/model_builder.py: the teacher's config is read from the checkpoint's
+# model_config.yaml or --export-kd-teacher-model-config; checkpointing.py loads its weights) and runs its forward
+# every microbatch for the distillation loss (post_training/loss_func.py): its weights, its forward's activations
+# and its logits are on the GPU, and its shape is not in the job's arguments.
+DISTILLATION = "knowledge distillation: a teacher model is loaded beside the student"
+NOT_MODELLED_FLAGS: tuple[UnmodelledFlag, ...] = (
+    UnmodelledFlag("--export-kd-teacher-load",
+                   f"{DISTILLATION} from this checkpoint (its weights, its forward's activations and logits each "
+                   "microbatch); its shape is in the checkpoint, not in the arguments"),
+    UnmodelledFlag("--export-kd-teacher-model-config",
+                   f"{DISTILLATION}; this file gives the teacher's shape, which the plan does not read"),
+    UnmodelledFlag("--export-kd-cfg",
+                   f"{DISTILLATION}; this file names the teacher's and student's outputs kept for the distillation "
+                   "loss (logits, intermediate layers)"),
+)
+
+
+def _flag_name(word: str) -> str:
+    """``--export-kd-cfg``, ``--export-kd-cfg=x`` and a dump's ``export_kd_cfg`` as one name."""
+    return word.split("=", 1)[0].lstrip("-").replace("-", "_")
+
+
+def _flag_set(value: str) -> bool:
+    return value.strip() not in ("", "None", "False", "false", "null")
 
 
 def _read(cfg: Any, path: str) -> Any:
@@ -136,4 +188,16 @@ def with_coverage(job: Any) -> Any:
     for path, value, reason in unmodelled_fields(job.config):
         flag = "--" + path.rsplit(".", 1)[-1].replace("_", "-")
         notes.setdefault(flag, FlagNote(flag, value, f"{reason} ({path}); the plan does not follow it"))
-    return replace(job, not_modelled=tuple(notes.values()))
+    # flags outside megatron-core's parser: named here (with the value the job gives) rather than as unknown
+    by_name = {_flag_name(u.flag): u for u in NOT_MODELLED_FLAGS}
+    unknown = []
+    for note in job.unknown:
+        u = by_name.get(_flag_name(note.flag))
+        value = note.value or (note.flag.split("=", 1)[1] if "=" in note.flag else "")
+        if u is None or not _flag_set(value if value or "=" in note.flag else "True"):
+            unknown.append(note)
+            continue
+        notes.setdefault(u.flag, FlagNote(u.flag, value, f"{u.reason} (a ModelOpt flag of Megatron-LM's "
+                                                          "pretrain_gpt.py, not of megatron-core 0.19.2's parser); "
+                                                          "the plan does not follow it"))
+    return replace(job, not_modelled=tuple(notes.values()), unknown=tuple(unknown))

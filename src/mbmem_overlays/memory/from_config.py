@@ -236,6 +236,36 @@ def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def hybrid_pattern(pattern: str, mtp_pattern: str | None = None
+                   ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+    """(layer kinds, the blocks of one MTP depth, layers per pipe-delimited segment) of a hybrid layer pattern.
+
+    megatron-core's models/hybrid/hybrid_layer_allocation.py: parse_hybrid_pattern splits the main pattern from
+    the MTP depths at "/" (every depth the same pattern; Bridge's hybrid provider appends its
+    ``mtp_hybrid_override_pattern`` the same way); select_pipeline_segment gives pipeline rank r's virtual stage
+    v the segment ``v * pp + r`` of the "|"-delimited main pattern (chunk order), and splits a pattern without
+    "|" evenly or by num_layers_in_first/last_pipeline_stage (chunk_layers). Symbols the model has no block for
+    (G, D, +) are named by coverage.py, not counted."""
+    main, *mtp = pattern.split("/")
+    if not any(mtp) and mtp_pattern:
+        mtp = [mtp_pattern]
+    blocks = lambda text: tuple(HYBRID_SYMBOLS[c] for c in text if c in HYBRID_SYMBOLS)  # noqa: E731
+    parts = main.split("|")
+    return blocks(main), blocks(next((p for p in mtp if p), "")), tuple(len(blocks(p)) for p in parts)
+
+
+def mamba_heads(m: Any) -> int:
+    """The Mamba mixer's SSM heads: ``mamba_num_heads``, or, unset (megatron-core's default), the inner width
+    ``expand * hidden_size`` over ``mamba_head_dim`` with MambaMixer's ``expand=2``, which the hybrid stack never
+    overrides (megatron/core/ssm/mamba_mixer.py:179, :216, :243-249: nheads = d_inner // headdim;
+    transformer_config.py ``mamba_num_heads``: "If None, ... hidden_size * expand // mamba_head_dim")."""
+    heads = getattr(m, "mamba_num_heads", None)
+    if heads:
+        return int(heads)
+    head_dim = getattr(m, "mamba_head_dim", 0) or 0
+    return 2 * m.hidden_size // head_dim if head_dim else 0
+
+
 def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None
                 ) -> tuple[Shape, Layout, Settings]:
     """The plan's inputs read from a Bridge ConfigContainer for ``world`` GPUs of compute capability ``arch``
@@ -249,9 +279,11 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     freq = getattr(m, "moe_layer_freq", 1)
     experts = getattr(m, "num_moe_experts", None) or 0
     pattern = getattr(m, "hybrid_override_pattern", None) or getattr(m, "hybrid_layer_pattern", None)
+    mtp_blocks: tuple[str, ...] = ()
+    segments: tuple[int, ...] = ()
     if getattr(m, "is_hybrid_model", False) and isinstance(pattern, str) and pattern:
-        # hybrid stacks (Nemotron-H): one block per symbol; MTP blocks after "/" are not modelled
-        kinds = tuple(HYBRID_SYMBOLS[c] for c in pattern.split("/")[0] if c in HYBRID_SYMBOLS)
+        # hybrid stacks (Nemotron-H): one block per symbol, the MTP depth's blocks after "/"
+        kinds, mtp_blocks, segments = hybrid_pattern(pattern, getattr(m, "mtp_hybrid_override_pattern", None))
         layers = len(kinds)
     else:
         if not experts:
@@ -276,10 +308,18 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         qk_pos_dim=getattr(m, "qk_pos_emb_head_dim", 0) or 0, v_head_dim=getattr(m, "v_head_dim", 0) or 0,
         kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0,
         qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
-        mamba_heads=getattr(m, "mamba_num_heads", 0) or 0, mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
+        mamba_heads=mamba_heads(m) if "mamba" in kinds + mtp_blocks else 0,
+        mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
         mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
-        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0))
-    chunks = chunk_layers(m, layers)
+        mamba_conv=getattr(m, "linear_conv_kernel_dim", 4) or 4, mtp_layers=int(getattr(m, "mtp_num_layers", 0) or 0),
+        norm_bias=str(getattr(m, "normalization", "LayerNorm")) == "LayerNorm",
+        linear_bias=bool(getattr(m, "add_bias_linear", False)),
+        # GPTModel builds learned absolute position embeddings of max_sequence_length = seq_length rows
+        # (Bridge gpt_provider.py:297, :301)
+        position_embeddings=int(m.seq_length) if str(getattr(m, "position_embedding_type", "")) == "learned_absolute"
+        else 0,
+        mtp_blocks=mtp_blocks, mtp_shared=bool(getattr(m, "mtp_use_repeated_layer", False)))
+    chunks = segments if len(segments) > 1 else chunk_layers(m, layers)
     pp = m.pipeline_model_parallel_size
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
                  vpp=len(chunks) // pp if chunks else (m.virtual_pipeline_model_parallel_size or 1), cp=m.context_parallel_size,
@@ -357,6 +397,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather,
         dtype_bytes=compute_dtype_bytes(m),
+        optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
+        layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),
         attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
         hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,
         attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0,

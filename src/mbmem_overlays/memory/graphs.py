@@ -19,12 +19,12 @@ GRAPH_SCOPE_TERMS = {
             "mlp_glu_linear_input", "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
     "moe": ("moe_layernorm_input", "moe_dropout_mask", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
             "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
-            "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert"),
+            "moe_act_output", "moe_router", "shared_expert"),
     # up to the router: the pre-MLP norm and the router, and the shared experts unless they overlap with the
     # EP communication (then they run outside the graph)
     "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert"),
     "mamba": ("mamba_layernorm_input", "mamba_dropout_mask", "mamba_layernorm_output", "mamba_in_proj_output", "mamba_scan_output",
-              "mamba_out_proj_input", "lora_a_gathered_input_in_proj"),
+              "mamba_norm_input", "mamba_out_proj_input", "lora_a_gathered_input_in_proj"),
 }
 WHOLE_LAYER = ("attn", "mlp", "moe", "mamba")   # empty cuda_graph_modules: every graphable layer, whole
 

@@ -44,6 +44,15 @@ class Shape:
     mamba_state: int = 0
     mamba_conv: int = 4
     mtp_layers: int = 0           # mtp_num_layers: multi-token prediction layers on the last pipeline stage
+    # What only a per-tensor count needs (memory/optimizers.py): LayerNorm's bias beside each norm weight, the
+    # linear layers' biases (add_bias_linear), learned absolute position embeddings (rows; 0: none)
+    norm_bias: bool = False
+    linear_bias: bool = False
+    position_embeddings: int = 0
+    # The blocks of one MTP depth's layer: a hybrid pattern's part after "/" ("*E": attn, moe); empty: the
+    # model's last layer kind. mtp_shared (mtp_use_repeated_layer): one MTP layer's parameters run at every depth.
+    mtp_blocks: tuple[str, ...] = ()
+    mtp_shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,18 @@ class Settings:
     # cuBLAS workspaces torch's allocator holds for the whole job (buffers.gemm_workspaces): torch's per thread and
     # stream, Transformer Engine's, and TE's grouped-GEMM streams'; 0 where the plan was not given them
     gemm_workspace_bytes: float = 0.0
+    # Megatron FSDP with FP8 parameters and megatron_fsdp_main_grads_dtype unset: the FP8 weights' gradients are
+    # bf16 (grad_bytes), every other parameter's (embeddings, output layer) in its own dtype, these bytes
+    # (levers.apply_config); 0: grad_bytes for all
+    embed_grad_bytes: int = 0
+    # The optimizer the job runs (optimizer: "adam", "muon", ...) and, for the emerging optimizers, megatron-core's
+    # layer-wise distributed optimizer (use_layer_wise_distributed_optimizer); see weights.muon_state
+    optimizer: str = "adam"
+    layer_wise_optimizer: bool = False
+    # Which data-parallel rank a breakdown is for where ranks of one pipeline stage differ (the layer-wise
+    # optimizer's whole-parameter shards): None, the most loaded; -1, the last (Megatron-LM logs memory from the
+    # last rank, global_vars.py); else that rank
+    dp_rank: int | None = None
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

@@ -316,7 +316,8 @@ def apply_config(cfg: Any, st: Settings) -> Settings:
     - Megatron FSDP keeps its own buffers (megatron_fsdp/param_and_grad_buffer.py
       _init_each_parameter_group_buffers): gradients in ddp.megatron_fsdp_main_grads_dtype, or, unset (Bridge's
       default), in the parameters' own dtype (bf16; bf16 for FP8 parameters too: _resolve_group_grad_dtype,
-      :2306-2315), whatever grad_reduce_in_fp32 says; master weights in ddp.megatron_fsdp_main_params_dtype
+      :2306-2315, while the non-FP8 ones of an FP8 run, the embeddings, keep the params dtype: embed_grad_bytes),
+      whatever grad_reduce_in_fp32 says; master weights in ddp.megatron_fsdp_main_params_dtype
       (fp32 by default; None: the compute weights are the masters, :2682-2694; mcore_fsdp_adapter.py:134-138).
     - The precision-aware optimizer keeps exp_avg and exp_avg_sq each in its own dtype
       (optimizer_config.py exp_avg_dtype / exp_avg_sq_dtype; TE FusedAdam): the plan's per-moment bytes are
@@ -330,6 +331,9 @@ def apply_config(cfg: Any, st: Settings) -> Settings:
         grads = _dtype(read(cfg, "ddp.megatron_fsdp_main_grads_dtype", None), compute)
         main = read(cfg, "ddp.megatron_fsdp_main_params_dtype", "fp32")
         out = replace(out, grad_bytes=grads or compute, master_bytes=_dtype(main, 0) or 0)
+        if st.param_bytes == FP8 and read(cfg, "ddp.megatron_fsdp_main_grads_dtype", None) is None:
+            # only the FP8 weights' gradients are bf16; the embeddings' stay in the params dtype (:2315)
+            out = replace(out, embed_grad_bytes=_dtype(params_dtype, BF16) or BF16)
     if st.precision_aware:
         opt = cfg.optimizer
         first = _dtype(getattr(opt, "exp_avg_dtype", None), FP32)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from .activations import layer_activation
 from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
 from .inputs import BF16, FP32, Layout, Settings, Shape
-from .pipeline import in_flight, layer_kinds, rank_layers
+from .pipeline import in_flight, rank_layers
+from .weights import mtp_blocks
 
 @dataclass(frozen=True)
 class StageActivations:
@@ -21,15 +22,23 @@ class StageActivations:
 
 
 def mtp_layer_activation(s: Shape, lay: Layout, st: Settings) -> float:
-    """Bytes one MTP layer keeps per microbatch beside its logits (transformer/multi_token_prediction.py
+    """Bytes one MTP layer keeps per microbatch beside its loss (transformer/multi_token_prediction.py
     _get_embeddings, _concat_embeddings, forward): the embedding of the shifted tokens and the main hidden state
-    (the enorm and hnorm inputs), their concatenation (eh_proj's input, 2h), the decoder layer's own terms (the
-    model's last layer kind), the final norm's input and the output layer's input; the logits and loss are the
-    main model's again (mtp_loss per layer, multi_token_prediction.py:841-855)."""
+    (the enorm and hnorm inputs), their concatenation (eh_proj's input, 2h), its decoder blocks' own terms
+    (weights.mtp_blocks, each block a layer of its own), the final norm's input and the output layer's input."""
     tokens = lay.seq * lay.mbs / lay.cp
     hidden_local = st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
-    kind = layer_kinds(s)[-1] if s.layers else "attn+mlp"
-    return 6 * hidden_local + layer_activation(s, lay, st, kind)
+    return 6 * hidden_local + sum(layer_activation(s, lay, st, block) for block in mtp_blocks(s))
+
+
+def loss_kept_bytes(st: Settings) -> float:
+    """Bytes per logit a loss keeps from its forward to its backward: the fp32 softmax megatron-core's cross
+    entropy saves (tensor_parallel/cross_entropy.py :25 .float(), :77 div_ in place, :181 save_for_backward; the
+    native fusion alike, fusions/fused_cross_entropy.py _VocabParallelCrossEntropy.forward), or TE's bf16 logits
+    holding the gradient written in the forward (loss_bytes). The bf16 logits themselves are freed."""
+    if st.cross_entropy_impl == "te" and "te_cross_entropy_in_place" not in st.without:
+        return BF16
+    return FP32
 
 
 def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageActivations:
@@ -84,7 +93,9 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             kept = per_stage / n * boundary
         acts = kept * mbs_alive + working
         detail.append(("full recompute working set", working))
+        recompute_working = working
     else:
+        recompute_working = 0.0
         layers_on_gpu = per_stage
         if st.cpu_offload_layers:
             layers_on_gpu -= min(per_stage, st.cpu_offload_layers) - (1 if st.cpu_offload_double_buffer else 0)
@@ -106,8 +117,12 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         loss = logits
         if s.mtp_layers:
             # in the last model chunk, which like the loss runs its backward right after its forward: one
-            # microbatch's worth
-            mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + logits)
+            # microbatch's worth. Each depth computes its logits and loss in the forward (process_mtp_loss:
+            # output_layer, compute_language_model_loss) and keeps only what its loss saves (loss_kept_bytes)
+            # until the backward; the main loss's backward, which runs first, is the one at the loss's peak (the
+            # MTP losses join through MTPLossAutoScaler, multi_token_prediction.py:714-747, after it).
+            kept = loss_kept_bytes(st) * s.vocab / lay.tp * tokens
+            mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + kept)
             detail.append(("MTP layers with their logits and loss (last stage)", mtp))
             loss += mtp
         if offload is not None and offload.working:
@@ -116,6 +131,13 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             # another layer's working set: the larger of the two is the peak
             loss = max(0.0, loss + (0.0 if s.mtp_layers else offload.beside_loss) - offload.working)
         acts += loss
+        if recompute_working and "recompute_after_loss" not in st.without:
+            # the loss buffers live from the output layer's forward to its backward; a checkpointed group is
+            # re-materialized only in its own backward (tensor_parallel/random.py:625-647 CheckpointFunction.backward
+            # re-runs the forward), which the autograd pass reaches after the loss and output layer have released
+            # the logits: the two never coexist, and the larger of them is the peak's
+            loss_time = logits + (mtp if s.mtp_layers else 0.0)
+            acts -= min(recompute_working, loss_time)
         if st.deferred_wgrad_microbatches:
             # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
             # and its sequence-local input until the pipeline flush (megatron-core tensor_parallel/layers.py)

@@ -212,14 +212,15 @@ def bridge_estimate(cfg: Any, world: int) -> float | None:
 
 def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params: dict | None = None,
                capacity: float | None = None, margin: float = 0.05, locked: dict | None = None,
-               catalog: Any = None) -> P.Plan:
-    """Baseline, then one step per overlay (in ladder order), each validated by the engine."""
+               catalog: Any = None, arch: int = 9, env: dict[str, str] | None = None) -> P.Plan:
+    """Baseline, then one step per overlay (in ladder order), each validated by the engine; ``arch`` and ``env``:
+    the GPUs' compute capability and the job's environment, as from_config reads them."""
     catalog = catalog or Catalog()
     names = sorted({catalog.resolve(n).name for n in overlays},
                    key=lambda n: LADDER.index(n) if n in LADDER else len(LADDER))
     apply_overlay(copy.deepcopy(cfg), names, env=launch_env(), params=params, world_size=world, locked=locked,
                   catalog=catalog)  # all at once
-    steps = [P.Step("baseline", P.estimate(*P.from_config(cfg, world)))]
+    steps = [P.Step("baseline", P.estimate(*P.from_config(cfg, world, arch=arch, env=env)))]
     work = copy.deepcopy(cfg)
     applied: list[str] = []
     for name in names:
@@ -228,11 +229,11 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
         apply_overlay(work, applied, env=launch_env(), params={k: v for k, v in (params or {}).items()
                                                      if k.split(".")[0] in applied or k in applied}, world_size=world,
                       locked=locked, catalog=catalog)
-        shape, lay, st = P.from_config(work, world)
+        shape, lay, st = P.from_config(work, world, arch=arch, env=env)
         b = P.estimate(shape, lay, st)
         note = P.STEP_NOTES.get(name) or step_note(name, shape, lay, st, steps[-1].breakdown.total - b.total)
         steps.append(P.Step(name, b, note))
-    shape, lay, st = P.from_config(work, world)
+    shape, lay, st = P.from_config(work, world, arch=arch, env=env)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
                   not_modelled=not_modelled(work))

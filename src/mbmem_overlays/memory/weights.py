@@ -4,6 +4,7 @@ the distributed optimizer, Megatron FSDP and optimizer CPU offload shard or move
 from __future__ import annotations
 
 from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
+from .optimizers import emerging_optimizer_bytes, muon_state
 from .pipeline import layer_kinds, rank_layers
 
 def _attention_params(s: Shape) -> float:
@@ -20,10 +21,15 @@ def _mlp_params(hidden: int, ffn: int, gated: bool) -> float:
 
 
 def _mamba_params(s: Shape) -> float:
+    """One Mamba mixer's parameters over all TP ranks (megatron-core ssm/mamba_mixer.py MambaMixer.__init__):
+    in_proj (hidden -> z, x, B, C, dt), the depthwise conv1d's weight and bias over x, B and C (conv_dim x d_conv,
+    conv_dim), dt_bias, A_log and D (one per head), the group RMSNorm's weight (d_inner) and out_proj
+    (d_inner -> hidden); no linear biases (``assert not bias``). The layer's own norm is in_proj's fused one."""
     inner = s.mamba_heads * s.mamba_head_dim
     bc = 2 * s.mamba_groups * s.mamba_state
     in_proj = s.hidden * (2 * inner + bc + s.mamba_heads)            # z, x, B, C, dt
-    return in_proj + (inner + bc) * s.mamba_conv + 3 * s.mamba_heads + inner + inner * s.hidden
+    conv = (inner + bc) * (s.mamba_conv + 1)                          # weight and bias
+    return in_proj + conv + 3 * s.mamba_heads + inner + inner * s.hidden
 
 def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     """(dense, expert) parameters of one block on one GPU; every block has its own norm."""
@@ -37,6 +43,15 @@ def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     if block == "mamba":
         return _mamba_params(s) / lay.tp + s.hidden, 0.0
     raise ValueError(f"unknown layer block {block!r}")
+
+
+def mtp_blocks(s: Shape) -> tuple[str, ...]:
+    """The decoder blocks of one MTP depth: a hybrid pattern's MTP part ("*E": attention, then MoE, each its own
+    layer; models/hybrid/hybrid_layer_allocation.py parse_hybrid_pattern), else one layer of the model's last kind
+    (GPT: the decoder's layer spec)."""
+    if s.mtp_blocks:
+        return s.mtp_blocks
+    return tuple((layer_kinds(s)[-1] if s.layers else "attn+mlp").split("+"))
 
 
 def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | None = None) -> tuple[float, float, float]:
@@ -56,15 +71,16 @@ def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | Non
         embed += s.vocab * s.hidden / lay.tp
     if last and s.mtp_layers:
         # MTP on the last stage (transformer/multi_token_prediction.py MultiTokenPredictionLayer): per layer an
-        # enorm and hnorm, eh_proj (2h -> h, column-parallel), one decoder layer of the model's last kind and a
-        # final norm; with PP the last stage builds its own embedding for the shifted inputs
-        # (models/gpt/gpt_model.py:167: pre_process or mtp_process)
-        kind = layer_kinds(s)[-1] if s.layers else "attn+mlp"
-        for block in kind.split("+"):
+        # enorm and hnorm, eh_proj (2h -> h, column-parallel), its decoder blocks (mtp_blocks) and a final norm;
+        # with mtp_use_repeated_layer one such layer serves every depth (MultiTokenPredictionBlock._build_layers,
+        # "build one layer, use it for all depths"). With PP the last stage builds its own embedding for the
+        # shifted inputs (models/gpt/gpt_model.py:167, models/hybrid/hybrid_model.py:234: pre_process or mtp_process)
+        built = 1 if s.mtp_shared else s.mtp_layers
+        for block in mtp_blocks(s):
             d, e = _block_params(s, lay, block)
-            dense += s.mtp_layers * d
-            expert += s.mtp_layers * e
-        dense += s.mtp_layers * (3 * s.hidden + 2 * s.hidden * s.hidden / lay.tp)
+            dense += built * d
+            expert += built * e
+        dense += built * (3 * s.hidden + 2 * s.hidden * s.hidden / lay.tp)
         if lay.pp > 1:
             embed += s.vocab * s.hidden / lay.tp
     return dense, embed, expert
@@ -187,8 +203,14 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
     params = (layer_params * weight_bytes + embed * st.dtype_bytes + adapters * st.dtype_bytes) / p_dense + expert * weight_bytes / p_expert
     grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
+    if st.embed_grad_bytes and not frozen and "fsdp_grad_dtypes" not in st.without:
+        # Megatron FSDP keeps an FP8 weight's gradient in bf16 and every other parameter's in its own dtype
+        # (param_and_grad_buffer.py _resolve_group_grad_dtype :2306-2315): the embeddings' in the params dtype
+        grads += embed * (st.embed_grad_bytes - st.grad_bytes) / g_dense
     dense_shards, expert_shards = optimizer_shards(lay, st)
     opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * optimizer_gpu_bytes(st)
+    if muon_state(st) and not frozen and not st.optimizer_offload:
+        opt = emerging_optimizer_bytes(s, lay, st, rank)   # Muon's momentum, whole-parameter shards
     return params, grads, opt
 
 def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
