@@ -8,6 +8,7 @@ Figures from the corpus (Megatron-LM's measured runs) are printed by bench/plan_
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -111,9 +112,11 @@ MODULES = ["qkv_linear", "core_attn", "attn_proj"]
 @pytest.mark.bridge
 def test_fine_grained_offload_removes_the_named_modules_saved_inputs(bridge, recipe):
     """Llama3-8B (TE's fused norm + QKV, bf16), PP1: qkv_linear takes the layer input and the norm output,
-    core_attn q, k, v (the softmax statistics are under 1M elements and stay), attn_proj the attention output;
-    every layer but the last one (megatron-core's offload margin) leaves the GPU. The host holds every layer's,
-    the attention output twice (core_attn's and attn_proj's hooks each copy it)."""
+    core_attn q, k, v (the softmax statistics are under 1M elements and stay), attn_proj the attention output.
+    The peak is the loss beside the last layer, which stays on the GPU (its backward comes next): every other
+    layer's offloaded tensors leave. A reloaded layer in backward (one layer, the attention output twice) is
+    smaller than the logits. The host holds every layer's, the attention output twice (core_attn's and
+    attn_proj's hooks each copy it)."""
     base, off = steps(recipe, ["fine_grained_offload"], params={"fine_grained_offload": {"modules": MODULES}})
     a, b = base.breakdown, off.breakdown
     shape, lay, st = P.from_config(recipe(L8, *DP8), 8)
@@ -136,7 +139,10 @@ def test_fine_grained_offload_fraction_keeps_the_later_groups(bridge, recipe):
     full = L.offloaded_activations(shape, lay, st, 0)
     half = L.offloaded_activations(shape, lay, replace(st, fine_grained_offload=replace(
         st.fine_grained_offload, fraction=0.5)), 0)
-    assert half.gpu_removed == pytest.approx(full.gpu_removed / 2, rel=1e-9)   # 96 groups per chunk, 48 kept
+    # 96 groups per chunk, the later 48 (16 layers) stay; the working set (a reloaded layer) is the same
+    per_layer = sum(L.layer_offload_terms(shape, lay, st, "attn+mlp")[0].values()) * lay.seq * lay.mbs
+    assert half.gpu_removed == pytest.approx(full.gpu_removed - 16 * per_layer, rel=1e-9)
+    assert half.working == full.working
     assert half.host_per_gpu == full.host_per_gpu   # the warm-up iteration offloads every group
 
 
@@ -153,6 +159,130 @@ def test_fine_grained_offload_saves_nothing_where_nothing_is_saved(bridge, recip
     base, off = steps(recipe, ["fine_grained_offload"], *sets, params={"fine_grained_offload": {"modules": modules}})
     assert off.breakdown.total == pytest.approx(base.breakdown.total, abs=1 << 20)
     assert off.note.startswith("saves nothing here: ") and why in off.note
+
+
+# ----------------------------------------------------------------------------- offloading a non-fused attention
+# An MLA + MoE model like the corpus's two offloading cases (Megatron-LM's functional tests), smaller and in our
+# own numbers: unfused attention, the recompute the corpus cases use, every offload module on.
+NON_FUSED = P.Shape(layers=8, hidden=1024, ffn=4096, heads=16, groups=16, head_dim=128, vocab=32768, experts=8,
+                    moe_ffn=512, topk=2, shared_ffn=512, moe_layers=8, mla=True, qk_head_dim=128, qk_pos_dim=64,
+                    v_head_dim=128, kv_lora_rank=512, q_lora_rank=768)
+ALL_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+
+
+def non_fused(**settings):
+    lay = P.Layout(world=8, tp=2, pp=2, ep=2, sp=True, seq=4096, mbs=1, gbs=8)
+    st = P.Settings(recompute="selective", modules=("layernorm", "mla_up_proj", "moe_act"), dist_optimizer=True,
+                    attention_scores="fused_softmax",
+                    fine_grained_offload=L.FineGrainedOffload(ALL_MODULES, separate_input_norm=True))
+    return NON_FUSED, lay, replace(st, **settings)
+
+
+def test_offloading_a_non_fused_attention_takes_its_probabilities_and_copies_them_twice():
+    """core_attn's hooks capture a non-fused attention's probabilities (the s x s term, the largest of the layer)
+    and q, k, v, not its output (linear_proj's input, attn_proj's group). The fused softmax saves its output and
+    the bmm with v the same tensor: two copies on the host, two reloaded tensors. With attention dropout the three
+    saved tensors are distinct (softmax output, mask, dropped probabilities): one copy each. MLA's up-projection
+    recompute drops q, k, v from the stored activations, but core_attn copied them first."""
+    shape, lay, st = non_fused()
+    terms = P.layer_activation_terms(shape, lay, st, "attn+moe")
+    stored = P._selected_terms(shape, lay, st, "attn+moe")
+    one = L.layer_offload(shape, lay, st, "attn+moe")
+    assert "attention_qkv" not in stored and "attention_qkv" not in one.gpu
+    assert one.host["attention_qkv"] == terms["attention_qkv"]
+    assert one.gpu["attention_scores"] == terms["attention_scores"]
+    assert one.host["attention_scores"] == 2 * terms["attention_scores"]
+    assert one.host["attention_output"] == terms["attention_output"]   # attn_proj's copy only
+    assert one.scores_transient == P.BF16 * shape.heads / lay.tp * lay.seq
+    assert one.attention_live == pytest.approx(sum(terms[n] for n in (
+        "attn_layernorm_input", "attention_layernorm_output", "mla_up_proj_inputs", "attention_qkv",
+        "attention_scores", "attention_output")), rel=1e-12)
+    # what no offload module captures stays: the router's probabilities, the shared expert (and, where the
+    # activations model keeps it, the unpermute's input)
+    assert set(stored) - set(one.gpu) == set(stored) & {"moe_router", "moe_unpermute_input", "shared_expert"}
+    assert {"moe_router", "shared_expert"} <= set(stored)
+    dropout = L.layer_offload(*non_fused(attention_dropout=True), "attn+moe")
+    assert dropout.host["attention_scores"] == dropout.gpu["attention_scores"]
+
+
+def test_offload_peak_holds_a_working_layer_and_a_reloaded_layer():
+    """Pipeline rank 0 of 2 has two microbatches in flight: once the first backward chunk's last layer is kept
+    (the margin), each chunk's reload runs one layer ahead and pre-reloads the next backward chunk's last layer,
+    which waits through the next forward beside that forward's working layer (its attention block's tensors and
+    the s x s scores beside the probabilities). The last rank (one microbatch in flight) reloads nothing ahead:
+    its peak is the larger of the working layer and a reloaded layer in backward beside the probabilities'
+    gradient; the loss there runs beside the layer the offload keeps."""
+    shape, lay, st = non_fused()
+    tokens = lay.seq * lay.mbs
+    one = L.layer_offload(shape, lay, st, "attn+moe")
+    gpu, host = sum(one.gpu.values()) * tokens, sum(one.host.values()) * tokens
+    live = (one.attention_live + one.scores_transient) * tokens
+    assert live > one.mlp_live * tokens
+    first = L.offloaded_activations(shape, lay, st, 0)
+    assert P.in_flight(lay, 0) == 2
+    assert first.working == pytest.approx(live + host, rel=1e-12)
+    assert first.gpu_removed == pytest.approx(4 * 2 * gpu - first.working, rel=1e-12)
+    assert first.host_per_gpu == pytest.approx(4 * 2 * host, rel=1e-12)
+    last = L.offloaded_activations(shape, lay, st, 1)
+    assert last.working == pytest.approx(max(live, host + one.scores_transient * tokens), rel=1e-12)
+    assert last.beside_loss == last.kept_margin == pytest.approx(gpu, rel=1e-12)
+    base = replace(st, fine_grained_offload=None)
+    acts = P.stage_activations(shape, lay, st, 1)
+    stored = P.stage_activations(shape, lay, base, 1).steady
+    logits = st.logits_bytes * shape.vocab / lay.tp * tokens
+    kept = stored - logits - 4 * gpu
+    assert acts.steady == pytest.approx(kept + max(last.working, last.kept_margin + logits), rel=1e-12)
+    assert ("fine-grained offload: working layer and reloaded layer", last.working) in acts.detail
+
+
+def test_offload_never_plans_more_than_keeping_the_activations():
+    """One layer, one microbatch: the working set is the whole layer and more (the plan's stored activations
+    leave out its transients), so the offload is planned as saving nothing rather than as costing memory."""
+    shape, lay, st = non_fused()
+    shape = replace(shape, layers=1, moe_layers=1)
+    lay = replace(lay, pp=1, world=4)
+    off = L.offloaded_activations(shape, lay, st, 0)
+    assert (off.gpu_removed, off.working) == (0.0, 0.0) and off.host_per_gpu > 0
+    base = replace(st, fine_grained_offload=None)
+    assert P.stage_activations(shape, lay, st, 0).steady == P.stage_activations(shape, lay, base, 0).steady
+
+
+def test_offload_reads_cuda_graph_modules_given_as_one_name():
+    """TransformerConfig.cuda_graph_modules is one name ("full" by default) or a list: one name is one module,
+    not its letters."""
+    from types import SimpleNamespace
+    m = SimpleNamespace(fine_grained_activation_offloading=True, offload_modules=["core_attn"],
+                        cuda_graph_modules="attn")
+    assert L.offload_from_config(m).graph_modules == ("attn",)
+    assert L.offload_from_config(SimpleNamespace(**{**vars(m), "cuda_graph_modules": [
+        "attn", "moe_router"]})).graph_modules == ("attn", "moe_router")
+
+
+# megatron-core 0.19.2 lines the offload terms cite (memory/levers.py), checked against the installed package
+OFFLOAD_CITED_LINES = [
+    ("pipeline_parallel/fine_grained_activation_offload.py", 583, "last_group_with_same_name = {}"),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 590, "if self._offload_margin > 0:"),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 1008, "for tensor_tag, tensor_on_device in "
+                                                                   "group_to_offload._tensors.items():"),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 855, "gpu_tensor = torch.empty("),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 1064, "self.bulk_reload_group()"),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 1097, "self._groups_to_reload.append(group_to_offload)"),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 1139,
+     "next_backward_chunk = PipelineOffloadManager.get_instance().front_backward_chunk()"),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 1146, "next_backward_chunk.pre_reload_last_layer()"),
+    ("pipeline_parallel/fine_grained_activation_offload.py", 1202, "self.bulk_reload()"),
+    ("transformer/multi_latent_attention.py", 429, "core_attn_out = core_attn_manager.group_offload("),
+    ("transformer/multi_latent_attention.py", 456,
+     "self.qkv_up_checkpoint.discard_output_and_register_recompute(core_attn_out)"),
+    ("transformer/dot_product_attention.py", 210, "attention_probs: Tensor = self.scale_mask_softmax("),
+]
+
+
+def test_offload_cited_lines_hold_the_cited_code():
+    import megatron.core
+    root = Path(megatron.core.__file__).resolve().parent
+    for path, line, text in OFFLOAD_CITED_LINES:
+        assert text in (root / path).read_text().splitlines()[line - 1], (path, line)
 
 
 # ----------------------------------------------------------------------------- the environment apply reads

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 # the model's own files, not its model.py name space (which imports from_config, which calls apply_config here)
-from .activations import _selected_terms
+from .activations import RECOMPUTE_DROPS, _selected_terms, layer_activation_terms
 from .graphs import GRAPH_SCOPE_TERMS, graphed_blocks
 from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
 from .pipeline import in_flight, layer_kinds, rank_layers
@@ -52,9 +52,13 @@ OFFLOAD_TERMS = {
     # attention.py:1385-1394: get_query_key_value_tensors under the hooks: linear_qkv's saved input (the norm
     # output; with TE's fused norm also the norm's input), q/k norm inputs (:1920-1924), MLA's up-projection inputs
     "qkv_linear": ("attention_layernorm_output", "attention_qk_norm_inputs", "mla_up_proj_inputs"),
-    # attention.py:1541-1596: the fused kernel's saved q, k, v (force-released), softmax statistics and its own
-    # output; bypassed when core_attn is recomputed (the checkpointed path, :1546)
-    "core_attn": ("attention_qkv", "attention_softmax_stats", "attention_kernel_output", "attention_output"),
+    # attention.py:1541-1596 (MLA: multi_latent_attention.py:380-431): the fused kernel's saved q, k, v
+    # (force-released), softmax statistics and its own output; a non-fused attention's saved probabilities
+    # (attention_scores: TE backends.py UnfusedDotProductAttention.forward, megatron-core dot_product_attention.py
+    # :194-239) and q, k, v, but not its output (NON_FUSED_CORE_ATTN); bypassed when core_attn is recomputed (the
+    # checkpointed path, :1546)
+    "core_attn": ("attention_qkv", "attention_softmax_stats", "attention_kernel_output", "attention_output",
+                  "attention_scores"),
     # attention.py:1615-1618: linear_proj's saved input, core_attn_out force-released
     "attn_proj": ("attention_output", "attention_output_fp8"),
     # transformer_layer.py:763-773, :998-1004: a separate pre-MLP norm (MoE layers) saves the residual stream;
@@ -73,6 +77,13 @@ OFFLOAD_TERMS = {
 # (the bf16 attention output is also linear_proj's saved input unless attn_proj offloads and releases it).
 SHARED_WITH = {"attention_output": "attn_proj"}
 _FP32_TERMS = ("attention_softmax_stats", "moe_router")
+# A non-fused attention saves its probabilities and q, k, v, not its output (the bmm with v makes it): the output is
+# only linear_proj's saved input, attn_proj's group (TE backends.py UnfusedDotProductAttention.forward, :684)
+NON_FUSED_CORE_ATTN = ("attention_qkv", "attention_scores")
+# The modules of each block of a layer: a layer's forward holds one block's groups at a time (the attention block's
+# commit after self_attn_bda, transformer_layer.py:697-702; the MLP block's after mlp_bda, :998-1004)
+ATTENTION_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
+MLP_MODULES = ("mlp_norm", "expert_fc1", "moe_act", "fused_group_mlp")
 
 
 def _element_bytes(term: str) -> int:
@@ -84,7 +95,10 @@ def offload_from_config(m: Any) -> FineGrainedOffload | None:
     if not bool(getattr(m, "fine_grained_activation_offloading", False)):
         return None
     modules = tuple(str(x) for x in (getattr(m, "offload_modules", None) or ()))
-    graphs = tuple(str(getattr(x, "name", x)) for x in (getattr(m, "cuda_graph_modules", None) or ()))
+    graphs = getattr(m, "cuda_graph_modules", None) or ()
+    if isinstance(graphs, str):   # transformer_config.py:1047: one name ("full" by default) or a list
+        graphs = (graphs,)
+    graphs = tuple(str(getattr(x, "name", x)) for x in graphs)
     return FineGrainedOffload(
         modules=modules, fraction=float(getattr(m, "activation_offload_fraction", 1.0) or 0.0),
         min_elements=int(getattr(m, "min_offloaded_tensor_size", MIN_OFFLOADED_ELEMENTS) or 0),
@@ -92,91 +106,168 @@ def offload_from_config(m: Any) -> FineGrainedOffload | None:
         delta_bytes=int(getattr(m, "delta_offload_bytes_across_pp_ranks", 0) or 0))
 
 
-def layer_offload_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[dict[str, float],
-                                                                                       dict[str, float]]:
-    """({term: bytes per token} the GPU no longer holds, {term: bytes per token} the host receives) for one layer
-    of ``kind`` and one microbatch, before the fraction and the last-layer margin (offloaded_activations).
+def _captured_names(s: Shape, st: Settings, kind: str, module: str) -> list[str]:
+    """The activation terms whose saved tensors ``module``'s hooks capture in a layer of ``kind`` (before the size
+    and CUDA graph filters of layer_offload)."""
+    off = st.fine_grained_offload
+    recomputed = set(st.modules) if st.recompute == "selective" else set()
+    names = list(OFFLOAD_TERMS.get(module, ()))
+    if module == "attn_norm" and (not off.separate_input_norm or "attn" in off.graph_modules):
+        names = []
+    if module == "qkv_linear" and not off.separate_input_norm:
+        names.append("attn_layernorm_input")   # TE's LayerNormLinear saves the norm's input too
+    if module == "core_attn":
+        if "core_attn" in recomputed:
+            names = []
+        elif st.attention_scores:
+            names = [n for n in names if n in NON_FUSED_CORE_ATTN]
+    if module == "mlp_norm" and ("moe" not in kind.split("+") or {"attn", "moe_router"} & set(off.graph_modules)):
+        names = []
+    return names
 
-    Only terms that survive selective recompute are offloaded (what a recomputed module drops is not saved at
-    all), only tensors of at least min_offloaded_tensor_size elements (ChunkOffloadHandler
-    tensor_need_offloading_checker, fine_grained_activation_offload.py:986-999), and none inside a captured CUDA
-    graph scope (those are graph-pool memory, not allocated: model.GRAPH_SCOPE_TERMS)."""
+
+@dataclass(frozen=True)
+class LayerOffload:
+    """Fine-grained offloading in one layer of one microbatch, bytes per token (layer_offload)."""
+    gpu: dict[str, float]       # stored terms the GPU no longer holds once their groups commit
+    host: dict[str, float]      # what the hooks copy to the host, one entry per copy; backward reloads each copy
+    attention_live: float       # the attention block's captured tensors, alive in its forward until they commit
+    mlp_live: float             # the MLP block's
+    scores_transient: float     # non-fused core_attn offloaded: one s x s tensor beside the probabilities
+
+
+def layer_offload(s: Shape, lay: Layout, st: Settings, kind: str) -> LayerOffload:
+    """What the offload hooks take from one layer of ``kind`` and one microbatch, before the fraction, the groups
+    megatron-core keeps and the working set (offloaded_activations).
+
+    Only terms that survive selective recompute leave the stored activations (what a recomputed module drops is
+    not saved at all), only tensors of at least min_offloaded_tensor_size elements are copied
+    (ChunkOffloadHandler tensor_need_offloading_checker, fine_grained_activation_offload.py:986-999), and none
+    inside a captured CUDA graph scope (those are graph-pool memory, not allocated: model.GRAPH_SCOPE_TERMS).
+
+    The host side counts one copy per saved tensor: bulk_offload_group (:1002-1034) copies every tensor the group's
+    hooks captured on its own, and backward reloads each into a new GPU tensor (reload, :849-862). Two saves of one
+    tensor are two copies: a non-fused attention's probabilities, which the fused softmax saves as its output and
+    the bmm with v as its input when no dropout makes a new tensor in between (TE v2.17.1
+    attention/dot_product_attention/softmax.py ScaledMaskedSoftmax.forward :107; backends.py
+    UnfusedDotProductAttention.forward, the bmm at :684), and the attention output that both core_attn's and
+    attn_proj's groups capture. MLA's up-projection recompute drops q, k, v from the stored activations, but only
+    after core attention (multi_latent_attention.py:456): core_attn's commit (:429) has copied them first."""
     off = st.fine_grained_offload
     if off is None or st.recompute == "full":
-        return {}, {}
+        return LayerOffload({}, {}, 0.0, 0.0, 0.0)
     terms = _selected_terms(s, lay, st, kind)
+    raw = layer_activation_terms(s, lay, st, kind)
     graphed = graphed_blocks(kind, st.graph_scopes)
     in_graph = {name for _, module in graphed.items() for name in GRAPH_SCOPE_TERMS[module]}
     tokens = _tokens(lay)
     mods = set(off.modules)
     recomputed = set(st.modules) if st.recompute == "selective" else set()
-    blocks = kind.split("+")
+    up_proj_dropped = set(RECOMPUTE_DROPS["mla_up_proj"]) if "mla_up_proj" in recomputed else set()
+    twice = {"attention_scores"} if st.attention_scores == "fused_softmax" and not st.attention_dropout else set()
     gpu: dict[str, float] = {}
     host: dict[str, float] = {}
+    live: dict[str, dict[str, float]] = {"attention": {}, "mlp": {}}
+    transient = 0.0
     for module in off.modules:
-        names = list(OFFLOAD_TERMS.get(module, ()))
-        if module == "attn_norm" and (not off.separate_input_norm or "attn" in off.graph_modules):
-            names = []
-        if module == "qkv_linear" and not off.separate_input_norm:
-            names.append("attn_layernorm_input")   # TE's LayerNormLinear saves the norm's input too
-        if module == "core_attn" and "core_attn" in recomputed:
-            names = []
-        if module == "mlp_norm" and ("moe" not in blocks or {"attn", "moe_router"} & set(off.graph_modules)):
-            names = []
-        for name in names:
+        for name in _captured_names(s, st, kind, module):
             value = terms.get(name, 0.0)
-            if not value or name in in_graph or value * tokens / _element_bytes(name) < off.min_elements:
+            captured = value or (raw.get(name, 0.0) if module == "core_attn" and name in up_proj_dropped else 0.0)
+            if not captured or name in in_graph or captured * tokens / _element_bytes(name) < off.min_elements:
                 continue
-            host[name] = host.get(name, 0.0) + value
-            if SHARED_WITH.get(name) and SHARED_WITH[name] not in mods:
+            host[name] = host.get(name, 0.0) + captured * (2 if name in twice else 1)
+            live["attention" if module in ATTENTION_MODULES else "mlp"][name] = captured
+            if name == "attention_scores":
+                # the pre-softmax scores stay referenced through the softmax and the bmm with v (TE backends.py
+                # :567 matmul_result, :644-684; dot_product_attention.py:194-210 attention_scores); in backward
+                # the probabilities' gradient is the same size beside a reloaded copy of them
+                transient = st.dtype_bytes * s.heads / lay.tp * lay.seq / lay.cp
+            if not value or (SHARED_WITH.get(name) and SHARED_WITH[name] not in mods):
                 continue
             gpu[name] = value
-    return gpu, host
+    return LayerOffload(gpu, host, sum(live["attention"].values()), sum(live["mlp"].values()), transient)
+
+
+def layer_offload_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[dict[str, float],
+                                                                                       dict[str, float]]:
+    """({term: bytes per token} the GPU no longer holds, {term: bytes per token} the host receives) for one layer
+    of ``kind`` and one microbatch (layer_offload)."""
+    one = layer_offload(s, lay, st, kind)
+    return one.gpu, one.host
 
 
 @dataclass(frozen=True)
 class OffloadedActivations:
     """What fine-grained offloading changes on one pipeline rank (bytes)."""
-    gpu_removed: float       # activations no longer allocated on the GPU in the 1F1B steady state
+    gpu_removed: float       # net: activations no longer allocated on the GPU at the 1F1B steady-state peak
     host_per_gpu: float      # pinned host memory this rank's offload pool grows to
-    kept_margin: float       # the last layer's groups megatron-core keeps on the GPU (included in neither)
+    kept_margin: float       # one layer's offloaded groups kept on the GPU (the margin: the loss chunk's last layer)
+    working: float = 0.0     # what the peak holds beside the stored activations (included in gpu_removed)
+    beside_loss: float = 0.0  # what the last stage holds beside its loss instead (stage_activations)
 
 
 def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> OffloadedActivations:
     """Fine-grained activation offloading on pipeline rank ``rank``.
 
     Every in-flight layer-microbatch's offloaded terms leave the GPU, except (PipelineOffloadManager
-    post_warmup_callback, fine_grained_activation_offload.py:566-650): one group per module name, the last layer
-    of the chunk that runs backward first, so that its reload does not stall the compute stream (the offload
-    margin); then pipeline rank r keeps r x delta_offload_bytes_across_pp_ranks; then, per chunk,
-    int(n x (1 - activation_offload_fraction)) of its n eligible groups, the last ones
-    in forward order. The host side is megatron-core's pinned OffloadTensorPool (:115-345): it grows on demand
-    and is only reset, never released, between iterations, and the first (warm-up) iteration offloads every
-    group (should_bulk_offload returns True while is_warmup, :1066-1072), so it holds every eligible group of
-    the in-flight microbatches."""
+    post_warmup_callback, fine_grained_activation_offload.py:566-650): pipeline rank r keeps
+    r x delta_offload_bytes_across_pp_ranks, and per chunk int(n x (1 - activation_offload_fraction)) of its n
+    eligible groups, the last ones in forward order.
+
+    What the steady state holds beside them (one layer's worth each; the largest of the rank's layer kinds):
+    - the working layer: a layer's forward holds its block's captured tensors until the block's groups commit, and
+      a non-fused attention its s x s scores beside the probabilities (LayerOffload.scores_transient);
+    - the margin: post_warmup_callback (:583-593) keeps one group per module name, the last layer of the chunk that
+      runs backward first, and should_bulk_offload (:1066-1087) the last layer of any chunk whose backward comes
+      next (the loss chunk's); these groups are never pushed to the chunk's reload stack (bulk_offload, :1096-1097);
+    - the reloaded layer: every group start in backward reloads the top of that stack (on_group_start_backward
+      :1192-1202, bulk_reload :1131-1146), so a chunk whose last layer was kept reloads each earlier layer one layer
+      ahead, and once its stack is empty it pre-reloads the next backward chunk's last layer
+      (pre_reload_last_layer :1058-1064) when that chunk's forward is done: with more than one microbatch-chunk in
+      flight (1F1B: the next forward runs before that backward) that layer's copies (LayerOffload.host) wait on
+      the GPU through the next forward, beside its working layer. In backward a reloaded layer is used beside the
+      probabilities' gradient.
+    The peak is the larger of forward (working layer plus, with that look-ahead, a reloaded layer) and backward (a
+    reloaded layer and the gradient). The warm-up iteration offloads every group (should_bulk_offload returns True
+    while is_warmup), so its stack is complete and it reloads nothing ahead: only from iteration 2 on.
+
+    The host side is megatron-core's pinned OffloadTensorPool (:115-345): it grows on demand and is only reset,
+    never released, between iterations, and the warm-up iteration offloads every group, so it holds every
+    eligible group's copies of the in-flight microbatches."""
     if st.fine_grained_offload is None or st.recompute == "full":
         return OffloadedActivations(0.0, 0.0, 0.0)
     counts = rank_layers(s, lay, rank)
     per_stage = sum(counts.values()) or 1
     alive = in_flight(lay, rank)
     tokens = _tokens(lay)
-    gpu_layer = host_layer = 0.0
-    groups = 0.0
-    for kind, n in counts.items():
-        gpu, host = layer_offload_terms(s, lay, st, kind)
-        gpu_layer += n * sum(gpu.values()) * tokens
-        host_layer += n * sum(host.values()) * tokens
-        groups += n * sum(1 for m in st.fine_grained_offload.modules if _module_offloads(s, lay, st, kind, m))
+    parts = {kind: layer_offload(s, lay, st, kind) for kind in counts}
+    gpu_layer = sum(n * sum(parts[kind].gpu.values()) for kind, n in counts.items()) * tokens
+    host_layer = sum(n * sum(parts[kind].host.values()) for kind, n in counts.items()) * tokens
     if not gpu_layer and not host_layer:
         return OffloadedActivations(0.0, 0.0, 0.0)
+    groups = sum(n * sum(1 for m in st.fine_grained_offload.modules if _module_offloads(s, lay, st, kind, m))
+                 for kind, n in counts.items())
     mean_gpu = gpu_layer / per_stage
-    margin = mean_gpu                                  # one layer of one microbatch, every module's group once
+    held = max(sum(p.gpu.values()) for p in parts.values()) * tokens
+    reloaded = max(sum(p.host.values()) for p in parts.values()) * tokens
+    live = max(max(p.attention_live + p.scores_transient, p.mlp_live) for p in parts.values()) * tokens
+    gradient = max(p.scores_transient for p in parts.values()) * tokens
     chunk_groups = max(1.0, groups / max(1, lay.vpp))  # eligible groups of one chunk (one microbatch)
     kept = math.floor(chunk_groups * (1.0 - st.fine_grained_offload.fraction)) / chunk_groups
     # pipeline rank r keeps r x delta_offload_bytes_across_pp_ranks more on the GPU (post_warmup_callback :598-607)
     balance = rank * st.fine_grained_offload.delta_bytes
-    removed = max(0.0, (per_stage * alive * mean_gpu - margin - balance) * (1.0 - kept))
-    return OffloadedActivations(removed, host_layer * alive, margin)
+    removed = max(0.0, (per_stage * alive * mean_gpu - balance) * (1.0 - kept))
+    look_ahead = alive * lay.vpp > 1                  # microbatch-chunks in flight (pipeline.in_flight)
+    reloads_in_backward = look_ahead or per_stage / lay.vpp > 1
+    forward = live + (reloaded if look_ahead else 0.0)
+    backward = (reloaded if reloads_in_backward else 0.0) + gradient
+    working = max(forward, backward)
+    if working >= removed:
+        # The plan's stored activations leave out a layer's own transients (a non-fused attention's scores beside
+        # its probabilities): where the offload removes less than the working set, it is planned as saving nothing
+        return OffloadedActivations(0.0, host_layer * alive, held)
+    beside_loss = reloaded if look_ahead else held
+    return OffloadedActivations(removed - working, host_layer * alive, held, working, beside_loss)
 
 
 def _module_reason(module: str, s: Shape, st: Settings) -> str:

@@ -118,6 +118,7 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     capture = pool = 0.0
     graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
     persistent = 0.0
+    offload = None            # levers.OffloadedActivations with fine-grained activation offloading
     if graphed:
         # Graphed scopes keep their activations in the graphs' private pool: allocated while the graphs are
         # captured (after the warm-up steps, in pipeline order, no eager activations alive), reserved-only in
@@ -163,21 +164,30 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         acts = layers_on_gpu * per_layer * mbs_alive
         if st.fine_grained_offload is not None:   # the offloaded modules' saved inputs wait on the host
             from .levers import offloaded_activations
-            acts -= offloaded_activations(s, lay, st, rank).gpu_removed
+            offload = offloaded_activations(s, lay, st, rank)
+            acts -= offload.gpu_removed
+            if offload.working:
+                detail.append(("fine-grained offload: working layer and reloaded layer", offload.working))
     if rank == 0:
         acts += hidden_local * alive[0]  # embedding output, one per microbatch alive in the first chunk
     if last:
+        loss = 0.0
         if n_loss:
             loss = logits + (n_loss - 1) * saved
             detail.append(("loss: logits and their fp32 softmax/gradient (last stage)", loss))
-            acts += loss
         inputs = loss_chunk_inputs(s, lay, st) * n_loss
         if inputs:
             detail.append(("final norm and output layer inputs (last stage)", inputs))
             acts += inputs
         if s.mtp_layers and n_loss:
             detail.append(("MTP layers with their logits and loss (last stage)", mtp))
-            acts += mtp
+            loss += mtp
+        if offload is not None and offload.working:
+            # with fine-grained offloading the loss runs beside the layer the offload keeps (the loss chunk's last
+            # layer: an MTP layer, or the margin / look-ahead layer; levers.offloaded_activations), not beside
+            # another layer's working set: the larger of the two is the peak
+            loss = max(0.0, loss + (0.0 if s.mtp_layers else offload.beside_loss) - offload.working)
+        acts += loss
         if recompute_working and "recompute_after_loss" not in st.without:
             # the loss buffers live from the output layer's forward to its backward; a checkpointed group is
             # re-materialized only in its own backward (tensor_parallel/random.py:625-647 CheckpointFunction.backward
