@@ -304,3 +304,38 @@ def test_plan_reads_the_environment_apply_reads(bridge, monkeypatch, capsys):
     out = capsys.readouterr().out
     baseline = next(line for line in out.splitlines() if line.strip().startswith("baseline"))
     assert float(baseline.split()[-2]) < 67.9   # 67.95 GiB without offloading (issue 31: 72.96 GB)
+
+
+def test_offload_counts_the_same_schedule_moment_as_the_stage_it_peaks_at():
+    """Under Megatron's interleaved schedule each model chunk has its own microbatches in flight
+    (pipeline.rank_alive). With a pipeline layout whose last chunk holds only MTP and the loss, the last rank's
+    moments are the loss's own (two microbatches per layer chunk and the loss's) and the later steady ones with
+    more layer chunks alive and no loss. The offload takes each chunk's layers' bytes at the moment the stage is
+    planned at, never those of another moment, and that moment is the one where what stays on the GPU peaks."""
+    from mbmem_overlays.memory import stage_activations as S
+    from mbmem_overlays.memory.pipeline import rank_alive
+    shape, lay, st = non_fused()
+    shape = replace(shape, layers=15, moe_layers=15, mtp_layers=1)
+    lay = replace(lay, vpp=4, chunk_layers=(3, 2, 2, 2, 2, 2, 2, 0))
+    assert set(rank_alive(lay, 1)) == {(2, 2, 2, 1), (3, 2, 2, 0), (4, 2, 1, 0), (4, 3, 0, 0)}
+    tokens = lay.seq * lay.mbs / lay.cp
+    one = L.layer_offload(shape, lay, st, "attn+moe")
+    gpu = sum(one.gpu.values()) * tokens
+    off = L.offloaded_activations(shape, lay, st, 1)
+    assert off.chunk_removed == pytest.approx((2 * gpu, 2 * gpu, 2 * gpu, 0.0), rel=1e-12)
+    for moment in rank_alive(lay, 1):   # each chunk's own layers: the loss-only chunk takes nothing
+        at = L.offloaded_activations(shape, lay, st, 1, moment)
+        assert at.gpu_removed == pytest.approx(2 * sum(moment[:3]) * gpu - at.working, rel=1e-12)
+    layer = P.layer_activation(shape, lay, st, "attn+moe")
+    logits = st.logits_bytes * shape.vocab / lay.tp * tokens
+    saved = min(logits, S.loss_kept_bytes(st) * shape.vocab / lay.tp * tokens)
+    mtp = S.mtp_layer_activation(shape, lay, st) + saved
+    inputs = S.loss_chunk_inputs(shape, lay, st)
+
+    def at(moment):   # the last rank's activations at one moment: the loss runs beside the kept (MTP) layer
+        n_loss = moment[-1]
+        loss = max(0.0, logits + (n_loss - 1) * saved + mtp - off.working) if n_loss else 0.0
+        return 2 * sum(moment[:3]) * (layer - gpu) + off.working + n_loss * inputs + loss
+
+    assert P.stage_activations(shape, lay, st, 1).steady == pytest.approx(
+        max(at(moment) for moment in rank_alive(lay, 1)), rel=1e-12)

@@ -20,7 +20,7 @@ from typing import Any
 from .activations import RECOMPUTE_DROPS, _selected_terms, layer_activation_terms
 from .graphs import GRAPH_SCOPE_TERMS, graphed_blocks
 from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
-from .pipeline import in_flight, layer_kinds, rank_layers
+from .pipeline import layer_kinds, rank_alive, rank_chunks, rank_layers
 from .weights import data_parallel_shards
 
 # megatron-core transformer_config.py:1247 (min_offloaded_tensor_size default, in elements) and :1262
@@ -204,10 +204,16 @@ class OffloadedActivations:
     kept_margin: float       # one layer's offloaded groups kept on the GPU (the margin: the loss chunk's last layer)
     working: float = 0.0     # what the peak holds beside the stored activations (included in gpu_removed)
     beside_loss: float = 0.0  # what the last stage holds beside its loss instead (stage_activations)
+    chunk_removed: tuple[float, ...] = ()   # per model chunk: what each of its alive microbatches leaves off the GPU
 
 
-def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> OffloadedActivations:
-    """Fine-grained activation offloading on pipeline rank ``rank``.
+def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int,
+                          alive: tuple[float, ...] | None = None) -> OffloadedActivations:
+    """Fine-grained activation offloading on pipeline rank ``rank``, at the moment of the schedule where each of its
+    model chunks has ``alive`` microbatches in flight (stage_activations.peak_alive, from pipeline.rank_alive: the
+    moment the rank's activations peak once the offloaded bytes are left out, OffloadedActivations.chunk_removed);
+    None: the moment with the most offloaded bytes in flight. Each chunk's own layers count (rank_chunks): an uneven
+    split or a pipeline layout gives chunks different layers, and the last chunk may hold only the loss (and MTP).
 
     Every in-flight layer-microbatch's offloaded terms leave the GPU, except (PipelineOffloadManager
     post_warmup_callback, fine_grained_activation_offload.py:566-650): pipeline rank r keeps
@@ -238,16 +244,21 @@ def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> Off
         return OffloadedActivations(0.0, 0.0, 0.0)
     counts = rank_layers(s, lay, rank)
     per_stage = sum(counts.values()) or 1
-    alive = in_flight(lay, rank)
     tokens = _tokens(lay)
     parts = {kind: layer_offload(s, lay, st, kind) for kind in counts}
-    gpu_layer = sum(n * sum(parts[kind].gpu.values()) for kind, n in counts.items()) * tokens
-    host_layer = sum(n * sum(parts[kind].host.values()) for kind, n in counts.items()) * tokens
-    if not gpu_layer and not host_layer:
+    moments = rank_alive(lay, rank)   # per-chunk microbatches in flight at each moment of the schedule
+    chunks = rank_chunks(s, lay, rank)
+    if len(chunks) != len(moments[0]):   # one pipeline stage: its chunks run as one
+        chunks = (tuple(kind for chunk in chunks for kind in chunk),)
+    chunk_gpu = tuple(sum(sum(parts[kind].gpu.values()) for kind in chunk) * tokens for chunk in chunks)
+    chunk_host = tuple(sum(sum(parts[kind].host.values()) for kind in chunk) * tokens for chunk in chunks)
+    if not any(chunk_gpu) and not any(chunk_host):
         return OffloadedActivations(0.0, 0.0, 0.0)
+    host = max(sum(n * b for n, b in zip(counts_, chunk_host)) for counts_ in moments)
+    if alive is None:
+        alive = max(moments, key=lambda counts_: sum(n * b for n, b in zip(counts_, chunk_gpu)))
     groups = sum(n * sum(1 for m in st.fine_grained_offload.modules if _module_offloads(s, lay, st, kind, m))
                  for kind, n in counts.items())
-    mean_gpu = gpu_layer / per_stage
     held = max(sum(p.gpu.values()) for p in parts.values()) * tokens
     reloaded = max(sum(p.host.values()) for p in parts.values()) * tokens
     live = max(max(p.attention_live + p.scores_transient, p.mlp_live) for p in parts.values()) * tokens
@@ -256,8 +267,9 @@ def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> Off
     kept = math.floor(chunk_groups * (1.0 - st.fine_grained_offload.fraction)) / chunk_groups
     # pipeline rank r keeps r x delta_offload_bytes_across_pp_ranks more on the GPU (post_warmup_callback :598-607)
     balance = rank * st.fine_grained_offload.delta_bytes
-    removed = max(0.0, (per_stage * alive * mean_gpu - balance) * (1.0 - kept))
-    look_ahead = alive * lay.vpp > 1                  # microbatch-chunks in flight (pipeline.in_flight)
+    chunk_removed = tuple(b * (1.0 - kept) for b in chunk_gpu)
+    removed = max(0.0, (sum(n * b for n, b in zip(alive, chunk_gpu)) - balance) * (1.0 - kept))
+    look_ahead = sum(alive) > 1                       # microbatch-chunks in flight (pipeline.rank_alive)
     reloads_in_backward = look_ahead or per_stage / lay.vpp > 1
     forward = live + (reloaded if look_ahead else 0.0)
     backward = (reloaded if reloads_in_backward else 0.0) + gradient
@@ -265,9 +277,9 @@ def offloaded_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> Off
     if working >= removed:
         # The plan's stored activations leave out a layer's own transients (a non-fused attention's scores beside
         # its probabilities): where the offload removes less than the working set, it is planned as saving nothing
-        return OffloadedActivations(0.0, host_layer * alive, held)
+        return OffloadedActivations(0.0, host, held)
     beside_loss = reloaded if look_ahead else held
-    return OffloadedActivations(removed - working, host_layer * alive, held, working, beside_loss)
+    return OffloadedActivations(removed - working, host, held, working, beside_loss, chunk_removed)
 
 
 def _module_reason(module: str, s: Shape, st: Settings) -> str:

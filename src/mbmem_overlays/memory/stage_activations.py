@@ -104,7 +104,19 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     # main loss's backward, which runs first, is the one at the loss's peak (the MTP losses join through
     # MTPLossAutoScaler, multi_token_prediction.py:714-747, after it).
     mtp = s.mtp_layers * (mtp_layer_activation(s, lay, st) + saved) if last and s.mtp_layers else 0.0
-    alive = peak_alive(s, lay, st, rank, tuple(weights), logits - saved + mtp if last else 0.0)
+    once = logits - saved + mtp if last else 0.0
+    offload = None            # levers.OffloadedActivations with fine-grained activation offloading
+    offloading = st.fine_grained_offload is not None and st.recompute != "full"
+    if offloading:
+        # The rank peaks where what stays on the GPU peaks: each chunk's alive microbatches without what the offload
+        # takes from its layers, and the loss beside the kept layer rather than beside the working set (below)
+        from .levers import offloaded_activations
+        offload = offloaded_activations(s, lay, st, rank)
+        if offload.chunk_removed:
+            weights = [w - r for w, r in zip(weights, offload.chunk_removed)]
+            if last:
+                once = max(0.0, logits + mtp + (0.0 if s.mtp_layers else offload.beside_loss) - offload.working) - saved
+    alive = peak_alive(s, lay, st, rank, tuple(weights), once)
     # the loss's microbatches: in the 1F1B steady state the last chunk's forward is followed by its backward (one
     # alive), but an interleaved schedule whose last microbatch group is shorter (m not a multiple of the group)
     # can run a second one's forward first
@@ -118,7 +130,6 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     capture = pool = 0.0
     graphed = bool(st.graph_scopes) and st.recompute != "full" and not st.cpu_offload_layers
     persistent = 0.0
-    offload = None            # levers.OffloadedActivations with fine-grained activation offloading
     if graphed:
         # Graphed scopes keep their activations in the graphs' private pool: allocated while the graphs are
         # captured (after the warm-up steps, in pipeline order, no eager activations alive), reserved-only in
@@ -162,9 +173,8 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         if st.cpu_offload_layers:
             layers_on_gpu -= min(per_stage, st.cpu_offload_layers) - (1 if st.cpu_offload_double_buffer else 0)
         acts = layers_on_gpu * per_layer * mbs_alive
-        if st.fine_grained_offload is not None:   # the offloaded modules' saved inputs wait on the host
-            from .levers import offloaded_activations
-            offload = offloaded_activations(s, lay, st, rank)
+        if offloading:   # the offloaded modules' saved inputs wait on the host, counted at the same moment
+            offload = offloaded_activations(s, lay, st, rank, tuple(alive))
             acts -= offload.gpu_removed
             if offload.working:
                 detail.append(("fine-grained offload: working layer and reloaded layer", offload.working))
