@@ -112,7 +112,7 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
         # takes from its layers, and the loss beside the kept layer rather than beside the working set (below)
         from .levers import offloaded_activations
         offload = offloaded_activations(s, lay, st, rank)
-        if offload.chunk_removed:
+        if offload.chunk_removed and len(offload.chunk_removed) == len(weights):
             weights = [w - r for w, r in zip(weights, offload.chunk_removed)]
             if last:
                 once = max(0.0, logits + mtp + (0.0 if s.mtp_layers else offload.beside_loss) - offload.working) - saved
