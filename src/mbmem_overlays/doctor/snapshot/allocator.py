@@ -104,6 +104,29 @@ class Block:
     def free_and_idle(self) -> bool:
         return not self.allocated and not self.pending
 
+    def split_front(self, address: int) -> Block:
+        """Cut [ptr, address) off as a new block linked before this one, which keeps [address, end): the
+        prev/next surgery of alloc_found_block's split (the new block takes the front). Pool bookkeeping is the
+        caller's."""
+        head = Block(self.ptr, address - self.ptr, self.stream, self.pool, self.seg, mapped=self.mapped)
+        head.prev, head.next = self.prev, self
+        if self.prev is not None:
+            self.prev.next = head
+        self.prev = head
+        self.size -= address - self.ptr
+        self.ptr = address
+        return head
+
+    def split_back(self, address: int) -> Block:
+        """Cut [address, end) off as a new block linked after this one, which keeps [ptr, address)."""
+        tail = Block(address, self.ptr + self.size - address, self.stream, self.pool, self.seg, mapped=self.mapped)
+        tail.prev, tail.next = self, self.next
+        if self.next is not None:
+            self.next.prev = tail
+        self.next = tail
+        self.size = address - self.ptr
+        return tail
+
 
 class FreeIndex:
     """The free mapped blocks of every pool by address (not the allocator's: the proof's look-ups of the file's
@@ -310,14 +333,7 @@ class Allocator:
         """DeviceCachingAllocator::alloc_found_block: the block is cut from the front of the free block."""
         if self.should_split(block, size):
             remaining = block
-            block = Block(remaining.ptr, size, remaining.stream, remaining.pool, remaining.seg)
-            block.prev = remaining.prev
-            if block.prev is not None:
-                block.prev.next = block
-            block.next = remaining
-            remaining.prev = block
-            remaining.ptr += size
-            remaining.size -= size
+            block = remaining.split_front(remaining.ptr + size)
             remaining.pool.insert(remaining)
         block.allocated = True
         block.requested = requested
@@ -553,15 +569,9 @@ class Allocator:
             return False
         pool = to_map.pool
         pool.erase_unmapped(to_map)
-        to_map.mapped = True
         if mapped < to_map.size:
-            rest = Block(to_map.ptr + mapped, to_map.size - mapped, to_map.stream, pool, seg, mapped=False)
-            rest.prev, rest.next = to_map, to_map.next
-            if to_map.next is not None:
-                to_map.next.prev = rest
-            to_map.next = rest
-            pool.insert_unmapped(rest)
-            to_map.size = mapped
+            pool.insert_unmapped(to_map.split_back(to_map.ptr + mapped))   # the rest stays unmapped
+        to_map.mapped = True
         self.try_merge(to_map, to_map.prev)
         self.try_merge(to_map, to_map.next)
         pool.insert(to_map)
@@ -598,23 +608,13 @@ class Allocator:
         """[begin, end) inside the free block ``b`` leaves the pool's mapped blocks: the parts of ``b`` before and
         after it stay free and mapped, the range becomes an unmapped block merged with its unmapped neighbours
         (unmap_block's granules, or the file's own segment_unmap in the proof)."""
-        pool, seg = b.pool, b.seg
+        pool = b.pool
         pool.erase(b)
         if begin > b.ptr:
-            before = Block(b.ptr, begin - b.ptr, b.stream, pool, seg)
-            before.prev, before.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = before
-            b.prev = before
-            pool.insert(before)
+            pool.insert(b.split_front(begin))
         if b.ptr + b.size > end:
-            after = Block(end, b.ptr + b.size - end, b.stream, pool, seg)
-            after.prev, after.next = b, b.next
-            if b.next is not None:
-                b.next.prev = after
-            b.next = after
-            pool.insert(after)
-        b.ptr, b.size, b.mapped = begin, end - begin, False
+            pool.insert(b.split_back(end))
+        b.mapped = False
         self.try_merge(b, b.prev)
         self.try_merge(b, b.next)
         pool.insert_unmapped(b)
@@ -640,18 +640,9 @@ class Allocator:
         """Allocate at ``address`` inside the free block ``b`` (the file's choice, when the model's differed):
         the part before stays free, the rest is split as alloc_found_block would."""
         pool = b.pool
+        pool.erase(b)
         if address > b.ptr:
-            pool.erase(b)
-            before = Block(b.ptr, address - b.ptr, b.stream, pool, b.seg)
-            before.prev, before.next = b.prev, b
-            if b.prev is not None:
-                b.prev.next = before
-            b.prev = before
-            b.size -= address - b.ptr
-            b.ptr = address
-            pool.insert(before)
-        else:
-            pool.erase(b)
+            pool.insert(b.split_front(address))
         if b.size < size:
             size = b.size
         return self.take(b, size, requested)
@@ -1020,14 +1011,7 @@ def _apply_maps(alloc: Allocator, pool: Pool, maps, stream: int, size: int, proo
             proof.segments.differed += not ok
         if address > u.ptr:     # split the unmapped block at the recorded address
             pool.erase_unmapped(u)
-            head = Block(u.ptr, address - u.ptr, u.stream, pool, u.seg, mapped=False)
-            head.prev, head.next = u.prev, u
-            if u.prev is not None:
-                u.prev.next = head
-            u.prev = head
-            u.size -= address - u.ptr
-            u.ptr = address
-            pool.insert_unmapped(head)
+            pool.insert_unmapped(u.split_front(address))
             pool.insert_unmapped(u)
         alloc.device = _Grant()
         alloc.map_block(u, min(msize, u.size))
