@@ -203,7 +203,7 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             # re-materialized only in its own backward (tensor_parallel/random.py:625-647 CheckpointFunction.backward
             # re-runs the forward), which the autograd pass reaches after the loss and output layer have released
             # the logits: the two never coexist, and the larger of them is the peak's
-            loss_time = logits + (mtp if s.mtp_layers else 0.0)
+            loss_time = logits + mtp   # mtp is 0 without MTP layers
             acts -= min(recompute_working, loss_time)
         if st.deferred_wgrad_microbatches:
             # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
