@@ -61,6 +61,13 @@ MODEL_READS = frozenset({
     "model.add_bias_linear", "model.position_embedding_type",
     # hybrid stacks: the MTP depth's pattern and one shared MTP layer (from_config.hybrid_pattern)
     "model.mtp_hybrid_override_pattern", "model.mtp_use_repeated_layer",
+    # the attention variants (memory/variants.py): gated delta net, DeepSeek sparse attention, the output gate,
+    # q/k L2 norm
+    "model.experimental_attention_variant", "model.linear_attention_freq", "model.linear_key_head_dim",
+    "model.linear_value_head_dim", "model.linear_num_key_heads", "model.linear_num_value_heads",
+    "model.dsa_indexer_n_heads", "model.dsa_indexer_head_dim", "model.dsa_indexer_topk",
+    "model.dsa_indexer_topk_freq", "model.dsa_indexer_skip_topk_offset", "model.dsa_indexer_loss_coeff",
+    "model.dsa_kernel_backend", "model.attention_output_gate", "model.qk_l2_norm",
 })
 
 
@@ -71,6 +78,8 @@ class Unmodelled:
     path: str
     reason: str
     applies: Callable[[Any], bool] = bool
+    # where it matters only beside other fields: a test of the whole configuration (None: always)
+    when: Callable[[Any], bool] | None = None
 
 
 def _enum_name(value: Any) -> str:
@@ -89,20 +98,84 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.moe_token_dispatcher_type", "the flex (DeepEP / HybridEP) dispatcher's buffers",
                lambda v: v == "flex"),
     Unmodelled("model.heterogeneous_block_specs", "heterogeneous layers (per-layer shapes)"),
-    Unmodelled("model.experimental_attention_variant", "an experimental attention variant"),
+    # megatron-core 0.19.2 builds two variants (memory/variants.py models both); any other value (DeepSeek-V4's
+    # "dsv4_hybrid") raises ValueError when the model is built (experimental_attention_variant_module_specs.py
+    # get_experimental_attention_variant_module_spec :141-148)
+    Unmodelled("model.experimental_attention_variant",
+               "an attention variant megatron-core 0.19.2 does not build (it builds gated_delta_net and dsa: "
+               "experimental_attention_variant_module_specs.py:141-148 raises ValueError for any other), so the "
+               "job cannot run on this stack",
+               lambda v: v not in ("gated_delta_net", "dsa")),
     Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
     Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon: its state is planned as Adam's",
                lambda v: str(v) not in ("adam", "muon")),
-    Unmodelled("model.hybrid_layer_pattern", "hybrid layers the plan has no block for (G: gated delta net, "
-               "D: DeepSeek sparse attention, +: MLA) are left out",
-               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
-    Unmodelled("model.hybrid_override_pattern", "hybrid layers the plan has no block for (G, D, +) are left out",
-               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
     Unmodelled("model.use_mamba_mem_eff_path", "the Mamba mixer's non-fused path (--disable-mamba-mem-eff-path: "
                "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False),
     Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
     Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
+    # --- the attention variants (memory/variants.py models GDN and DSA): what stays outside the model
+    Unmodelled("model.dsa_kernel_backend", "DSA's TileLang kernels (dsa_tilelang_kernels.py) keep tensors the plan "
+               "does not model (it follows the cuDNN/FlashMLA and the unfused paths)", lambda v: v == "tilelang"),
+    Unmodelled("model.context_parallel_size", "DSA with context parallelism: the cuDNN kernel declines non-packed "
+               "CP and some packed layouts (dsa_cudnn_kernels.py run_fused_dsa_attention :218-259) and DSAttention "
+               "then runs the unfused path over the gathered keys, which the plan does not choose between",
+               lambda v: int(v or 1) > 1,
+               when=lambda cfg: _read(cfg, "model.experimental_attention_variant") == "dsa"
+               and str(_read(cfg, "model.dsa_kernel_backend") or "none") != "none"),
+    Unmodelled("model.deterministic_mode", "the gated delta net's deterministic mode runs torch's reference chunk "
+               "rule and conv1d (gated_delta_net/gdn.py :59-62, :197-209), which keep more than fla's kernels",
+               lambda v: bool(v),
+               when=lambda cfg: _read(cfg, "model.experimental_attention_variant") == "gated_delta_net"
+               or any(c in str(_read(cfg, "model.hybrid_layer_pattern") or _read(cfg, "model.hybrid_override_pattern")
+                              or "") for c in "G")),
+    # DeepSeek-V4's recipes (recipes/deepseek/*/deepseek_v4.py, perf_recipes/deepseek/*) set fields of a newer
+    # megatron-core: 0.19.2 has no hyper-connection module (nothing under megatron/core builds mHC, Sinkhorn
+    # residual mixing or num_residual_streams), no such TransformerConfig fields (the provider's setattr is
+    # ignored), and refuses "mhc" as a recompute module
+    Unmodelled("model.enable_hyper_connections", "mHC hyper-connections: megatron-core 0.19.2 has no "
+               "hyper-connection module nor this TransformerConfig field (it is ignored), so the job this recipe "
+               "describes cannot run on this stack"),
+    Unmodelled("model.use_fused_mhc", "fused mHC kernels: megatron-core 0.19.2 has no hyper-connection module nor "
+               "this TransformerConfig field, so the job this recipe describes cannot run on this stack"),
+    Unmodelled("model.recompute_modules", "recompute module 'mhc' is not one megatron-core 0.19.2 accepts "
+               "(transformer_config.py:1768-1782 asserts on it under selective recompute): the job cannot start",
+               lambda v: isinstance(v, (list, tuple)) and "mhc" in v,
+               when=lambda cfg: _read(cfg, "model.recompute_granularity") == "selective"),
+)
+
+
+@dataclass(frozen=True)
+class MemoryNeutral:
+    """A memory-relevant-looking field the model reads no differently because, at every value, the code keeps the
+    same tensors (or megatron-core refuses it in training): the reason cites that code."""
+    path: str
+    reason: str
+
+
+# Appended as data, one per field (the attention family: docs/memory-model.md, "Attention variants").
+MEMORY_NEUTRAL: tuple[MemoryNeutral, ...] = (
+    MemoryNeutral("model.window_size", "sliding-window attention changes only which scores the kernel computes: "
+                  "TEDotProductAttention gets the window as an argument (attention.py:1065-1074), and TE's fused and "
+                  "flash kernels save the same q, k, v, output and softmax statistics at any window (TE v2.17.1 "
+                  "attention/dot_product_attention/backends.py FusedAttnFunc.forward :1559-1569); the unfused "
+                  "backend masks the same s x s scores (UnfusedDotProductAttention.forward :567-684)"),
+    MemoryNeutral("model.window_attn_skip_freq", "which layers use the window (attention.py:1065-1074); each "
+                  "keeps the same tensors as a full-attention layer (model.window_size)"),
+    MemoryNeutral("model.softmax_type", "attention sinks / off-by-one softmax add one learnable offset per head "
+                  "(attention.py:820-845); TE's fused kernel saves it with its softmax statistics (backends.py "
+                  "FusedAttnFunc.forward aux_ctx_tensors), the unfused path one extra score column "
+                  "(UnfusedDotProductAttention.forward :629-655): 1/s of the s x s term"),
+    MemoryNeutral("model.cache_mla_latents", "an inference cache: megatron-core refuses it in training "
+                  "(multi_latent_attention.py:323-324 'cache_mla_latents conflicts with training'; absorbed MLA "
+                  "asserts it off, absorbed_mla.py:191)"),
+    MemoryNeutral("model.layernorm_zero_centered_gamma", "a reparametrized norm weight (w + 1): the same weight "
+                  "and saved input"),
+    MemoryNeutral("model.dsa_indexer_use_sparse_loss", "the sparse and the dense indexer loss save the same "
+                  "precomputed indexer gradients (dsa_cudnn_kernels.py FusedIndexerSparseAttnFunc.forward "
+                  ":2202-2274); the dense loss's scores are transient"),
+    MemoryNeutral("model.dsa_indexer_rotate_activation", "the Hadamard rotation (dsa.py rotate_activation "
+                  ":253-270) is its own inverse and saves nothing for backward"),
 )
 
 
@@ -164,7 +237,7 @@ def unmodelled_fields(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[tup
     for u in NOT_MODELLED + tuple(extra):
         value = _read(cfg, u.path)
         try:
-            hit = value is not None and u.applies(value)
+            hit = value is not None and u.applies(value) and (u.when is None or bool(u.when(cfg)))
         except Exception:  # noqa: BLE001 — a value of an unexpected type is named rather than judged
             hit = True
         if hit:
