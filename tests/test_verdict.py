@@ -22,7 +22,7 @@ from mbmem_overlays.memory.steps import render_plan
 GiB = 2**30
 B = P.Breakdown(10 * GiB, 10 * GiB, 10 * GiB, 30 * GiB, 1 * GiB)   # 61 GiB
 FLEX = "model.moe_token_dispatcher_type=flex: the flex (DeepEP / HybridEP) dispatcher's buffers"
-HYBRID = "model.hybrid_override_pattern=M*GM: hybrid layers the plan has no block for (G, D, +) are left out"
+DELAY = "model.delay_wgrad_compute=True: delayed weight gradients keep GEMM inputs and grad outputs longer"
 FSDP2 = "ddp.use_torch_fsdp2=True: PyTorch FSDP2 sharding"
 BARE = ("fits", "does NOT fit", "fits unless", "does not fit")
 
@@ -63,13 +63,13 @@ def test_what_can_move_memory_either_way_leaves_both_ends_open(limit):
 
 
 def test_what_can_only_add_makes_the_modelled_part_a_floor():
-    v = judge(B.footprint, 80 * GiB, (), (HYBRID,), B)
+    v = judge(B.footprint, 80 * GiB, (), (DELAY,), B)
     assert v.kind == P.UNKNOWN and v.low == B.footprint and v.high is None
     assert "a floor" in v.text and "adds less than 19.00 GiB" in v.text
     # a floor over the limit decides: it cannot fit, and the verdict says why (never bare)
-    over = judge(B.footprint, 50 * GiB, (), (HYBRID,), B)
+    over = judge(B.footprint, 50 * GiB, (), (DELAY,), B)
     assert over.kind == P.DOES_NOT_FIT and over.exit_code == EXIT_REJECTED
-    assert over.text.startswith("does NOT fit; not modelled: model.hybrid_override_pattern=M*GM, which can only add")
+    assert over.text.startswith("does NOT fit; not modelled: model.delay_wgrad_compute=True, which can only add")
 
 
 def test_what_can_only_lower_is_a_ceiling_and_its_bound_is_the_floor():
@@ -104,8 +104,8 @@ def test_every_entry_says_how_it_moves_memory_and_the_default_is_both_ways():
     assert all(u.moves in MOVES for u in NOT_MODELLED + NOT_MODELLED_FLAGS)
     assert Unmodelled("model.x", "y").moves == EITHER and Unmodelled("model.x", "y").bound is None
     # a plan's texts read back with their entry's data; a text no entry names is both ends open
-    (hybrid,), (fsdp2,), (other,) = gaps([HYBRID]), gaps([FSDP2]), gaps(["model.new_thing=3: something"])
-    assert hybrid == Gap("model.hybrid_override_pattern", "M*GM", hybrid.reason, UP)
+    (delay,), (fsdp2,), (other,) = gaps([DELAY]), gaps([FSDP2]), gaps(["model.new_thing=3: something"])
+    assert delay == Gap("model.delay_wgrad_compute", "True", delay.reason, UP)
     assert fsdp2.moves == DOWN and fsdp2.size(B) == 30 * GiB and other.moves == EITHER and other.size(B) is None
     # a Megatron-LM flag is its field's entry, or one of the flags outside megatron-core's parser
     (flag,) = gaps(["--delay-wgrad-compute=True: delayed weight gradients ... (model.delay_wgrad_compute)"])
