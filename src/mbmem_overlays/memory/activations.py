@@ -68,7 +68,7 @@ def dispatcher_terms(s: Shape, lay: Layout, st: Settings) -> dict[str, float]:
       [N x nodes, ranks per domain] int32, local_expert_routing_map [N x R, L] bool, dense_to_expert_map
       [N x R, L] int32, rdma_to_attn_map [N, nodes] and attn_to_rdma_map [N, nodes - 1] bool.
     """
-    if st.moe_dispatcher != "flex" or "flex_dispatcher_metadata" in st.without:
+    if st.moe_dispatcher != "flex":
         return {}
     sp_div = lay.tp if lay.sp else 1
     group = flex_group(lay)

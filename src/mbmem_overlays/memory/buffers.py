@@ -178,7 +178,7 @@ def flex_dispatcher_state(s: Shape, lay: Layout, st: Settings, rank: int) -> flo
     [N, expert TP x experts] in bool and fp32 (_initialize_metadata :1827-1854, setup_metadata :1087-1088);
     DeepEP their top-k, [N, topk x expert TP] fp32 values and int64 indices (:1291). N: the sequence-local tokens
     of a microbatch."""
-    if st.moe_dispatcher != "flex" or "flex_dispatcher_metadata" in st.without or not s.experts:
+    if st.moe_dispatcher != "flex" or not s.experts:
         return 0.0
     local_tokens = _tokens(lay) / (lay.tp if lay.sp else 1)
     if st.flex_backend == "hybridep":
