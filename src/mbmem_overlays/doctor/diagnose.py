@@ -685,9 +685,13 @@ def turn_off_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
 def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     d = {"name": r.name, "action": r.action, "cost": r.cost, "saves_bytes": None if r.saves is None else int(r.saves),
          "command": r.command}
+    if r.step_cost is not None:   # --plan: the cost model's price (memory/cost/), beside the documented words
+        d["step_cost"] = r.step_cost
     if priced:  # --plan on a run report: the memory model's new peak on the hot rank, the validated command
         d.update({k: priced.get(k) for k in ("train_command", "check", "planned_hot_bytes", "predicted_peak_bytes",
                                              "fits")})
+        if priced.get("step_cost") is not None:
+            d["step_cost"] = priced["step_cost"]
     if r.overlay:
         d["overlay"] = r.overlay
     for k in ("params", "overrides", "env"):
