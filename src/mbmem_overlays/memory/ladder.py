@@ -46,6 +46,7 @@ from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection,
                     train_command)
 
 RECOMPUTE_OVERLAYS = ("selective_recompute", "full_recompute")
+LAST_RESORT = ("TP x2",)   # never ranked ahead of its turn (_later_fitting)
 SAVES_NOTHING = "saves nothing here"
 MIN_SAVING = 1 << 20   # a candidate the plan prices at less than 1 MiB saved is not a step
 
@@ -293,6 +294,9 @@ def full_recompute_uniform(state: State) -> Proposal:
 
 
 def optimizer_offload(state: State) -> Proposal:
+    taken = _own(state, "optimizer_offload", ("optimizer.optimizer_cpu_offload", "optimizer.optimizer_offload_fraction"))
+    if taken:
+        return taken
     # HybridDeviceOptimizer needs the distributed optimizer (cpu-offloading skill, Compatibility: Optimizer offloading)
     on = bool(state.cfg.optimizer.use_distributed_optimizer)
     with_dist = state.cand if on else state.cand.plus("dist_optimizer")
@@ -449,7 +453,7 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
                "breakdown": b}
         if alternatives:
             row["alternatives"] = [{"step": _label(o["rung"], state.cand, o["cand"]), "total_bytes": int(o["total"]),
-                                    "cost": o["cost"]} for o in alternatives]
+                                    "cost": o["cost"], "documented": o["words"]} for o in alternatives]
         rows.append(row)
         state = State(start, cand, cfg2, report2, world)
         total = new_total
@@ -467,9 +471,14 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
 def _later_fitting(cfg: Any, state: State, index: int, limit: float, catalog: Catalog,
                    arch: int | None) -> list[dict]:
     """Every candidate of the rungs after ``index`` that fits on its own from ``state``, priced; realized by our
-    rules only (the one chosen is validated with Bridge before it becomes the step)."""
+    rules only (the one chosen is validated with Bridge before it becomes the step). TP doubling stays the last
+    resort it is on the skill's ladder and is not offered ahead of its turn: the cost model prices a TP change below
+    what NVIDIA measured (bench/cost_accuracy.py, the TP8 row: +12% at most against +38%; what it lacks is named
+    there), so its price cannot rank it ahead of a step the skill puts first."""
     out = []
     for rung in LADDER_RUNGS[index + 1:]:
+        if rung.label in LAST_RESORT:
+            continue
         proposal = rung.propose(state)
         if isinstance(proposal, str):
             continue
