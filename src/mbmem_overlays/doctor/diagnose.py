@@ -613,6 +613,16 @@ def _run(f: Findings, ctx: Context, done, rep: RR.RunReport, priced: dict, repla
         results = plan.price(remedies, rep)
         for r, res in zip(remedies, results):
             priced[id(r)] = res
+        # the changes validated and predicted to fit, cheapest first by the cost model (memory/cost/ rank_key; a
+        # turn-off's cost is negative: the largest gain first), then the others in their documented order
+        order = {id(r): i for i, r in enumerate(remedies)}
+
+        def key(r):
+            res = priced[id(r)]
+            ok = bool(res.get("command") and res.get("fits") and res.get("step_cost"))
+            return (0, tuple(res["step_cost"]["rank_key"]), order[id(r)]) if ok else (1, (0.0, 0.0), order[id(r)])
+        remedies = sorted(remedies, key=key)
+        results = [priced[id(r)] for r in remedies]
         fitting = [(r, res) for r, res in zip(remedies, results) if res.get("command") and res.get("fits")]
         if fitting:
             r, res = fitting[0]

@@ -3,7 +3,10 @@
 Every rung proposes a :class:`~.steps.Candidate` on top of the user's own start (recipe, ``--set``
 words, overlays); it is realized the way ``train.py`` realizes it (our rules, then Bridge's
 validation) before it may become a step, and the one command printed at the end is the last
-accepted candidate's, so it has passed both already. Order (sources in ``costs.py``):
+accepted candidate's, so it has passed both already. Each step is priced for the job by the cost model
+(memory/cost/); while no candidate fits the rungs are walked in this order, and at the first rung where one fits,
+the cheapest of every candidate that fits, this rung's and the later rungs' (TP doubling aside), is the step.
+Order (the documented words in ``costs.py``):
 
 1. expandable segments (memory-tuning skill, Quick Decision 1)
 2. sequence parallel at TP > 1, the precondition of 3 (memory-tuning skill, PEFT + SP input re-gather)

@@ -112,7 +112,11 @@ def _count(kinds) -> dict[str, int]:
 
 
 def _rank_demand(s: Shape, lay: Layout, st: Settings, ci: CostInputs, rank: int,
-                 chunks: tuple[tuple[str, ...], ...]) -> RankDemand:
+                 chunks: tuple[tuple[str, ...], ...], work=None) -> RankDemand:
+    """One pipeline rank's demand; ``work(kind, offloaded)``: the layers' LayerWork (work.layer_work)."""
+    if work is None:
+        def work(kind: str, offloaded: bool = False) -> LayerWork:
+            return layer_work(s, lay, st, kind, ci.dispatcher, offloaded)
     last = rank == lay.pp - 1
     full = [0.0] * 7
     first_layers = st.cpu_offload_layers if lay.pp == 1 else 0
@@ -131,24 +135,25 @@ def _rank_demand(s: Shape, lay: Layout, st: Settings, ci: CostInputs, rank: int,
         replayed = _count([kind for chunk in chunks for kind in (chunk[:n] if st.recompute_method == "block"
                                                                 else chunk)])
         for kind, k in replayed.items():
-            full = [a + k * b for a, b in zip(full, layer_work(s, lay, st, kind, ci.dispatcher).full)]
-    kinds = tuple((layer_work(s, lay, st, k, ci.dispatcher), n) for k, n in counts.items()) + \
-        tuple((layer_work(s, lay, st, k, ci.dispatcher, True), n) for k, n in offloaded.items())
+            full = [a + k * b for a, b in zip(full, work(kind).full)]
+    kinds = tuple((work(k), n) for k, n in counts.items()) + tuple((work(k, True), n) for k, n in offloaded.items())
     extra = ZERO
     deferred = 0.0
+    m = lay.microbatches
     if last:
-        extra = output_layer_work(s, lay, st, s.mtp_layers)
         if st.deferred_wgrad_microbatches and lay.pp > 1 and not st.lora_rank:
             # defer_embedding_wgrad_compute: the output layer's weight-gradient GEMM of the first
             # wgrad_deferral_limit microbatches is buffered (tensor_parallel/layers.py:605-608) and run after the
             # schedule (schedules.py:2055-2059 finish_embedding_wgrad_compute), "enabling us to hide pipeline
             # flush latency" (model_parallel_config.py:410-413): the last stage's flush is its idle cool-down
-            n_def = min(st.deferred_wgrad_microbatches, lay.microbatches)
+            n_def = min(st.deferred_wgrad_microbatches, m)
+            extra = output_layer_work(s, lay, st, s.mtp_layers, wgrad_share=1.0 - n_def / m)
             wgrad = extra.f16 - mtp_eh(s, lay) * _tokens(lay)      # one forward's worth of output-layer FLOPs
             deferred = wgrad * n_def
-            extra = replace(extra, b16=extra.b16 - wgrad * n_def / lay.microbatches)
+        else:
+            extra = output_layer_work(s, lay, st, s.mtp_layers)
         if s.mtp_layers:
-            kinds += ((layer_work(s, lay, st, "+".join(mtp_blocks(s)), ci.dispatcher), s.mtp_layers),)
+            kinds += ((work("+".join(mtp_blocks(s))), s.mtp_layers),)
     tokens = _tokens(lay)
     sp = lay.tp if lay.sp and lay.tp > 1 else 1
     p2p = 2 * max(1, lay.vpp) * tokens * s.hidden * st.dtype_bytes / sp if lay.pp > 1 else 0.0
@@ -178,26 +183,37 @@ def _rank_demand(s: Shape, lay: Layout, st: Settings, ci: CostInputs, rank: int,
         dp_grad, dp_param = grad_bytes, param_bytes
     else:
         dp_grad = 2 * grad_bytes    # an all-reduce
-    shards_d, shards_e = optimizer_shards(lay, st)
     if st.fsdp is not None:
         shards_d, shards_e = dense_dp, expert_dp
+    else:
+        shards_d, shards_e = optimizer_shards(lay, st) if st.dist_optimizer else (1, 1)
     opt_params = train_dense / shards_d + train_expert / shards_e
-    flops = sum(n * step_flops(w) for w, n in kinds) + step_flops(extra) + deferred / lay.microbatches
+    flops = sum(n * step_flops(w) for w, n in kinds) + step_flops(extra) + deferred / m
     recompute = sum(n * recompute_flops(w) for w, n in kinds) + full[0] + full[1] + full[2]
     return RankDemand(kinds, extra, tuple(full), p2p, fsdp, dp_grad, dp_param, opt_params, flops, recompute,
                       deferred)
 
 
-@functools.lru_cache(maxsize=4096)
 def demand(s: Shape, lay: Layout, st: Settings, ci: CostInputs, domain: int = 8) -> Demand:
+    """What one training step asks of every pipeline rank's GPUs (before any GPU's speed); cached (a few hundred)."""
+    return _demand_cached(s, lay, st, ci, domain)
+
+
+def _demand(s: Shape, lay: Layout, st: Settings, ci: CostInputs, domain: int = 8) -> Demand:
     """What one training step asks of every pipeline rank's GPUs (before any GPU's speed)."""
     made: dict = {}
+    works: dict = {}
+
+    def work(kind: str, offloaded: bool = False) -> LayerWork:
+        if (kind, offloaded) not in works:
+            works[kind, offloaded] = layer_work(s, lay, st, kind, ci.dispatcher, offloaded)
+        return works[kind, offloaded]
     ranks = []
     for r in range(lay.pp):
         chunks = rank_chunks(s, lay, r)
         key = (chunks, r == 0, r == lay.pp - 1)
         if key not in made:
-            made[key] = _rank_demand(s, lay, st, ci, r, chunks)
+            made[key] = _rank_demand(s, lay, st, ci, r, chunks, work)
         ranks.append(made[key])
     ranks = tuple(ranks)
     grad, param = dp_overlaps(ci, lay, st)
@@ -214,6 +230,9 @@ def demand(s: Shape, lay: Layout, st: Settings, ci: CostInputs, domain: int = 8)
     return Demand(ranks, lay.microbatches, lay.pp, max(1, lay.vpp) if lay.pp > 1 else 1, _links(lay, domain),
                   st.optimizer_offload, per_param, optimizer_bytes_per_param(st), lay.tp * lay.cp * lay.dp, overlaps,
                   tuple(v[1] for v in seen.values()), tuple(index))
+
+
+_demand_cached = functools.lru_cache(maxsize=512)(_demand)
 
 
 @dataclass(frozen=True)
@@ -235,9 +254,16 @@ def _speeds(g: Gpu, efficiency: float, part: int) -> Speeds:
 @dataclass(frozen=True)
 class StepTime:
     seconds: float
-    parts: tuple[tuple[str, float], ...]     # mechanism -> seconds on the step's critical path
-    link_bytes: tuple[tuple[str, float], ...]  # link -> bytes per step on the slowest rank's GPU
-    rank: int
+    rank: int                                 # the slowest pipeline rank
+    raw: tuple = field(default=(), repr=False)   # what ``parts`` is built from (step_times' per-rank parts, ...)
+
+    @property
+    def parts(self) -> tuple[tuple[str, float], ...]:
+        """Mechanism -> seconds on the step's critical path."""
+        per_rank, m, bubble, deferred, dp, optimizer, offload = self.raw
+        rest = [("bubble", bubble)] + ([("deferred_wgrad", deferred)] if deferred is not None else []) + \
+            [("dp", dp), ("optimizer", optimizer)] + ([("optimizer_offload", offload)] if offload is not None else [])
+        return tuple((k, v * m) for k, v in zip(PARTS, per_rank)) + tuple(rest)
 
 
 def _hide(t: float, behind: float, overlapped: bool, best: bool) -> float:
@@ -273,84 +299,125 @@ def _moved(d: Demand, rd: RankDemand) -> dict[str, float]:
     return moved
 
 
-def _rank_time(rows, rd: RankDemand, sp: Speeds, bw: dict, ov: dict, best: bool) -> tuple[float, list, float, float]:
-    """(microbatch time, its parts in PARTS order, forward time, backward time) of one rank."""
-    p8, p16, hbm = sp.p8, sp.p16, sp.hbm
-    b_tp, b_ep, b_cp, b_host = bw["tp"], bw["ep"], bw["cp"], bw["host"]
-    o_tp, o_ep = ov["tp"] and best, ov["ep"] and best
-    compute = recompute = tp = ep = cp = regather = offload = 0.0
-    fwd = bwd = 0.0
-    for n, f8, f16, fm, b8, b16, bm, r8, r16, rm, t_tp, t_ep, t_cp, attn, rg, d2h, h2d in rows:
-        cf = f8 / p8 + f16 / p16 + fm / hbm
-        cb = b8 / p8 + b16 / p16 + bm / hbm
-        rc = r8 / p8 + r16 / p16 + rm / hbm
-        fwd += n * cf
-        bwd += n * (cb + rc)
-        compute += n * (cf + cb)
-        recompute += n * rc
-        layer = cf + cb + rc
-        x = t_tp / b_tp
-        tp += n * (max(0.0, x - layer) if o_tp else x)
-        x = t_ep / b_ep
-        ep += n * (max(0.0, x - layer) if o_ep else x)
-        x = t_cp / b_cp
-        cp += n * (max(0.0, x - 3.5 * attn / p16) if best else x)
-        regather += n * rg / b_tp
-        if d2h or h2d:
-            x, y = d2h / b_host, h2d / b_host
-            offload += n * ((max(0.0, x - cf) + max(0.0, y - cb)) if best else x + y)
-    f = rd.full_replay
-    full = f[0] / p8 + (f[1] + f[2]) / p16 + f[3] / hbm
-    if full:
-        recompute += full
-        bwd += full
-        x = f[4] / b_tp
-        tp += max(0.0, x - full) if o_tp else x
-        x = f[5] / b_ep
-        ep += max(0.0, x - full) if o_ep else x
-        x = f[6] / b_cp
-        cp += max(0.0, x - full) if best else x
-    layer_time = fwd + bwd
-    x = rd.fsdp / bw["dp"]
-    fsdp = max(0.0, x - layer_time) if best else x
-    x = rd.p2p / bw["pp"]
-    pp = max(0.0, x - layer_time) if ov["pp"] and best else x
-    parts = [compute, recompute, tp, ep, cp, regather, offload, fsdp, pp]
-    return sum(parts), parts, fwd, bwd
+def _rank_times(rows, rd: RankDemand, combos: list[tuple]) -> list[tuple[float, tuple, float, float]]:
+    """For each combination (_combo_params: one speed set, then the best and the worst overlap case), (microbatch
+    time, its parts in PARTS order, forward time, backward time) of one rank, in one pass over its rows. The
+    compute of a speed set is the same for both cases; only what the overlaps hide differs."""
+    out = []
+    full = rd.full_replay
+    replay = full[0] or full[1] or full[2] or full[3]
+    for i8, i16, ih, itp, iep, icp, ihost, idp, ipp, o_tp, o_ep, o_pp in combos:
+        compute = recompute = regather = fwd = bwd = 0.0
+        tp_b = tp_w = ep_b = ep_w = cp_b = cp_w = off_b = off_w = 0.0
+        for n, f8, f16, fm, b8, b16, bm, r8, r16, rm, t_tp, t_ep, t_cp, attn, rg, d2h, h2d in rows:
+            cf = f8 * i8 + f16 * i16 + fm * ih
+            cb = b8 * i8 + b16 * i16 + bm * ih
+            rc = r8 * i8 + r16 * i16 + rm * ih
+            fwd += n * cf
+            bwd += n * (cb + rc)
+            compute += n * (cf + cb)
+            recompute += n * rc
+            layer = cf + cb + rc
+            if t_tp:
+                x = t_tp * itp
+                tp_w += n * x
+                tp_b += n * ((x - layer if x > layer else 0.0) if o_tp else x)
+            if t_ep:
+                x = t_ep * iep
+                ep_w += n * x
+                ep_b += n * ((x - layer if x > layer else 0.0) if o_ep else x)
+            if t_cp:
+                x, y = t_cp * icp, 3.5 * attn * i16
+                cp_w += n * x
+                cp_b += n * (x - y if x > y else 0.0)
+            if rg:
+                regather += n * rg * itp
+            if d2h or h2d:
+                x, y = d2h * ihost, h2d * ihost
+                off_w += n * (x + y)
+                off_b += n * (max(0.0, x - cf) + max(0.0, y - cb))
+        if replay:
+            f = full[0] * i8 + (full[1] + full[2]) * i16 + full[3] * ih
+            recompute += f
+            bwd += f
+            x = full[4] * itp
+            tp_w += x
+            tp_b += max(0.0, x - f) if o_tp else x
+            x = full[5] * iep
+            ep_w += x
+            ep_b += max(0.0, x - f) if o_ep else x
+            x = full[6] * icp
+            cp_w += x
+            cp_b += max(0.0, x - f)
+        layer_time = fwd + bwd
+        fsdp_w = rd.fsdp * idp
+        fsdp_b = max(0.0, fsdp_w - layer_time)
+        pp_w = rd.p2p * ipp
+        pp_b = max(0.0, pp_w - layer_time) if o_pp else pp_w
+        for best in (True, False):
+            parts = ((compute, recompute, tp_b, ep_b, cp_b, regather, off_b, fsdp_b, pp_b) if best else
+                     (compute, recompute, tp_w, ep_w, cp_w, regather, off_w, fsdp_w, pp_w))
+            out.append((sum(parts), parts, fwd, bwd))
+    return out
+
+
+def _combo_params(d: Demand, sp: Speeds) -> tuple:
+    """One speed set as step_times' inner loop reads it: inverse rates, and which overlaps are on (best case)."""
+    bw = {name: sp.bw[link] for name, link in d.links}
+    ov = dict(d.overlaps)
+    return (1 / sp.p8, 1 / sp.p16, 1 / sp.hbm, 1 / bw["tp"], 1 / bw["ep"], 1 / bw["cp"], 1 / bw["host"],
+            1 / bw["dp"], 1 / bw["pp"], ov["tp"], ov["ep"], ov["pp"])
+
+
+def step_times(d: Demand, speeds: tuple[tuple[Speeds, bool], ...]) -> tuple[StepTime, ...]:
+    """The step time under each (Speeds, best) of ``speeds`` (pairs of one Speeds, best then worst): one pass per
+    distinct rank (_rank_times)."""
+    sets = [sp for sp, best in speeds if best]
+    assert list(speeds) == [p for sp in sets for p in ((sp, True), (sp, False))], "speeds come in (best, worst) pairs"
+    params = [_combo_params(d, sp) for sp in sets]
+    per_rank = [_rank_times(rows, rd, params) for rd, rows in d.distinct]
+    ov = dict(d.overlaps)
+    links = dict(d.links)
+    return tuple(_assemble(d, sp, best, [t[c] for t in per_rank], ov, links)
+                 for c, (sp, best) in enumerate(speeds))
 
 
 def step_time(d: Demand, sp: Speeds, best: bool) -> StepTime:
-    bw = {name: sp.bw[link] for name, link in d.links}
-    ov = dict(d.overlaps)
-    distinct, index = d.distinct, d.index
-    timed = [_rank_time(rows, rd, sp, bw, ov, best) for rd, rows in distinct]
-    pick = max(range(len(timed)), key=lambda i: timed[i][0])
+    """The step time under one speed set and one overlap case."""
+    return step_times(d, ((sp, True), (sp, False)))[0 if best else 1]
+
+
+def _assemble(d: Demand, sp: Speeds, best: bool, timed: list, ov: dict, links: dict) -> StepTime:
+    index = d.index
+    pick = 0
+    for i in range(1, len(timed)):
+        if timed[i][0] > timed[pick][0]:
+            pick = i
     best_work, best_parts, fwd, bwd = timed[pick]
-    best_rank = index.index(pick)
-    rd = distinct[pick][0]
-    last_work = timed[index[-1]][0]
+    rd = d.distinct[pick][0]
     m = d.microbatches
     # m microbatches of the slowest rank, and the schedule's bubble: (pp - 1) / vpp more of its microbatch time
-    parts = {k: v * m for k, v in zip(PARTS, best_parts)}
-    parts["bubble"] = best_work * ((d.pp - 1) / d.vpp if d.pp > 1 else 0.0)
+    bubble = best_work * ((d.pp - 1) / d.vpp if d.pp > 1 else 0.0)
     # the last rank's deferred output-layer wgrads after its schedule: hidden in its cool-down at best (the
     # bubble), on the path at worst; a rank that is not the slowest runs them in its own slack first
-    last = d.ranks[-1]
-    if last.deferred:
-        t_def = last.deferred / sp.p16
-        slack = (best_work - last_work) * m
-        idle = parts["bubble"] + slack if best else slack
-        parts["deferred_wgrad"] = max(0.0, t_def - idle)
-    t_grad = rd.dp_grad / bw["dp"]
-    t_param = rd.dp_param / bw["dp"]
-    parts["dp"] = _hide(t_grad, bwd, ov["dp_grad"], best) + _hide(t_param, fwd, ov["dp_param"], best)
+    deferred = d.ranks[-1].deferred
+    if deferred:
+        slack = (best_work - timed[index[-1]][0]) * m
+        idle = bubble + slack if best else slack
+        deferred = deferred / sp.p16 - idle
+        deferred = deferred if deferred > 0.0 else 0.0
+    dp_bw = sp.bw[links["dp"]]
+    dp = (_hide(rd.dp_grad / dp_bw, bwd, ov["dp_grad"], best) + _hide(rd.dp_param / dp_bw, fwd, ov["dp_param"], best))
     f = d.offload_fraction
-    parts["optimizer"] = (1.0 - f) * rd.opt_params * d.opt_bytes / sp.hbm
+    optimizer = (1.0 - f) * rd.opt_params * d.opt_bytes / sp.hbm
+    offload = 0.0
     if f:
-        pcie = f * rd.opt_params * 2 * d.offload_param_bytes / bw["host"]
+        pcie = f * rd.opt_params * 2 * d.offload_param_bytes / sp.bw["host"]
         cpu = f * rd.opt_params * CPU_ADAM_BYTES / sp.host_dram
-        parts["optimizer_offload"] = max(pcie, cpu) if ov["optimizer_offload"] and best else pcie + cpu
-    return StepTime(sum(parts.values()), tuple(parts.items()), (), best_rank)
+        offload = max(pcie, cpu) if ov["optimizer_offload"] and best else pcie + cpu
+    seconds = best_work * m + bubble + deferred + dp + optimizer + offload
+    return StepTime(seconds, index.index(pick), (best_parts, m, bubble, deferred if d.ranks[-1].deferred else None,
+                                                 dp, optimizer, offload if f else None))
 
 
 def link_bytes(d: Demand, rank: int) -> dict[str, float]:
@@ -435,12 +502,17 @@ def _all_speeds(arch: int | None) -> tuple[tuple[Speeds, bool], ...]:
     return tuple((_speeds(g, eff, part), best) for eff, part, best in combos(g))
 
 
-@functools.lru_cache(maxsize=4096)
-def evaluate(job: Job, arch: int | None = None) -> tuple[Demand, tuple[StepTime, ...]]:
-    """``job``'s demand and its step time under every assumption combination (combos), in a fixed order."""
+def _evaluate(job: Job, arch: int | None = None, cached: bool = True) -> tuple[Demand, tuple[StepTime, ...]]:
     g, _ = gpu(arch)
-    d = demand(*job, domain=g.nvlink_domain)
-    return d, tuple(step_time(d, sp, best) for sp, best in _all_speeds(arch))
+    d = (demand if cached else _demand)(*job, domain=g.nvlink_domain)
+    return d, step_times(d, _all_speeds(arch))
+
+
+@functools.lru_cache(maxsize=512)
+def evaluate(job: Job, arch: int | None = None) -> tuple[Demand, tuple[StepTime, ...]]:
+    """``job``'s demand and its step time under every assumption combination (combos), in a fixed order (cached:
+    a ladder or a search prices many changes from one configuration)."""
+    return _evaluate(job, arch)
 
 
 def times(job: Job, arch: int | None = None) -> tuple[StepTime, ...]:
@@ -454,9 +526,10 @@ def rank_key(low: float, high: float) -> tuple[float, float]:
 
 
 def cost_range(before: Job, after: Job, arch: int | None = None) -> tuple[float, float]:
-    """(low, high) of price(before, after).low/.high, without its parts: what a search ranks thousands by."""
+    """(low, high) of price(before, after).low/.high, without its parts: what a search ranks thousands by (``after``
+    is not cached: each candidate is priced once)."""
     t0 = evaluate(before, arch)[1]
-    t1 = evaluate(after, arch)[1]
+    t1 = _evaluate(after, arch, cached=False)[1]
     ratios = [b.seconds / a.seconds - 1.0 for a, b in zip(t0, t1)]
     return min(ratios), max(ratios)
 

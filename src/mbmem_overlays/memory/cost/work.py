@@ -231,7 +231,7 @@ def recompute_regions(s: Shape, label: str, block: str) -> tuple[str, ...]:
     return regions
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=1024)
 def layer_work(s: Shape, lay: Layout, st: Settings, kind: str, dispatcher: str = "alltoall",
                offloaded: bool = False) -> LayerWork:
     """One layer of ``kind`` ("attn+mlp", "attn+moe", or a hybrid block), one microbatch, one GPU: forward and
@@ -316,16 +316,19 @@ def layer_work(s: Shape, lay: Layout, st: Settings, kind: str, dispatcher: str =
     return LayerWork(**scaled, d2h=d2h, h2d=h2d, full=tuple(x * tokens for x in total))
 
 
-def output_layer_work(s: Shape, lay: Layout, st: Settings, mtp: int = 0) -> LayerWork:
+def output_layer_work(s: Shape, lay: Layout, st: Settings, mtp: int = 0, wgrad_share: float = 1.0) -> LayerWork:
     """The last stage's output layer (a bf16 ColumnParallelLinear, models/gpt/gpt_model.py) and its loss, once per
-    MTP depth too, per microbatch per GPU; the loss reads the logits and writes their gradient (st.logits_bytes)."""
+    MTP depth too, per microbatch per GPU; the loss reads the logits and writes their gradient (st.logits_bytes).
+    ``wgrad_share``: the share of microbatches whose output-layer weight gradient runs in the steady state (the
+    rest deferred to the flush: defer_embedding_wgrad_compute)."""
     tokens = _tokens(lay)
     frozen = st.lora_rank > 0
     depths = 1 + mtp
-    f16 = 2 * s.hidden * s.vocab / lay.tp * depths
+    out = 2 * s.hidden * s.vocab / lay.tp * depths
     fm = (st.logits_bytes + st.dtype_bytes) * s.vocab / lay.tp * depths
-    f16 += mtp_eh(s, lay, mtp)
-    return LayerWork(f16=f16 * tokens, fm=fm * tokens, b16=(1.0 if frozen else 2.0) * f16 * tokens,
+    f16 = out + mtp_eh(s, lay, mtp)
+    b16 = f16 if frozen else 2.0 * f16 - (1.0 - wgrad_share) * out
+    return LayerWork(f16=f16 * tokens, fm=fm * tokens, b16=b16 * tokens,
                      bm=0.5 * fm * tokens, full=(0.0, f16 * tokens, 0.0, fm * tokens, 0.0, 0.0, 0.0))
 
 
