@@ -204,10 +204,11 @@ TABLES = (
 NOT_MODELLED = (
     ("optimizer CPU offload: the step's scale", f"{REF}nemo-mbridge-perf-cpu-offloading.card.yaml measured_results",
      "the rows agree in percent while both times are about 4x short: the model's baseline step is 0.23-0.30 s "
-     "against 996 ms (this GBS-8 MoE step is host-bound: the CUDA-graph card's eager 623 ms on the same layout), and "
-     "its CPU Adam at the host's DRAM bandwidth shared by 8 GPUs adds 0.2 s per 25% against 0.875 s (torch."
-     "distributed.run starts each rank with OMP_NUM_THREADS=1, so torch's fused CPU AdamW runs on one core, which "
-     "the model has no figure for): the agreement is not evidence for the CPU term"),
+     "against 996 ms (missing: host launch time; the CUDA-graph card shows the same TP2 PP2 EP4 layout launch-bound, "
+     "eager 623 ms -> 484 ms graphed), and its CPU Adam at the host's DRAM bandwidth shared by 8 GPUs adds 0.2 s per "
+     "25% against 0.875 s (missing: the CPU step's real rate; one candidate is that torch.distributed.run sets "
+     "OMP_NUM_THREADS=1 for every rank, torch/distributed/run.py:980-992, so torch's fused CPU AdamW runs on one "
+     "core, for which the model has no figure): the agreement in percent is not evidence for the CPU term"),
     ("CUDA graphs, Qwen3-30B-A3B TP2 PP2 EP4 (623 -> 484 ms, -22%)", f"{REF}nemo-mbridge-perf-cuda-graphs.card.yaml "
      "measured_results", "host launch time: the model has no CPU-side kernel-launch cost (the card: gains 'when the "
      "eager baseline is launch-bound'); CUDA graphs are not a memory saving any of our tools proposes"),
