@@ -232,3 +232,12 @@ def test_doctor_ranks_covering_remedies_by_the_computed_cost():
     ranked = _rank([env, a, c, b], shortfall=5 * 2**30)
     assert [r.name for r in ranked] == ["expandable_segments", "selective_recompute", "full_recompute",
                                         "dist_optimizer"]
+
+
+# ----------------------------------------------------------------------------- the ladder ranks by it
+def test_ladder_takes_the_cheapest_fitting_option_and_keeps_tp_doubling_last():
+    from mbmem_overlays.memory import ladder as L
+    options = [{"cost": {"rank_key": [0.2, 0.1]}, "total": 1}, {"cost": {"rank_key": [0.05, 0.0]}, "total": 3},
+               {"cost": {"rank_key": [0.05, 0.0]}, "total": 2}]
+    assert [o["total"] for o in L._cheapest(options)] == [2, 3, 1]   # cost first, then the memory it leaves
+    assert "TP x2" in L.LAST_RESORT and any(r.label == "TP x2" for r in L.LADDER_RUNGS)

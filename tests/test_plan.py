@@ -101,6 +101,11 @@ def test_plan_steps_and_expandable_segments_zero(recipe):
     assert d["steps"][1]["delta_bytes"] == 0 and "fragmentation" in d["steps"][1]["note"]
     assert d["total_bytes"] == d["steps"][-1]["total_bytes"]
     assert any("fragmentation" in a for a in d["assumptions"])
+    # each step priced against the one before it (memory/cost/): expandable segments changes no FLOP or byte,
+    # core_attn recompute replays the attention kernel
+    assert "cost" not in d["steps"][0]
+    assert d["steps"][1]["cost"]["low"] == d["steps"][1]["cost"]["high"] == 0
+    assert d["steps"][2]["cost"]["flops"] > 0 and d["steps"][2]["cost"]["high"] > 0
 
 
 def test_search_finds_cheap_fitting_layouts(recipe):

@@ -70,7 +70,10 @@ def make_planner(recipe: str | None, arch: int | None = None) -> Callable:
             after = footprint(overlays, params, dict(r.overrides))
             r.saves = None if after is None else max(0.0, planned[0] - after[0])
             if after is not None:
-                r.step_cost = K.price(planned[1], after[1], arch).as_dict()
+                try:
+                    r.step_cost = K.price(planned[1], after[1], arch).as_dict()
+                except (ValueError, TypeError, ArithmeticError, KeyError):   # unpriced, never raised
+                    r.step_cost = None
         shortfall = _shortfall(f)
         ranked = _rank(remedies, shortfall)
         text = (f"savings from the memory model on {name}, world size {world}"

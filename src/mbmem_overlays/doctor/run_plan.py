@@ -131,7 +131,10 @@ class RunPlan:
         step_cost = None
         if self.base_job is not None:   # the cost model's price of this change (memory/cost/)
             from ..memory import cost as K
-            step_cost = K.price(self.base_job, (*planned_work, K.cost_inputs(work)), self.arch).as_dict()
+            try:
+                step_cost = K.price(self.base_job, (*planned_work, K.cost_inputs(work)), self.arch).as_dict()
+            except (ValueError, TypeError, ArithmeticError, KeyError):   # unpriced, never raised
+                step_cost = None
         check = (f"validated (our rules and Bridge's validation) on recipe {self.recipe} at world size {self.world}; "
                  "a dry run: pasting it validates again (drop run.dry_run=true to train)")
         if dropped:
@@ -415,7 +418,7 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
     if before_training:
         rep.plan_status += (f"; {len(before_training)} line(s) printed before the first training iteration "
                             f"({', '.join(before_training[:8])}) are not compared: no step has run")
-    from ..memory.cost import job_of
+    from ..memory.cost import cost_inputs
+    base_job = (shape, lay, st, cost_inputs(work))
     return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
-                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env,
-                   job_of(work, world, arch=arch or DEFAULT_ARCH, env=env))
+                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env, base_job)

@@ -530,8 +530,13 @@ def cost_range(before: Job, after: Job, arch: int | None = None) -> tuple[float,
     is not cached: each candidate is priced once)."""
     t0 = evaluate(before, arch)[1]
     t1 = _evaluate(after, arch, cached=False)[1]
-    ratios = [b.seconds / a.seconds - 1.0 for a, b in zip(t0, t1)]
+    ratios = [_ratio(a.seconds, b.seconds) for a, b in zip(t0, t1)]
     return min(ratios), max(ratios)
+
+
+def _ratio(before: float, after: float) -> float:
+    """after / before - 1; 0 for a step the model gives no time (nothing to price against)."""
+    return after / before - 1.0 if before > 0 else 0.0
 
 
 def price(before: Job, after: Job, arch: int | None = None) -> Cost:
@@ -540,7 +545,7 @@ def price(before: Job, after: Job, arch: int | None = None) -> Cost:
     g, note = gpu(arch)
     d0, t0 = evaluate(before, arch)
     d1, t1 = evaluate(after, arch)
-    ratios = [b.seconds / a.seconds - 1.0 for a, b in zip(t0, t1)]
+    ratios = [_ratio(a.seconds, b.seconds) for a, b in zip(t0, t1)]
     f0 = _total(d0)
     f1 = _total(d1)
     ref0, ref1 = t0[-1], t1[-1]   # slowest efficiency, worst overlap: the bytes of the critical GPU
