@@ -166,7 +166,7 @@ def run_logs(args, logs: list[str], checked: dict[str, Any] | None = None) -> tu
     if args.plan:
         from ..doctor.plan import make_planner
         from ..doctor.run_plan import make_run_planner
-        planner = make_planner(args.recipe)
+        planner = make_planner(args.recipe, arch=checked.get("arch"))
         run_planner = make_run_planner(args.recipe, list(args.set), checked["world"], list(args.overlay_dir),
                                        checked["margin"], logs=list(logs), arch=checked.get("arch"))
     d = diagnose(findings, args.recipe, planner=planner, capacity=checked["capacity"], margin=checked["margin"],

@@ -209,7 +209,8 @@ def run_search(args, cfg, start, checked) -> int:
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     try:
         with progress("searching layouts and validating the cheapest with Bridge"):
-            found = search_validated(cfg, start, world, capacity, margin, checked["top"], catalog=checked["catalog"])
+            found = search_validated(cfg, start, world, capacity, margin, checked["top"], catalog=checked["catalog"],
+                                     arch=checked.get("arch") or DEFAULT_GPU_ARCH)
     except Rejected as exc:
         return fail(args, OverlayError([Problem(("overlay",), "--overlay", list(start.overlays), exc.reason,
                                                 "drop or change the overlay named above")]), EXIT_REJECTED)
@@ -247,6 +248,7 @@ def _layout_name(r: dict[str, Any]) -> str:
 
 
 def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
+    from ..memory.cost import cost_text
     results = found["results"]
     lines = [f"searched {found['evaluated']} layouts x overlay sets in {found['seconds']:.1f} s: {found['candidates']} fit "
              f"{capacity / 2**30:.1f} GiB with a {margin:.0%} margin in the memory model; checked the cheapest "
@@ -263,11 +265,13 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
         lines.append("no validated layout fits" + (" in the modelled part" if unknown else "")
                      + "; try `mbmem recommend` (offload, full recompute) or more GPUs")
         return "\n".join(lines)
-    lines.append(f"{len(results)} validated, cheapest first (cost: documented throughput cost, costs.py):")
+    lines.append(f"{len(results)} validated, cheapest first (cost: step time against your configuration, "
+                 "memory/cost/ — docs/cost-model.md):")
     for r in results:
         saving = r.get("saving_bytes")
         saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
-        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  cost ~{r['cost']:.0%}  {_layout_name(r)}")
+        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  {_layout_name(r)}")
+        lines.append(f"    cost: {cost_text(r.get('cost'))}")
         if r.get("fits_unless") or r.get("fit") != "fits":
             lines.append(f"    {r.get('verdict_text', r['fit_verdict'])}")
         lines.append(f"    {r['command']}")

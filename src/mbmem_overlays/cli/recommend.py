@@ -36,7 +36,7 @@ def recommend_and_print(args, cfg, start, checked) -> int:
     from ..memory.steps import draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     with progress("walking the memory ladder, each step validated with Bridge"):
-        rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"])
+        rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"], arch=checked.get("arch"))
     taken = [r for r in rec["steps"] if "breakdown" in r]
     if args.plot and taken:
         write_plot(args, lambda: draw_bars(

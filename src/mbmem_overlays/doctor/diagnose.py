@@ -613,6 +613,16 @@ def _run(f: Findings, ctx: Context, done, rep: RR.RunReport, priced: dict, repla
         results = plan.price(remedies, rep)
         for r, res in zip(remedies, results):
             priced[id(r)] = res
+        # the changes validated and predicted to fit, cheapest first by the cost model (memory/cost/ rank_key; a
+        # turn-off's cost is negative: the largest gain first), then the others in their documented order
+        order = {id(r): i for i, r in enumerate(remedies)}
+
+        def key(r):
+            res = priced[id(r)]
+            ok = bool(res.get("command") and res.get("fits") and res.get("step_cost"))
+            return (0, tuple(res["step_cost"]["rank_key"]), order[id(r)]) if ok else (1, (0.0, 0.0), order[id(r)])
+        remedies = sorted(remedies, key=key)
+        results = [priced[id(r)] for r in remedies]
         fitting = [(r, res) for r, res in zip(remedies, results) if res.get("command") and res.get("fits")]
         if fitting:
             r, res = fitting[0]
@@ -694,11 +704,15 @@ def turn_off_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
 def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     d = {"name": r.name, "action": r.action, "cost": r.cost, "saves_bytes": None if r.saves is None else int(r.saves),
          "command": r.command}
+    if r.step_cost is not None:   # --plan: the cost model's price (memory/cost/), beside the documented words
+        d["step_cost"] = r.step_cost
     if priced:  # --plan on a run report: the memory model's new peak on the hot rank, the validated command
         d.update({k: priced.get(k) for k in ("train_command", "check", "planned_hot_bytes", "predicted_peak_bytes",
                                              "fits")})
         if priced.get("fit") == "unknown":   # the plan does not model something the job sets (plan.py judge)
             d.update({k: priced[k] for k in ("fit", "fit_verdict", "unmodelled")})
+        if priced.get("step_cost") is not None:
+            d["step_cost"] = priced["step_cost"]
     if r.overlay:
         d["overlay"] = r.overlay
     for k in ("params", "overrides", "env"):

@@ -37,6 +37,8 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
     for i, r in enumerate(d.remedies, 1):
         saves = "" if r["saves_bytes"] is None else f"; saves {gib(r['saves_bytes'])}"
         remedies.append(f"{i}. {r['name']}: {r['action']}" + (f" (cost: {r['cost']}{saves})" if r["cost"] or saves else ""))
+        if r.get("step_cost"):   # --plan: the cost model's price for this job (memory/cost/)
+            remedies.append(f"   step cost: {r['step_cost']['text']}")
         if r.get("predicted_peak_bytes") is not None:
             size = (lambda b, u=(d.run or {}).get("display_unit", "GiB"): fmt_size(b, u))
             planned = "" if r.get("planned_hot_bytes") is None else f"planned {size(r['planned_hot_bytes'])}; "

@@ -106,6 +106,7 @@ class RunPlan:
     measured: dict                 # stage -> (measured peak used, measured max allocated, the plan of that line)
     arch: int = DEFAULT_ARCH       # the GPUs' compute capability and the job's environment, as from_config reads them
     env: dict | None = None
+    base_job: Any = None           # the cost model's job of the configuration the log ran (memory/cost/ job_of)
 
     def price(self, remedies: list[C.Remedy], rep) -> list[dict]:
         return [self._price(r) for r in remedies]
@@ -127,11 +128,20 @@ class RunPlan:
         planned_work = M.from_config(work, self.world, arch=self.arch, env=self.env)
         stages = stage_breakdowns(*planned_work)
         command = train_command(start, cand, self.world)
+        step_cost = None
+        if self.base_job is not None:   # the cost model's price of this change (memory/cost/)
+            from ..memory import cost as K
+            try:
+                step_cost = K.price(self.base_job, (*planned_work, K.cost_inputs(work)), self.arch).as_dict()
+            except (ValueError, TypeError, ArithmeticError, KeyError):   # unpriced, never raised
+                step_cost = None
         check = (f"validated (our rules and Bridge's validation) on recipe {self.recipe} at world size {self.world}; "
                  "a dry run: pasting it validates again (drop run.dry_run=true to train)")
         if dropped:
             check += f"; replaces your {', '.join(dropped)}"
         out = {"train_command": command, "check": check, "command": command}
+        if step_cost is not None:
+            out["step_cost"] = step_cost
         if r.overlay == "expandable_segments":  # not modelled: it returns the reserved-but-unallocated gap
             hot = self.measured.get(self.hot_stage)
             out.update({"planned_hot_bytes": None, "predicted_peak_bytes": None if hot is None else int(hot[1]),
@@ -423,5 +433,7 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
     if before_training:
         rep.plan_status += (f"; {len(before_training)} line(s) printed before the first training iteration "
                             f"({', '.join(before_training[:8])}) are not compared: no step has run")
+    from ..memory.cost import cost_inputs
+    base_job = (shape, lay, st, cost_inputs(work))
     return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
-                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env)
+                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env, base_job)

@@ -221,8 +221,10 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
                    key=lambda n: LADDER.index(n) if n in LADDER else len(LADDER))
     apply_overlay(copy.deepcopy(cfg), names, env=launch_env(), params=params, world_size=world, locked=locked,
                   catalog=catalog)  # all at once
+    from . import cost as K
     inputs = [P.from_config(cfg, world, arch=arch, env=env)]   # each step's (shape, layout, settings)
     steps = [P.Step("baseline", P.estimate(*inputs[0]))]
+    previous = (*inputs[0], K.cost_inputs(cfg))   # the cost model's job before each step
     work = copy.deepcopy(cfg)
     applied: list[str] = []
     for name in names:
@@ -235,7 +237,9 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
         inputs.append((shape, lay, st))
         b = P.estimate(shape, lay, st)
         note = P.STEP_NOTES.get(name) or step_note(name, shape, lay, st, steps[-1].breakdown.total - b.total)
-        steps.append(P.Step(name, b, note))
+        job = (shape, lay, st, K.cost_inputs(work))
+        steps.append(P.Step(name, b, note, K.price(previous, job, arch).as_dict()))
+        previous = job
     shape, lay, st = P.from_config(work, world, arch=arch, env=env)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
@@ -272,6 +276,10 @@ def render_plan(plan: P.Plan, verbose: bool = False) -> str:
                      f"{gib(b.optimizer):>8}{gib(b.activations):>8}{gib(b.other):>8}{gib(b.total):>9}{delta:>8}  {fits}"
                      + (f"   ({s.note})" if s.note else ""))
         prev = s
+    priced = [s for s in plan.steps if s.cost]
+    if priced:
+        lines.append("what each step costs the job's step time (cost model, docs/cost-model.md):")
+        lines += [f"  + {s.name:<20} {s.cost['text']}" for s in priced]
     last = plan.steps[-1].breakdown
     lines.append(f"peak of the last step: pipeline rank {last.rank}, {last.phase}"
                  + "".join(f"; {name} {value / 2**30:.2f} GiB" for name, value in last.detail if value))
