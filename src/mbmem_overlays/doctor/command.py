@@ -52,6 +52,7 @@ class Remedy:
     saves: float | None = None                    # bytes, from the memory model (--plan); None = not computed
     command: str | None = None                    # a command that is not the training command (nvidia-smi, ...)
     command_note: str = ""                        # how that command was checked
+    megatron: dict | None = None                  # a Megatron-LM job's flags for it (--plan: megatron_plan.py)
 
 
 @dataclass

@@ -457,8 +457,11 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, cap
                     savings += f", or `{hint}`"
         if not want_command:
             pass
-        elif remedies and cmd is None and remedies[0].command:
-            cmd, check = remedies[0].command, remedies[0].command_note or "not a training command: nothing to validate"
+        elif remedies and cmd is None and (remedies[0].command or remedies[0].megatron is not None):
+            # a Megatron-LM job's remedies carry their own validated flags (None: none could be written)
+            cmd, check = remedies[0].command, remedies[0].command_note or (
+                "not a training command: nothing to validate" if remedies[0].command else
+                f"no remedy could be written as the job's flags: {remedies[0].megatron.get('reason')}")
         elif remedies and cmd is None:
             cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator, dirs)
         elif cmd:
@@ -688,6 +691,8 @@ def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     if priced:  # --plan on a run report: the memory model's new peak on the hot rank, the validated command
         d.update({k: priced.get(k) for k in ("train_command", "check", "planned_hot_bytes", "predicted_peak_bytes",
                                              "fits")})
+        if priced.get("megatron") is not None:   # a Megatron-LM job's change: its own flags (run_plan.py)
+            d.update({"megatron": priced["megatron"], "command": priced.get("command")})
     if r.overlay:
         d["overlay"] = r.overlay
     for k in ("params", "overrides", "env"):
@@ -695,6 +700,8 @@ def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
             d[k] = getattr(r, k)
     if r.remove_overlays:
         d["remove_overlays"] = list(r.remove_overlays)
+    if r.megatron is not None:
+        d["megatron"] = r.megatron
     return d
 
 
@@ -855,7 +862,7 @@ def _allocator(f: Findings, ctx: Context, done, victims) -> Diagnosis:
             summary = ("fragmentation caused this failure; capacity is next: free + reserved-but-unallocated covers "
                        "the request only barely, so the next allocation of this size will fail too")
             conf = "medium"
-            reasons.append("remedies: expandable_segments first (zero cost), then a capacity remedy right after it")
+            reasons.append(f"remedies: {remedy.name} first (no model change), then a capacity remedy right after it")
     elif kind == "capacity":
         remedies = capacity_remedies(f, ctx)
         summary = ("genuine capacity limit: the OOM happened with expandable_segments already on" if ctx.expandable

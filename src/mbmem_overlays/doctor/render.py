@@ -40,7 +40,9 @@ def render(d: Diagnosis, f: Findings) -> str:
             fits = {True: "fits", False: "does NOT fit", None: "fit unknown (no capacity)"}[r["fits"]]
             remedies.append(f"   plan: hot rank {planned}predicted peak {size(r['predicted_peak_bytes'])} (the measured "
                             f"peak plus the plan's change): {fits} with the margin")
-        if r.get("train_command"):
+        if r.get("megatron") is not None:
+            remedies += megatron_lines(r)
+        elif r.get("train_command"):
             remedies.append(f"   {r['train_command']}")
             remedies.append(f"   checked: {r['check']}")
         elif r.get("check"):
@@ -85,3 +87,12 @@ def unreadable_memory_lines(f: Findings) -> list[str]:
     if f.memory_unreadable_count > len(f.memory_unreadable):
         rows.append(f"... and {f.memory_unreadable_count - len(f.memory_unreadable)} more")
     return rows
+
+
+def megatron_lines(r: dict) -> list[str]:
+    """A Megatron-LM job's remedy: its flags (or the whole command) and how megatron-core checked them, or why no
+    flags can make it."""
+    m = r["megatron"]
+    if not m.get("ok"):
+        return [f"   not possible for this job: {m.get('reason')}"]
+    return [f"   {m.get('text')}", f"   checked: {m.get('check')}"]

@@ -344,27 +344,36 @@ def _shown(value: Any) -> Any:
 
 def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locked: dict | None = None,
               recipe: str = "<recipe>", *, start: Start | None = None, catalog: Catalog | None = None,
-              validate: bool = True) -> dict[str, Any]:
+              validate: bool = True, target: Any = None) -> dict[str, Any]:
     """The memory-tuning skill's ladder, step by step, until the plan fits.
 
     ``cfg`` is the recipe with the user's overrides written; ``start`` carries the user's --set words and
     overlays (``recipe``/``locked`` are the short form when there are none). Every accepted step has passed
-    our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's."""
+    our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's.
+
+    ``target``: a job that is not launched as a recipe (memory/megatron.py ``MegatronTarget``, a Megatron-LM job's
+    own arguments): its ``realize`` replaces steps.realize (and refuses what its own validator refuses), its
+    ``verdict`` words each step's validation, its ``command`` is the printed command and its ``extra`` adds its
+    fields to each accepted step and to the result."""
     start = start or Start(recipe, locked=dict(locked or {}))
     catalog = catalog or Catalog(list(start.overlay_dirs))
+    do = realize if target is None else target.realize
+    verdict_of = _verdict if target is None else target.verdict
+    plan_of = breakdown_of if target is None else target.breakdown
     limit = capacity * (1 - margin)
     base = Candidate()
     try:
-        work, report = realize(cfg, start, base, world, catalog=catalog, validate=validate)
+        work, report = do(cfg, start, base, world, catalog=catalog, validate=validate)
     except Rejected as exc:
         return {"capacity_bytes": int(capacity), "margin": margin, "fits": False, "steps": [],
                 "error": f"your starting point is rejected: {exc.reason}", "command": None}
     state = State(start, base, work, report, world)
     probes: dict = {}   # explain_rejection's realized probes, shared by the rungs
-    first = breakdown_of(work, world)
+    first = plan_of(work, world)
     total = first.footprint
     rows: list[dict[str, Any]] = [{"step": "baseline", "overlays": list(start.overlays), "total_bytes": int(total),
-                                   "fits": total <= limit, "validation": _verdict(report), "breakdown": first}]
+                                   "fits": total <= limit, "validation": verdict_of(report), "breakdown": first,
+                                   **({} if target is None else target.extra(report))}]
     seen: dict[tuple, str] = {}
     for rung in LADDER_RUNGS:
         if rung.label != "expandable_segments" and total <= limit:
@@ -377,12 +386,12 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         best, reasons = None, []
         for cand, cost in proposal:
             try:
-                cfg2, report2 = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
+                cfg2, report2 = do(cfg, start, cand, world, catalog=catalog, validate=validate)
             except Rejected as exc:
                 reasons.append(explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                                  cache=probes))
                 continue
-            b = breakdown_of(cfg2, world)
+            b = plan_of(cfg2, world)
             new_total = b.footprint
             option = (cand, cost, cfg2, report2, new_total, b)
             if best is None or new_total < best[4]:
@@ -413,7 +422,8 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         rows.append({"step": label, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                      "changes": [{"target": t, "old": _shown(o), "new": _shown(n)} for t, o, n in changed],
                      "total_bytes": int(new_total), "saving_bytes": int(saving), "cost": cost,
-                     "fits": new_total <= limit, "validation": _verdict(report2), "breakdown": b})
+                     "fits": new_total <= limit, "validation": verdict_of(report2), "breakdown": b,
+                     **({} if target is None else target.extra(report2))})
         state = State(start, cand, cfg2, report2, world)
         total = new_total
     from . import model as P
@@ -424,7 +434,10 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, "fits": total <= limit,
             "fit_verdict": fit_verdict, "fits_unless": unless, "uncertainty": [r.as_dict() for r in ranges],
             "overlays": list(dict.fromkeys([*start.overlays, *state.cand.overlays])),
-            "validation": _verdict(state.report), "command": train_command(start, state.cand, world)}
+            "validation": verdict_of(state.report),
+            "command": train_command(start, state.cand, world) if target is None else
+            target.command(start, state.cand, world, state.report),
+            **({} if target is None else target.extra(state.report))}
 
 
 def _verdict(report: Any) -> str:
