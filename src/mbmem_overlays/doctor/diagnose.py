@@ -450,7 +450,11 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, cap
                            "compute what each remedy saves for this recipe and layout")
                 name = recipe or f.recipe
                 cap = next((o.capacity for o in f.ooms if o.capacity), None) or capacity
-                if name:  # every word quoted: the recipe and sizes reach a command the user pastes (issue 22 #2b)
+                if _megatron_job_only(ctx, f) and replan:
+                    savings = (f"savings not computed: `{replan}` plans the job from its own Megatron-LM arguments "
+                               f"dump {at(f.megatron_args.where)}, prices each remedy and prints it as the job's "
+                               "flags, validated by megatron-core")
+                elif name:  # every word quoted: the recipe and sizes reach a command the user pastes (issue 22 #2b)
                     hint = C.render_tokens(["mbmem", *(a for d in (overlay_dirs or []) for a in ("--overlay-dir", d)),
                                             "recommend", "--recipe", name, "--world-size", str(ctx.world or "<N>"),
                                             "--gpu-memory", f"{cap / GiB:.2f}GiB" if cap else "<SIZE>"])
@@ -462,6 +466,10 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, cap
             cmd, check = remedies[0].command, remedies[0].command_note or (
                 "not a training command: nothing to validate" if remedies[0].command else
                 f"no remedy could be written as the job's flags: {remedies[0].megatron.get('reason')}")
+        elif remedies and cmd is None and planner is None and replan and _megatron_job_only(ctx, f):
+            cmd, check = replan, (f"a Megatron-LM job (its arguments dump {at(f.megatron_args.where)}), not a Bridge "
+                                  "recipe: --plan prices each remedy on its own arguments and prints the job's flags "
+                                  "to change, validated by megatron-core (imports Megatron Bridge)")
         elif remedies and cmd is None:
             cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator, dirs)
         elif cmd:
@@ -703,6 +711,12 @@ def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     if r.megatron is not None:
         d["megatron"] = r.megatron
     return d
+
+
+def _megatron_job_only(ctx: Context, f: Findings) -> bool:
+    """The log is a Megatron-LM job's: its arguments dump, no recipe and no launch command to reuse (a train.py
+    template would be all the doctor could print)."""
+    return f.megatron_args is not None and not ctx.recipe and ctx.launch.kind == "template"
 
 
 def _fill_in(ctx: Context) -> str:
