@@ -246,3 +246,52 @@ def test_megatron_args_usage_errors_come_before_bridge(capsys):
     assert main(["recommend", "--recipe", "llama3_8b_pretrain", "--world-size", "8", "--gpu-memory", "80GiB",
                  "--gpu-arch", "A100", "--json"]) == 2
     assert "--gpu-arch works with --megatron-args" in capsys.readouterr().out
+
+
+CAPACITY_OOM = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total "
+                "capacity of 31.74 GiB of which 1.20 GiB is free. Including non-PyTorch memory, this process has 30.50 "
+                "GiB memory in use. Of the allocated memory 29.80 GiB is allocated by PyTorch, and 500.00 MiB is "
+                "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def _with_capacity_oom(tmp_path, source: Path) -> Path:
+    """The fixture's job with a torch >= 2.1 capacity OOM (1.31 GiB short) instead of its fragmentation one."""
+    lines = [line for line in source.read_text().splitlines() if "OutOfMemoryError" not in line
+             and "load_entry_point" not in line]
+    path = tmp_path / f"capacity_{source.name}"
+    path.write_text("\n".join(lines + [CAPACITY_OOM]) + "\n")
+    return path
+
+
+def test_a_capacity_oom_puts_the_remedies_that_cover_the_shortfall_first(bridge, tmp_path):
+    log = _with_capacity_oom(tmp_path, DUMP_LOG)
+    rc, data = run_json(["doctor", str(log), "--plan", "--gpu-arch", "7"])
+    assert rc == 0 and data["kind"] == "capacity"
+    assert "the failed request was short by 1.31 GiB" in data["savings"]
+    first = data["remedies"][0]
+    assert first["saves_bytes"] >= 1.3 * 2**30 and first["megatron"]["ok"]
+    assert data["next_command"] == first["command"] == first["megatron"]["text"]
+    assert "train.py" not in json.dumps(data)
+    validated(first["megatron"], 1)
+
+
+def test_without_plan_a_megatron_log_is_sent_to_the_plan_not_to_a_train_py_template(capsys):
+    for log in (DUMP_LOG,):
+        assert main(["doctor", str(log), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert shlex.split(data["next_command"]) == ["mbmem", "doctor", str(log), "--plan"]
+        assert "Megatron-LM job (its arguments dump [" in data["command_check"]
+        assert "train.py" not in data["next_command"]
+
+
+def test_a_launch_command_megatron_core_cannot_read_gets_no_train_py_command(bridge, tmp_path):
+    log = tmp_path / "placeholders.log"
+    log.write_text(COMMAND_LOG.read_text().replace("--num-layers 36", "--num-layers ${NUM_LAYERS}"))
+    rc, data = run_json(["doctor", str(log)])
+    assert rc == 0 and shlex.split(data["next_command"])[-1] == "--plan"        # a Megatron-LM job: plan it
+    rc, data = run_json(["doctor", str(log), "--plan"])
+    assert rc == 0 and data["next_command"] is None
+    assert not any("train.py" in (r.get("command") or "") for r in data["remedies"])
+    assert "a placeholder where a value is needed" in data["savings"]
+    assert data["command_check"].startswith("no command: a Megatron-LM job (its launch command [")

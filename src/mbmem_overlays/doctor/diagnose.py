@@ -452,7 +452,7 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, cap
                 cap = next((o.capacity for o in f.ooms if o.capacity), None) or capacity
                 if _megatron_job_only(ctx, f) and replan:
                     savings = (f"savings not computed: `{replan}` plans the job from its own Megatron-LM arguments "
-                               f"dump {at(f.megatron_args.where)}, prices each remedy and prints it as the job's "
+                               f"({_megatron_job_only(ctx, f)}), prices each remedy and prints it as the job's "
                                "flags, validated by megatron-core")
                 elif name:  # every word quoted: the recipe and sizes reach a command the user pastes (issue 22 #2b)
                     hint = C.render_tokens(["mbmem", *(a for d in (overlay_dirs or []) for a in ("--overlay-dir", d)),
@@ -467,9 +467,14 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, cap
                 "not a training command: nothing to validate" if remedies[0].command else
                 f"no remedy could be written as the job's flags: {remedies[0].megatron.get('reason')}")
         elif remedies and cmd is None and planner is None and replan and _megatron_job_only(ctx, f):
-            cmd, check = replan, (f"a Megatron-LM job (its arguments dump {at(f.megatron_args.where)}), not a Bridge "
-                                  "recipe: --plan prices each remedy on its own arguments and prints the job's flags "
-                                  "to change, validated by megatron-core (imports Megatron Bridge)")
+            cmd, check = replan, (f"a Megatron-LM job ({_megatron_job_only(ctx, f)}), not a Bridge recipe: --plan "
+                                  "prices each remedy on its own arguments and prints the job's flags to change, "
+                                  "validated by megatron-core (imports Megatron Bridge)")
+        elif remedies and cmd is None and _megatron_job_only(ctx, f):
+            # --plan could not read the job: its flags cannot be written or checked, and a train.py command is for a
+            # Bridge recipe only
+            cmd, check = None, (f"no command: a Megatron-LM job ({_megatron_job_only(ctx, f)}) whose arguments "
+                                "megatron-core 0.19.2 does not accept (see savings); the remedies name what to change")
         elif remedies and cmd is None:
             cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator, dirs)
         elif cmd:
@@ -713,10 +718,17 @@ def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     return d
 
 
-def _megatron_job_only(ctx: Context, f: Findings) -> bool:
-    """The log is a Megatron-LM job's: its arguments dump, no recipe and no launch command to reuse (a train.py
-    template would be all the doctor could print)."""
-    return f.megatron_args is not None and not ctx.recipe and ctx.launch.kind == "template"
+def _megatron_job_only(ctx: Context, f: Findings) -> str:
+    """Where the log shows it is a Megatron-LM job's ("its arguments dump [where]", "its launch command [where]"),
+    when there is no recipe and no launch command to reuse (a train.py template would be all the doctor could
+    print); "" otherwise."""
+    if ctx.recipe or ctx.launch.kind != "template":
+        return ""
+    if f.megatron_args is not None:
+        return f"its arguments dump {at(f.megatron_args.where)}"
+    if f.command is not None and C.parse_launch(f.command.value).kind == "megatron-lm":
+        return f"its launch command {at(f.command.where)}"
+    return ""
 
 
 def _fill_in(ctx: Context) -> str:
