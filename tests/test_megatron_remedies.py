@@ -217,6 +217,8 @@ def test_recommend_answers_in_the_jobs_flags_each_step_validated(bridge, jobs):
     assert selective["cost"] == COSTS["selective_recompute"][1]      # the ladder's own cost field
     assert selective["megatron_flags"]["add"] == ["--recompute-granularity", "selective", "--recompute-modules",
                                                   "core_attn"]
+    for r in taken:   # each step's flags, on the job's arguments as they are after it (megatron_flags' argv)
+        validated(r["megatron_flags"], 1)
     validated(data["megatron"], 1)
     assert replanned(jobs["dump"], data["megatron"]) == pytest.approx(taken[-1]["total_bytes"], abs=1 << 20)
     _, text = run_text(["recommend", "--megatron-args", str(DUMP_LOG), "--gpu-memory", "24GiB", "--gpu-arch", "7"])
@@ -295,3 +297,14 @@ def test_a_launch_command_megatron_core_cannot_read_gets_no_train_py_command(bri
     assert not any("train.py" in (r.get("command") or "") for r in data["remedies"])
     assert "a placeholder where a value is needed" in data["savings"]
     assert data["command_check"].startswith("no command: a Megatron-LM job (its launch command [")
+
+
+def test_the_overlays_flags_plan_prints_are_checked_on_the_job(bridge):
+    rc, data = run_json(["plan", "--megatron-args", str(GPT), "--overlay", "selective_recompute,dist_optimizer"])
+    assert rc == 0
+    check = data["megatron_flags_check"]
+    assert check["ok"] and check["add"] == ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+    args, _ = validated(check, 8, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, arch=9)
+    assert args.recompute_granularity == "selective" and args.use_distributed_optimizer
+    _, text = run_text(["plan", "--megatron-args", str(GPT), "--overlay", "selective_recompute"])
+    assert "  checked: parsed and validated by megatron-core 0.19.2's parse_args + validate_args at world size 8" in text

@@ -326,6 +326,7 @@ def run_megatron(args) -> int:
         plan = dataclasses.replace(plan, assumptions=plan.assumptions + job.assumptions
                                    + gpu_arch_assumptions(checked["arch"]))
         flags = megatron_overlay_flags(job, overlays, checked["catalog"])
+        flags_check = megatron_flags_check(job, overlays, checked) if flags is not None else None
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
     try:
@@ -336,10 +337,14 @@ def run_megatron(args) -> int:
     verdict = megatron_verdict(plan, job)
     if args.json:
         emit(args, {**plan.as_dict(), "plot": args.plot, "megatron_args": {**job.as_dict(), "verdict": verdict},
-                    "megatron_flags": flags.as_dict() if flags else None})
+                    "megatron_flags": flags.as_dict() if flags else None,
+                    "megatron_flags_check": flags_check.as_dict() if flags_check is not None else None})
     else:
         print(render_plan(plan))
         print(render_megatron(job, flags, verdict))
+        if flags_check is not None:
+            print(shown(f"  checked: {flags_check.check}" if flags_check.ok else
+                        f"  NOT VALID for this job: {flags_check.reason}"))
         if args.plot:
             print(f"plot: {args.plot}")
     return 0 if plan.fits(plan.steps[-1]) is not False else EXIT_REJECTED
@@ -417,6 +422,21 @@ def megatron_overlay_flags(job, overlays: list[str], catalog):
     report = apply_overlay(copy.deepcopy(job.config), overlays, env=dict(job.env), world_size=job.world_size,
                            catalog=catalog)
     return overlay_flags([(c.target, c.new) for c in report.changes], job.args)
+
+
+def megatron_flags_check(job, overlays: list[str], checked: dict[str, Any]):
+    """The overlays' flags on the job's own arguments, parsed and validated by megatron-core (bridge/megatron_args.py
+    change_job): a JobChange whose ``ok`` says whether Megatron-LM accepts them and makes the change."""
+    from ..memory.megatron import MegatronTarget
+    from ..memory.steps import Candidate, Rejected
+    target = MegatronTarget(job, arch=checked["arch"], vocab=checked["vocab"])
+    try:
+        _, report = target.realize(job.config, target.start(), Candidate(tuple(overlays)), job.world_size,
+                                   catalog=checked["catalog"])
+    except Rejected as exc:
+        from ..bridge.megatron_args import JobChange
+        return JobChange(ok=False, reason=exc.reason)
+    return report.megatron
 
 
 def megatron_verdict(plan, job) -> str:
