@@ -165,7 +165,8 @@ def test_control_and_bidi_characters_from_the_log_are_escaped(tmp_path):
     p.write_text("python train.py recipe=llama3_8b_pretrain\x1b]0;owned\x07 \u202etxt.exe\n"
                  "[rank0]: ValueError: Currently there is no support for Pipeline parallelism with CPU offloading"
                  " \x1b[2J\u202e\n" + OOM + "\n")
-    out = mbmem("doctor", str(p))
+    assert not any(c in mbmem("doctor", str(p)).stdout for c in "\x1b\u202e\x07")
+    out = mbmem("doctor", str(p), "-v")   # with the evidence lines, which quote the log
     assert "\x1b" not in out.stdout and "\u202e" not in out.stdout and "\x07" not in out.stdout
     assert "\\x1b" in out.stdout and "\\u202e" in out.stdout
     data = json.loads(mbmem("doctor", str(p), "--json").stdout)

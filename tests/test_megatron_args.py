@@ -134,9 +134,10 @@ def test_overlay_changes_become_the_parsers_own_flags(jobs):
 def test_plan_megatron_args_names_unknown_and_not_modelled_flags(bridge, capsys):
     rc = main(["plan", "--megatron-args", str(GPT), "--gpu-memory", "80GiB", "--overlay", "selective_recompute"])
     out = capsys.readouterr().out
-    assert rc == 0
+    assert rc == 4   # the fit is unknown: a flag that changes memory is not modelled (docs/exit-codes.md)
     assert "world size 8 (--nproc-per-node 4 x --nnodes 2)" in out
-    assert "NOT MODELLED: --delay-wgrad-compute" in out and "--no-such-flag 3" in out
+    assert "verdict: unknown: --delay-wgrad-compute not modelled (it can only add memory)" in out
+    assert "--no-such-flag 3" in out
     assert "--mtp-num-layers" not in out.split("verdict:")[1].split("\n")[0]   # MTP is modelled
     assert "Megatron-LM flags for the overlays: --recompute-granularity selective --recompute-modules core_attn" in out
 
@@ -243,7 +244,9 @@ def test_distillation_flags_are_named_not_modelled_not_unknown(bridge, capsys, t
     payload = json.loads(capsys.readouterr().out)
     assert rc == 0
     verdict = payload["megatron_args"]["verdict"]
-    assert "NOT MODELLED: " in verdict and "--export-kd-teacher-load" in verdict and "--export-kd-cfg" in verdict
+    assert "not modelled: " in verdict and "--export-kd-teacher-load" in verdict and "--export-kd-cfg" in verdict
+    plan_gaps = {g["name"]: g for g in payload["unmodelled"]}   # the plan's one list has them, each adding memory
+    assert plan_gaps["--export-kd-teacher-load"]["moves"] == "up" and plan_gaps["--export-kd-cfg"]["moves"] == "up"
     notes = {n["flag"]: n for n in payload["megatron_args"]["not_modelled"]}
     assert notes["--export-kd-teacher-load"]["value"] == "/ckpt/teacher"
     assert "teacher" in notes["--export-kd-teacher-load"]["reason"]

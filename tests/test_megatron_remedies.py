@@ -228,7 +228,8 @@ def test_recommend_answers_in_the_jobs_flags_each_step_validated(bridge, jobs):
 
 def test_search_answers_in_the_jobs_flags_each_result_validated(bridge, jobs):
     rc, data = run_json(["plan", "--search", "--megatron-args", str(GPT), "--gpu-memory", "16GiB", "--top", "4"])
-    assert rc == 0 and len(data["results"]) == 4
+    # the job sets --delay-wgrad-compute, which the plan does not model: each layout fits in the modelled part only
+    assert rc == 4 and data["fit"] == "unknown" and len(data["results"]) == 4
     for r in data["results"]:
         m = r["megatron"]
         assert m["ok"] and "train.py" not in r["command"] and r["command"] == m["text"]

@@ -89,7 +89,7 @@ def test_plan_json_carries_each_range_and_the_verdict(bridge, capsys):
     capsys.readouterr()
     rc = main(["plan", "--recipe", MOE, "--world-size", "16", "--gpu-memory", "80GiB", "--json"])
     d = json.loads(capsys.readouterr().out)
-    assert rc in (0, 1) and d["uncertainty"], d.get("error")
+    assert rc in (0, 1, 4) and d["uncertainty"], d.get("error")   # 4: its flex dispatcher is not modelled
     moe = next(r for r in d["uncertainty"] if r["component"].startswith("activations (routed MoE"))
     assert moe["low_bytes"] <= d["steps"][-1]["resident_bytes" if "resident_bytes" in d["steps"][-1] else
                                              "total_bytes"] < moe["high_bytes"]

@@ -626,8 +626,9 @@ def test_a_field_the_model_does_not_follow_is_named():
 def test_a_plan_names_what_it_does_not_model():
     plan = P.Plan("r", 1, SMALL_LAY, (P.Step("baseline", P.Breakdown(1, 1, 1, 1, 1)),), 2**40, 0.05, None,
                   not_modelled=("model.fp4=True: FP4 weights and GEMM inputs",))
-    assert plan.verdict()[0] == "fits; not modelled: model.fp4=True"
+    assert plan.verdict()[0].startswith("unknown: model.fp4=True not modelled (it can move memory either way)")
     assert plan.as_dict()["not_modelled"] == ["model.fp4=True: FP4 weights and GEMM inputs"]
+    assert plan.as_dict()["fit_verdict"] == "unknown" and plan.as_dict()["fits"] is None
 
 
 def test_gemm_workspaces_follow_torch_and_transformer_engine():

@@ -13,7 +13,7 @@ from ..core.values import MAX_WORLD_SIZE, parse_count
 
 # Exit codes of mbmem apply/slurm/plan/recommend and train.py (README, "Exit codes"); defined in core.report
 # so that train.py's body (launch/) returns the same ones.
-from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_USAGE  # noqa: F401  (re-exported)
+from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, EXIT_UNKNOWN, EXIT_USAGE  # noqa: F401  (re-exported)
 
 
 class UsageError(OverlayError):

@@ -58,6 +58,9 @@ def register(sub) -> None:
     p.add_argument("--top", default="10", metavar="N", help="snapshot: how many allocation sites to show (default 10)")
     p.add_argument("--force", action="store_true", help="replace an existing --plot/--html file")
     p.add_argument("--json", action="store_true", help="machine-readable output (has schema_version)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log: the reference detail too (the evidence lines, what was not first, what else is in the "
+                        "log); the default prints what to act on")
     p.set_defaults(fn=run)
 
 
@@ -171,7 +174,7 @@ def run_logs(args, logs: list[str], checked: dict[str, Any] | None = None) -> tu
     d = diagnose(findings, args.recipe, planner=planner, capacity=checked["capacity"], margin=checked["margin"],
                  run_planner=run_planner, overlay_dirs=list(args.overlay_dir),
                  replan=None if args.plan else replan_command(args, checked))
-    text, payload = render(d, findings), as_json(d, findings)
+    text, payload = render(d, findings, verbose=getattr(args, "verbose", False)), as_json(d, findings)
     code = d.exit_code
     if args.plot:
         code, text, payload = _plot(args, d, code, text, payload)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..core.errors import OverlayError, Problem
 from ..core.text import shown
-from .common import (DEFAULT_GPU_ARCH, EXIT_REJECTED, EXIT_USAGE, UsageError, add_recipe_options, capacity_option,
+from .common import (DEFAULT_GPU_ARCH, EXIT_REJECTED, EXIT_UNKNOWN, EXIT_USAGE, UsageError, add_recipe_options, capacity_option,
                      catalog_for, count_option, csv_list, gpu_arch_option, margin_option, preflight, split_sets,
                      usage_problem)
 
@@ -58,6 +58,9 @@ def add_memory_options(p, *, capacity_help: str, megatron: bool = False) -> None
     p.add_argument("--plot", metavar="FILE", help="draw the bars to FILE (.png, .pdf or .svg; a new file)")
     p.add_argument("--force", action="store_true", help="with --plot: replace an existing regular file")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (schema_version 1), errors included")
+    p.add_argument("-v", "--verbose", "--assumptions", dest="verbose", action="store_true",
+                   help="the reference detail too: every assumption in full with its sources (the default names only "
+                        "those that change this job's figure), Bridge's own estimate, every step's settings")
 
 
 MAX_TOP = 100  # --top: results are each validated with Bridge (seconds apiece); more is a typo
@@ -193,10 +196,10 @@ def run_plan(args, cfg, start, checked) -> int:
     if args.json:
         emit(args, {**plan.as_dict(), "plot": args.plot})
     else:
-        print(render_plan(plan))
+        print(render_plan(plan, verbose=args.verbose))
         if args.plot:
             print(f"plot: {args.plot}")
-    return 0 if plan.fits(plan.steps[-1]) is not False else EXIT_REJECTED
+    return plan.judge().exit_code   # 0 fits (or no capacity), 1 does not fit, 4 unknown: docs/exit-codes.md
 
 
 def run_search(args, cfg, start, checked) -> int:
@@ -221,10 +224,20 @@ def run_search(args, cfg, start, checked) -> int:
                     "margin": margin, "world_size": world, "plot": args.plot if results else None,
                     "results": [{**{k: v for k, v in r.items() if k != "breakdown"},
                                  "breakdown": breakdown_dict(r["breakdown"])} for r in results]})
-        return 0 if results else EXIT_REJECTED
+        return search_exit(found)
     print(render_search(found, capacity, margin))
     if args.plot and results:
         print(f"plot: {args.plot}")
+    return search_exit(found)
+
+
+def search_exit(found: dict[str, Any]) -> int:
+    """0 every result fits; 4 a result's fit, or whether none fits, is unknown (a feature that changes memory is
+    not modelled); 1 no validated layout fits (docs/exit-codes.md)."""
+    from ..memory.plan import UNKNOWN
+    results = found["results"]
+    if any(r.get("fit") == UNKNOWN for r in results) or found.get("fit") == UNKNOWN:
+        return EXIT_UNKNOWN
     return 0 if results else EXIT_REJECTED
 
 
@@ -241,16 +254,22 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
     if found["dropped"]:
         lines.append(f"dropped {found['dropped']} that were rejected or did not fit once applied:")
         lines += [f"  {d['count']:>3} x {d['reason']}" for d in found["dropped_reasons"][:5]]
+    unknown = found.get("fit") == "unknown" or any(r.get("fit") == "unknown" for r in results)
+    if unknown:
+        names = ", ".join(f"{g['name']}={g['value']}" for g in found.get("unmodelled", [])) or "a feature"
+        lines.append(f"fit unknown: {names} not modelled; each layout below fits in the modelled part only "
+                     "(its verdict says which end of its range is open)")
     if not results:
-        lines.append("no validated layout fits; try `mbmem recommend` (offload, full recompute) or more GPUs")
+        lines.append("no validated layout fits" + (" in the modelled part" if unknown else "")
+                     + "; try `mbmem recommend` (offload, full recompute) or more GPUs")
         return "\n".join(lines)
     lines.append(f"{len(results)} validated, cheapest first (cost: documented throughput cost, costs.py):")
     for r in results:
         saving = r.get("saving_bytes")
         saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
         lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  cost ~{r['cost']:.0%}  {_layout_name(r)}")
-        if r.get("fits_unless"):
-            lines.append(f"    {r['fit_verdict']}")
+        if r.get("fits_unless") or r.get("fit") != "fits":
+            lines.append(f"    {r.get('verdict_text', r['fit_verdict'])}")
         lines.append(f"    {r['command']}")
     return "\n".join(lines)
 
@@ -316,6 +335,7 @@ def run_megatron(args) -> int:
         return job
     if args.search:
         return run_megatron_search(args, job, checked)
+    from ..memory.coverage import in_flags
     try:
         from ..memory.steps import build_plan, plan_figure, render_plan
         overlays = list(checked["overlays"])
@@ -323,8 +343,10 @@ def run_megatron(args) -> int:
         plan = build_plan(job.config, overlays, world=job.world_size, recipe=f"Megatron-LM {job.form}",
                           capacity=checked["capacity"], margin=checked["margin"], catalog=checked["catalog"],
                           arch=arch, env=dict(job.env))
+        # what is not modelled in the job's own flags (those outside megatron-core's parser too): one verdict
         plan = dataclasses.replace(plan, assumptions=plan.assumptions + job.assumptions
-                                   + gpu_arch_assumptions(checked["arch"]))
+                                   + gpu_arch_assumptions(checked["arch"]),
+                                   not_modelled=in_flags(job, plan.not_modelled))
         flags = megatron_overlay_flags(job, overlays, checked["catalog"])
         flags_check = megatron_flags_check(job, overlays, checked) if flags is not None else None
     except OverlayError as exc:
@@ -340,14 +362,14 @@ def run_megatron(args) -> int:
                     "megatron_flags": flags.as_dict() if flags else None,
                     "megatron_flags_check": flags_check.as_dict() if flags_check is not None else None})
     else:
-        print(render_plan(plan))
+        print(render_plan(plan, verbose=args.verbose))
         print(render_megatron(job, flags, verdict))
         if flags_check is not None:
             print(shown(f"  checked: {flags_check.check}" if flags_check.ok else
                         f"  NOT VALID for this job: {flags_check.reason}"))
         if args.plot:
             print(f"plot: {args.plot}")
-    return 0 if plan.fits(plan.steps[-1]) is not False else EXIT_REJECTED
+    return plan.judge().exit_code
 
 
 def load_megatron_job(args, checked: dict[str, Any]):
@@ -395,12 +417,12 @@ def run_megatron_search(args, job, checked: dict[str, Any]) -> int:
                     "megatron_args": job.as_dict(),
                     "results": [{**{k: v for k, v in r.items() if k != "breakdown"},
                                  "breakdown": breakdown_dict(r["breakdown"])} for r in results]})
-        return 0 if results else EXIT_REJECTED
+        return search_exit(found)
     print(shown(render_search(found, capacity, margin), one_line=False))
     print("\n".join(megatron_job_lines(job)))
     if args.plot and results:
         print(f"plot: {args.plot}")
-    return 0 if results else EXIT_REJECTED
+    return search_exit(found)
 
 
 def gpu_arch_assumptions(given: int | None) -> tuple[str, ...]:
@@ -440,12 +462,15 @@ def megatron_flags_check(job, overlays: list[str], checked: dict[str, Any]):
 
 
 def megatron_verdict(plan, job) -> str:
-    """The fit verdict, qualified when the job sets flags that change memory and that the plan does not follow."""
-    verdict = plan.verdict()[0] if plan.capacity else "no capacity given"
+    """The plan's one fit verdict (memory/plan.py ``judge``: "unknown: ... not modelled" when the job sets flags
+    that change memory and that the plan does not follow; run_megatron puts the job's flags outside megatron-core's
+    parser into the plan's list); without a capacity, what is not modelled is still named."""
+    if plan.capacity:
+        return plan.judge().text
     if job.not_modelled:
-        return (f"{verdict}, but NOT MODELLED: " + "; ".join(n.flag for n in job.not_modelled)
+        return ("no capacity given; not modelled: " + "; ".join(n.flag for n in job.not_modelled)
                 + " change memory and the plan does not follow them")
-    return verdict
+    return "no capacity given"
 
 
 def megatron_job_lines(job) -> list[str]:

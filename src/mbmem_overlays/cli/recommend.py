@@ -58,15 +58,17 @@ def recommend_and_print(args, cfg, start, checked) -> int:
             capacity=capacity, margin=margin))
     if args.json:
         steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
-        emit(args, {**rec, "ok": rec["fits"], "steps": steps, "world_size": world,
+        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": world,
                     "plot": args.plot if taken else None})
     elif rec.get("error"):
         print(shown(f"mbmem recommend: {rec['error']}", one_line=False), file=sys.stderr)
     else:
-        print(render_recommendation(rec))
+        print(render_recommendation(rec, verbose=args.verbose))
         if args.plot and taken:
             print(f"plot: {args.plot}")
-    return 0 if rec["fits"] else EXIT_REJECTED
+    # 0 a step fits, 1 nothing on the ladder fits, 4 the fit is unknown (a feature that changes memory is not
+    # modelled): the verdict's own code (memory/plan.py Verdict.exit_code; docs/exit-codes.md)
+    return rec.get("exit_code", 0 if rec["fits"] else EXIT_REJECTED)
 
 
 def run_megatron(args) -> int:
@@ -100,13 +102,13 @@ def run_megatron(args) -> int:
         return fail(args, exc, EXIT_REJECTED)
     if args.json:
         steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
-        emit(args, {**rec, "ok": rec["fits"], "steps": steps, "world_size": job.world_size,
+        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": job.world_size,
                     "megatron_args": job.as_dict(), "plot": args.plot if taken else None})
     elif rec.get("error"):
         print(shown(f"mbmem recommend: {rec['error']}", one_line=False), file=sys.stderr)
     else:
-        print(shown(render_recommendation(rec), one_line=False))
+        print(shown(render_recommendation(rec, verbose=args.verbose), one_line=False))
         print("\n".join(megatron_job_lines(job)))
         if args.plot and taken:
             print(f"plot: {args.plot}")
-    return 0 if rec["fits"] else EXIT_REJECTED
+    return rec.get("exit_code", 0 if rec["fits"] else EXIT_REJECTED)

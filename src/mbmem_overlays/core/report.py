@@ -23,6 +23,7 @@ EXIT_OK = 0          # passed: our rules and Bridge's validation accept the conf
 EXIT_REJECTED = 1    # rejected by our rules or by Bridge's validation; nothing was changed
 EXIT_USAGE = 2       # bad arguments or input files
 EXIT_INCOMPLETE = 3  # our rules passed, but Bridge's validation stopped at a check this host cannot run
+EXIT_UNKNOWN = 4     # plan / recommend: the fit is unknown (a feature that changes memory is not modelled)
 from .console import EXIT_OUTPUT  # noqa: E402  standard output is closed or full (`| head -0`, `> /dev/full`)
 
 SCHEMA_VERSION = 1   # of every --json / run.json=true object; bump when a key changes meaning

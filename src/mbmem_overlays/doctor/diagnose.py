@@ -634,6 +634,15 @@ def _run(f: Findings, ctx: Context, done, rep: RR.RunReport, priced: dict, repla
             r, res = fitting[0]
             return done(rep.kind, "reported", summary, rep.confidence, reasons, remedies, unknown, hot.rank, also,
                         next_cmd=res["command"], check_text=res["check"])
+        # none is known to fit because the plan does not model something the job sets (memory/plan.py judge): the
+        # first whose modelled prediction fits, its verdict said with it
+        blind = [(r, res) for r, res in zip(remedies, results) if res.get("command") and res.get("fit") == "unknown"
+                 and res.get("predicted_peak_bytes") is not None and rep.capacity is not None
+                 and res["predicted_peak_bytes"] <= rep.capacity * (1 - rep.margin)]
+        if blind:
+            r, res = blind[0]
+            return done(rep.kind, "reported", summary, rep.confidence, reasons, remedies, unknown, hot.rank, also,
+                        next_cmd=res["command"], check_text=f"{res['check']}; {res['fit_verdict']}")
         return done(rep.kind, "reported", summary, rep.confidence, reasons + [
             "no change was validated and predicted to fit with the margin: see each one's predicted peak"], remedies,
             unknown, hot.rank, also, want_command=False)
@@ -706,6 +715,8 @@ def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
                                              "fits")})
         if priced.get("megatron") is not None:   # a Megatron-LM job's change: its own flags (run_plan.py)
             d.update({"megatron": priced["megatron"], "command": priced.get("command")})
+        if priced.get("fit") == "unknown":   # the plan does not model something the job sets (plan.py judge)
+            d.update({k: priced[k] for k in ("fit", "fit_verdict", "unmodelled")})
     if r.overlay:
         d["overlay"] = r.overlay
     for k in ("params", "overrides", "env"):

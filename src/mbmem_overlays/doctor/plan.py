@@ -72,6 +72,10 @@ def make_planner(recipe: str | None, *, megatron: tuple | None = None, arch: int
         ranked = _rank(remedies, shortfall)
         text = (f"savings from the memory model on {name}, world size {world}"
                 + (f"; the failed request was short by {shortfall / GiB:.2f} GiB" if shortfall else ""))
+        left_out = _left_out(cfg, base_overlays, base_params, world, locked)
+        if left_out:   # memory/plan.py judge: what the plan does not model makes every remedy's fit unknown
+            text += ("; NOT MODELLED: " + ", ".join(g.setting for g in left_out) + " (the savings are the modelled "
+                     "part's: what a remedy does to it, and so whether it covers the shortfall, is unknown)")
 
         base_sets = C.overrides_in(ctx.launch)
 
@@ -111,6 +115,18 @@ def _megatron_or_unpriced(remedies, ctx, f, megatron, arch, overlay_dirs):
     if why:
         return remedies, f"savings not computed: no recipe in the log, and {why}", None
     return remedies, "savings not computed: the recipe is not in the log; give --recipe", None
+
+
+def _left_out(cfg, overlays: list[str], params: dict, world: int, locked: dict) -> tuple:
+    """What the job in the log sets that the memory model does not follow (memory/coverage.py gaps)."""
+    from ..core.engine import apply_overlay
+    from ..memory.coverage import gaps, not_modelled
+    work = copy.deepcopy(cfg)
+    try:
+        apply_overlay(work, overlays, env={}, params=params, world_size=world, locked=locked)
+    except Exception:  # noqa: BLE001 — the recipe as built is what is read then
+        work = cfg
+    return gaps(not_modelled(work))
 
 
 def _shortfall(f) -> float | None:

@@ -15,7 +15,10 @@ from .parse import Findings, world_disagreement
 from .run_report import fmt_size
 
 
-def render(d: Diagnosis, f: Findings) -> str:
+def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
+    """The answer first (summary, verdict, next command, why, the run table, the remedies and what not to try
+    first), warnings about the input always; ``verbose`` (-v): the reference detail too (what else is in the log,
+    the evidence lines), which the default names in one line."""
     label = "report" if d.verdict == "reported" else "diagnosis"
     lines = [f"{label}: {d.summary}", f"verdict: {d.verdict} (exit {d.exit_code}); confidence: {d.confidence}"]
     if d.rank is not None:
@@ -37,9 +40,11 @@ def render(d: Diagnosis, f: Findings) -> str:
         if r.get("predicted_peak_bytes") is not None:
             size = (lambda b, u=(d.run or {}).get("display_unit", "GiB"): fmt_size(b, u))
             planned = "" if r.get("planned_hot_bytes") is None else f"planned {size(r['planned_hot_bytes'])}; "
-            fits = {True: "fits", False: "does NOT fit", None: "fit unknown (no capacity)"}[r["fits"]]
+            fits = ({True: "fits with the margin", False: "does NOT fit with the margin"}.get(
+                r["fits"], "fit unknown (no capacity)") if r.get("fit") != "unknown" else "fit unknown: " + ", ".join(
+                    f"{g['name']}={g['value']}" for g in r.get("unmodelled", [])) + " not modelled")
             remedies.append(f"   plan: hot rank {planned}predicted peak {size(r['predicted_peak_bytes'])} (the measured "
-                            f"peak plus the plan's change): {fits} with the margin")
+                            f"peak plus the plan's change): {fits}")
         if r.get("megatron") is not None:
             remedies += megatron_lines(r)
         elif r.get("train_command"):
@@ -50,8 +55,12 @@ def render(d: Diagnosis, f: Findings) -> str:
     lines += section("remedies, in order" if d.verdict != "reported" else "changes, in order", remedies, marker="")
     if d.savings:
         lines.append(f"  {d.savings}")
-    lines += section("not first", d.why_not) + section("also in the log", d.also)
-    lines += section("evidence", d.evidence, marker="") + section("inputs", f.problems, marker="!")
+    lines += section("not first", d.why_not)   # what not to try first is advice, not reference
+    reference = (("also in the log", d.also, "-"), ("evidence", d.evidence, ""))
+    if verbose:
+        for title, items, marker in reference:
+            lines += section(title, items, marker=marker)
+    lines += section("inputs", f.problems, marker="!")
     lines += section("world sizes in the log disagree", world_disagreement(f), marker="!")
     if f.memory_unreadable_count and not d.run:   # with a run report, its own lines list them
         lines += section(f"memory lines that could not be used ({f.memory_unreadable_count}; no verdict is drawn "
@@ -61,6 +70,9 @@ def render(d: Diagnosis, f: Findings) -> str:
                  + (f" on rank(s) {', '.join(map(str, sorted(ranks)[:16]))}" if ranks else "")
                  + (f"; {len(f.events)} other failure/signal line(s)" if f.events else "")
                  + (f"; memory lines from {len(d.run['ranks'])} rank(s)" if d.run else ""))
+    held = [f"{title} ({len(items)})" for title, items, _ in reference if items]
+    if held and not verbose:
+        lines.append(f"more with -v: {', '.join(held)}")
     return "\n".join(lines)
 
 

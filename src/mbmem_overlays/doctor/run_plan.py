@@ -142,6 +142,14 @@ class RunPlan:
         out["predicted_peak_bytes"] = None if hot is None else int(predicted[hot])
         limit = None if self.capacity is None else self.capacity * (1 - self.margin)
         out["fits"] = None if limit is None or not predicted else all(v <= limit for v in predicted.values())
+        # What the changed job sets that the plan does not model: the measured peak holds it, but how the change
+        # moves it the plan cannot say, either way, so the fit is the one verdict's "unknown" (memory/plan.py judge)
+        from ..memory.coverage import EITHER, gaps, not_modelled
+        left_out = tuple(dataclasses.replace(g, moves=EITHER, bound=None) for g in gaps(not_modelled(work)))
+        if left_out and predicted and limit is not None:
+            worst = max(predicted.values())
+            v = M.judge(worst, limit, (), left_out, basis="the measured peak plus the plan's change")
+            out.update(fits=v.fits, fit=v.kind, fit_verdict=v.text, unmodelled=[g.as_dict() for g in left_out])
         return out
 
     def _realize(self, r: C.Remedy) -> dict | tuple:
@@ -295,6 +303,7 @@ def _plan_megatron(rep, found, world_size: int | None, margin: float, arch: int 
     """The log's own Megatron-LM arguments, parsed and validated by megatron-core's parser
     (bridge/megatron_args.py), planned and compared line by line like a recipe's job; its changes are priced as
     the job's own flags (MegatronRunPlan)."""
+    from ..memory.coverage import flag_texts
     from ..core.catalog import Catalog
     from ..memory.megatron import MegatronTarget
     from ..memory.steps import Start
@@ -305,8 +314,9 @@ def _plan_megatron(rep, found, world_size: int | None, margin: float, arch: int 
                        arch=arch, env=dict(job.env))
     rep.plan["megatron_args"] = job.as_dict()
     rep.plan["assumptions"] += list(job.assumptions)
-    if job.not_modelled:
-        rep.plan_status += ("; NOT MODELLED: " + "; ".join(n.text() for n in job.not_modelled))
+    flags = [n for n in job.not_modelled if any(t.startswith(f"{n.flag}=") for t in flag_texts(job))]
+    if flags:   # the config fields are named by _compare; the flags outside megatron-core's parser here
+        rep.plan_status += ("; NOT MODELLED: " + "; ".join(n.text() for n in flags))
     if job.unknown:
         rep.plan_status += "; unknown in the arguments: " + ", ".join(n.flag for n in job.unknown[:8])
     if world_size and job.world_from == "given" and job.args.get("world_size") != world_size:
@@ -448,6 +458,12 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
     mean = f"; mean |error| {sum(errors) / len(errors):.1f}% over {len(errors)} rank(s)" if errors else ""
     rep.plan_status = (f"the memory model on recipe {name} at world size {world} ({lay_text}"
                        + (f"; from the log: {', '.join(from_log)}" if from_log else "") + f"){mean}")
+    from ..memory.coverage import gaps, not_modelled
+    left_out = gaps(not_modelled(work))
+    rep.plan["unmodelled"] = [g.as_dict() for g in left_out]
+    if left_out:
+        rep.plan_status += ("; NOT MODELLED: " + ", ".join(g.setting for g in left_out)
+                            + " (the planned peaks leave it out; a change's fit is unknown)")
     if resumed:
         rep.plan_status += (f"; the job started after iteration {offset} (its ranks first reported after {offset + 1} "
                             f"and {offset + 2}, as Bridge does after the first two iterations it runs): lines are "

@@ -669,7 +669,7 @@ def _with_bridge(container, opts: RunOptions, recipe: dict[str, Any], names, par
                         verbose=opts.verbose, next_step=_next_step(code, dry, opts, entry, why)))
         if plan:
             from ..memory.steps import render_plan
-            say(render_plan(plan))
+            say(render_plan(plan, verbose=opts.verbose))
         if world_assumed:
             say(f"(world size {world_size} = TP*PP*CP assumed; set run.world_size=N to plan for N GPUs)")
     output_dir = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else container["run"].get("record_dir")

@@ -3,8 +3,10 @@ Mamba, LoRA), and what selective recompute drops."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from . import variants
 from .inputs import FP8, FP32, Layout, Settings, Shape, _tokens
 
 def attention_scores_bytes(st: Settings, lay: Layout) -> float:
@@ -91,11 +93,13 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
     # the block's first GEMM.
     for block in blocks:
         terms[f"{block}_layernorm_input"] = D * s.hidden / sp_div
-    if "attn" in blocks:
+    if "attn" in blocks or "mla" in blocks:
+        # a hybrid stack's "+" layer is MLA whatever model.multi_latent_attention says of its "*" layers
+        a = replace(s, mla=True) if "mla" in blocks else s
         # the norm output is the QKV GEMM input, kept sequence-local (TE re-gathers it in backward)
         if keeps_input("linear_qkv"):
             terms["attention_layernorm_output"] = ln_out * s.hidden / sp_div
-        if s.mla:
+        if a.mla:
             terms["attention_qkv"] = D * s.heads * (2 * (s.qk_head_dim + s.qk_pos_dim) + s.v_head_dim) / t
             terms["mla_up_proj_inputs"] = D * (s.kv_lora_rank + (s.q_lora_rank or 0)) / sp_div
         else:
@@ -122,6 +126,14 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             terms["attention_output"] = out
         elif not st.attention_scores or "unfused_attention_output" in st.without:
             terms["attention_kernel_output"] = out
+        if s.attn_gate and not a.mla:
+            # attention_output_gate (attention.py get_query_key_value_tensors :1835-1940, _apply_output_gate
+            # :1624-1630, under torch.compile): the product x * sigmoid(gate) keeps the gate and its input, the
+            # kernel's output, which core_attn recompute then cannot drop; linear_proj keeps the gated product,
+            # a new tensor (its bf16 input above, or the quantized copy under FP8)
+            terms.pop("attention_kernel_output", None)
+            terms["attention_gate"] = D * s.heads * s.head_dim / t
+            terms["attention_gate_input"] = out
         # A non-fused attention ends in bmm(probs, v), which saves its inputs, not its output (megatron-core
         # dot_product_attention.py:239; TE v2.17.1 attention/dot_product_attention/backends.py
         # UnfusedDotProductAttention.forward: torch.bmm(attention_probs, value_layer), then a permuted copy for
@@ -182,6 +194,12 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
     if "mamba" in blocks:
         terms.update(mamba_activation_terms(s, lay, st, ln_out, gemm_in, keeps_input))
         lora_gathered("in_proj")
+    if variants.GDN in blocks:
+        terms.update(variants.gdn_activation_terms(s, lay, st, ln_out, gemm_in, keeps_input))
+        lora_gathered("in_proj")
+    for block in (variants.DSA, variants.DSA_SHARED):
+        if block in blocks:
+            terms.update(variants.dsa_activation_terms(s, lay, st, ln_out, computes_topk=block == variants.DSA))
     if st.hidden_dropout:
         # every block ends in a bias-dropout-add (fusions/fused_bias_dropout.py _bias_dropout_add_func:
         # F.dropout(x, p) before the residual add, sequence-local under SP); torch keeps the bool mask for the
@@ -195,7 +213,8 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
 
 
 RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recompute skill, Decision Table)
-    "core_attn": ("attention_softmax_stats", "attention_kernel_output", "attention_scores"),
+    "core_attn": ("attention_softmax_stats", "attention_kernel_output", "attention_scores",
+                  *variants.RECOMPUTE_DROPS["core_attn"]),
     # the MLP checkpoint (TE: the pre-MLP norm is fused into FC1) keeps only its input
     "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_glu_linear_input",
             "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
@@ -210,7 +229,8 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
             "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
             "shared_expert"),
     "shared_experts": ("shared_expert",),
-    "mla_up_proj": ("attention_qkv",),
+    "mla_up_proj": ("attention_qkv", *variants.RECOMPUTE_DROPS["mla_up_proj"]),
+    "gdn_norm_out": variants.RECOMPUTE_DROPS["gdn_norm_out"],
 }
 
 
@@ -220,6 +240,8 @@ def _selected_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> dict[str,
         for label in st.modules:
             for name in RECOMPUTE_DROPS.get(label, ()):
                 terms.pop(name, None)
+        if "mla_up_proj" in st.modules and any(b in (variants.DSA, variants.DSA_SHARED) for b in kind.split("+")):
+            terms["dsa_up_proj_checkpoint_inputs"] = variants.dsa_up_proj_checkpoint_inputs(s, lay, st)
     return terms
 
 

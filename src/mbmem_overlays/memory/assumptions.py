@@ -1,7 +1,14 @@
-"""What the plan assumes and where its terms come from, as data: the assumption texts a plan prints (and its
-uncertainty ranges qualify, memory/ranges.py) and the terms added for issue 25 with their sources."""
+"""What the plan assumes and where its terms come from, as data: the assumptions a plan prints (and its
+uncertainty ranges qualify, memory/ranges.py), each with a summary and when it applies to a job, and the terms
+added for issue 25 with their sources."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .inputs import Layout, Settings, Shape
+from .pipeline import layer_kinds
 
 # The assumptions a plan's uncertainty ranges qualify (memory/ranges.py); each range names one of these.
 MOE_BALANCE = (
@@ -41,87 +48,165 @@ PRECISION_AWARE_PATH = (
     "the step takes the regular path: DistributedOptimizer's fp32 masters and fp32 gradient copies "
     "(distrib_optimizer.py:2782), with the moments in exp_avg_dtype")
 
-ASSUMPTIONS = (
-    "allocated memory only (torch's max_memory_allocated, what Bridge reports as mem-max-allocated): allocator "
-    "fragmentation (reserved-but-unallocated) is not modelled; expandable_segments therefore shows 0 B of change "
-    "although it is the fix for that gap. The caching allocator rounds every request up to 512 bytes (negligible) "
-    "and hands out a cached large block whole when less than 1 MiB would be left over (CUDACachingAllocator "
-    "should_split): that slack depends on the order of allocations and is not modelled",
-    "CUDA context, NCCL communicators and TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
-    "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) are outside torch's allocated memory and not counted; "
-    "the cuBLAS workspaces are inside it and counted (buffers.gemm_workspaces: torch's per thread and stream, two "
-    "threads; Transformer Engine's one, plus one per compute stream with its grouped GEMM) for a GPU of compute "
-    "capability 9 (H100/H200) unless the plan is told another",
-    "the headline peak is the larger of the two phases every training iteration goes through, on the first and "
-    "last pipeline ranks (and any middle rank whose layers differ): the 1F1B steady state (most microbatches in "
-    "flight, plus the last stage's loss, deferred output-layer gradients and megatron-core's global memory "
-    "buffer) and the optimizer step (fp32 copies of bf16 gradients, the params-dtype casts of FP8 master "
-    "weights, and the CUDA graphs' static inputs). The one-time phases before training, eager warm-up "
-    "iterations and CUDA graph capture, are planned per rank too and bound the activations' range",
-    "per-layer CUDA graphs (cuda_graph_modules, or the deprecated cuda_graph_scope; none: the whole layer) follow "
-    "megatron-core's TECudaGraphHelper (transformer/cuda_graphs.py) and TE v2.17.1's make_graphed_callables "
-    "(pytorch/graph.py): one graph per graphable layer (_layer_is_graphable: attn, mlp, moe/moe_router, mamba by "
-    "layer type) and per microbatch in the pipeline order (one microbatch without PP), captured after the warm-up "
-    "steps; the captured scopes' saved activations for the in-flight microbatches are the capture peak and stay "
-    "as the graphs' private pool (reserved, not allocated, in replay). Each graphed layer and in-flight microbatch "
-    "has a static input (the hidden state, plus for attention graphs the bool mask mbs x s/cp x s: "
-    "_get_layer_static_inputs), allocated throughout, and a static output, allocated while capturing and "
-    "weak-referenced into the pool after its backward graph is captured (_reuse_graph_input_output_buffers), so "
-    "in replay it and the next eager norm's saved copy of it are pool memory. Static gradient buffers (reused by "
-    "shape; the previous graph's weak-referenced) are not counted. The local implementation is modelled the same "
-    "way",
-    GRAPH_WARMUP,
-    PRECISION_AWARE_PATH,
-    "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept beside q, "
-    "k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or adapter-read copy "
-    "for linear_proj stays). A non-fused attention (attention_backend unfused or local, or the local "
-    "transformer_impl) keeps the s x s scores per head and microbatch: the softmax output (in the compute dtype "
-    "with megatron-core's fused softmax kernel, else fp32 plus its cast back), and with attention dropout a bool "
-    "mask and the dropped probabilities (activations.attention_scores_bytes); TE's unfused backend is taken to "
-    "keep the same tensors as megatron-core's DotProductAttention",
-    "hidden dropout (hidden_dropout > 0) keeps one bool mask per block per token (the bias-dropout-add); fused "
-    "attention's own dropout keeps only its RNG state",
-    "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs keep theirs "
-    "only when an adapter reads the same tensor; under SP a column-parallel LoRA-A keeps the full gathered input "
-    "unless input re-gather lets it reuse the sequence-local shard",
-    FP8_TRANSPOSE,
-    MOE_BALANCE,
-    "'moe' selective recompute checkpoints the MoE layer with the pre-MLP norm output as its saved input "
-    "(moe/moe_layer.py tensor_parallel.checkpoint(custom_forward, False, hidden_states, ...)): that output stays "
-    "unless 'layernorm' is selected too, which megatron-core turns off for MoE layers under a TE moe_router "
-    "graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
-    "can_recompute_pre_mlp_layernorm_for_cudagraph)",
-    "hybrid (Mamba) blocks use the fused conv1d+scan kernel (use_mamba_mem_eff_path, the default), which keeps "
-    "its input projection and scan output and recomputes the conv output and chunk states; the mixer's group "
-    "RMSNorm keeps its input and out_proj its input",
-    VOCAB_FROM_TOKENIZER,
-    "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds one layer back)",
-    "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones the "
-    "offloaded fraction of the optimizer's parameters to pinned CPU memory and copies each CPU step's result back "
-    "to the GPU parameter: with the distributed optimizer and a non-precision-aware optimizer that parameter is "
-    "DistributedOptimizer's fp32 master shard, which therefore stays on the GPU, and only the offloaded Adam "
-    "moments leave; the fp32 gradient copy at the step is still made for every shard (distrib_optimizer.py "
-    "_copy_model_grads_to_main_grads). With the precision-aware optimizer megatron-core keeps no master "
-    "(shard_main_param=None) and the hybrid optimizer makes fp32 masters itself, the offloaded part on the CPU "
-    "and the rest on the GPU with fp32 moments (its GPU Adam gets no exp_avg_dtype, optimizer/__init__.py). "
-    "Without the distributed optimizer, Float16Optimizer's fp32 masters stay beside the hybrid optimizer's own "
-    "fp32 copies of the GPU part",
-    "the distributed optimizer shards over DP x CP / ddp.num_distributed_optimizer_instances ranks (expert state "
-    "over expert DP / instances: parallel_state.py intra-partial distributed-optimizer groups)",
-    "Megatron FSDP shards, per ddp.data_parallel_sharding_strategy, the optimizer state (optim), also the "
-    "gradients (optim_grads) and also the parameters (optim_grads_params) across the same groups "
-    "(megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers; with several optimizer "
-    "instances optimizer state spans all of DP only when outer_dp_sharding_strategy is optim); every layer is one "
-    "FSDP unit, and the transient unsharded copies are two units of parameters (the current one and the prefetched "
-    "next) and one unit of gradients; under optim_grads_params the embedding and output layer (outside every "
-    "unit) stay gathered for the whole job beside their shard; no fp32 gradient copy is made at the step (FSDP "
-    "owns its main-grad buffers)",
-    "Muon steps every 2-D non-embedding parameter with one fp32 momentum, Adam the rest; with the distributed "
-    "optimizer it is the layer-wise optimizer's legacy path (--no-use-layer-wise-param-layout: whole parameters "
-    "ping-pong over DP ranks, the plan's figure is the most loaded rank unless Settings.dp_rank names one); the "
-    "default shard-aligned layout path (bin-packed buckets, Adam parameters byte-sharded by a DistributedOptimizer) "
-    "is planned the same way; Newton-Schulz temporaries of one matrix at the step are not counted",
+
+@dataclass(frozen=True)
+class Assumption:
+    """One assumption of the plan: its text (with its sources), a one-line summary, and when it changes a job's
+    figure (``applies`` on the plan's inputs; None: every job's). The plan's default text names the assumptions that
+    apply to the job in their summary; ``--assumptions`` and ``--json`` give them all, in full."""
+    name: str
+    applies: Callable[[Shape, Layout, Settings], bool] | None
+    summary: str
+    text: str
+
+    def holds(self, s: Shape, lay: Layout, st: Settings) -> bool:
+        return self.applies is None or bool(self.applies(s, lay, st))
+
+
+ASSUMPTION_TABLE: tuple[Assumption, ...] = (
+    Assumption("allocated_only", None,
+               "allocated memory only (torch's max_memory_allocated, Bridge's mem-max-allocated): allocator "
+               "fragmentation (reserved-but-unallocated) is not counted",
+               "allocated memory only (torch's max_memory_allocated, what Bridge reports as mem-max-allocated): "
+               "allocator fragmentation (reserved-but-unallocated) is not modelled; expandable_segments therefore "
+               "shows 0 B of change although it is the fix for that gap. The caching allocator rounds every request "
+               "up to 512 bytes (negligible) and hands out a cached large block whole when less than 1 MiB would be "
+               "left over (CUDACachingAllocator should_split): that slack depends on the order of allocations and is "
+               "not modelled"),
+    Assumption("outside_torch", None,
+               "CUDA context, NCCL communicators and TE userbuffers are outside torch's allocator and not counted; "
+               "the cuBLAS workspaces are counted",
+               "CUDA context, NCCL communicators and TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1"
+               " comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) are outside torch's allocated memory and not "
+               "counted; the cuBLAS workspaces are inside it and counted (buffers.gemm_workspaces: torch's per thread"
+               " and stream, two threads; Transformer Engine's one, plus one per compute stream with its grouped "
+               "GEMM) for a GPU of compute capability 9 (H100/H200) unless the plan is told another"),
+    Assumption("headline_phases", None,
+               "the peak is the larger of the 1F1B steady state and the optimizer step, per pipeline rank; the "
+               "one-time warm-up and graph capture bound the range",
+               "the headline peak is the larger of the two phases every training iteration goes through, on the first"
+               " and last pipeline ranks (and any middle rank whose layers differ): the 1F1B steady state (most "
+               "microbatches in flight, plus the last stage's loss, deferred output-layer gradients and "
+               "megatron-core's global memory buffer) and the optimizer step (fp32 copies of bf16 gradients, the "
+               "params-dtype casts of FP8 master weights, and the CUDA graphs' static inputs). The one-time phases "
+               "before training, eager warm-up iterations and CUDA graph capture, are planned per rank too and bound "
+               "the activations' range"),
+    Assumption("cuda_graphs", lambda s, lay, st: bool(st.graph_scopes),
+               "per-layer CUDA graphs as megatron-core's TECudaGraphHelper captures them: one per graphable layer and"
+               " in-flight microbatch, their pool reserved (not allocated) in replay",
+               "per-layer CUDA graphs (cuda_graph_modules, or the deprecated cuda_graph_scope; none: the whole layer)"
+               " follow megatron-core's TECudaGraphHelper (transformer/cuda_graphs.py) and TE v2.17.1's "
+               "make_graphed_callables (pytorch/graph.py): one graph per graphable layer (_layer_is_graphable: attn, "
+               "mlp, moe/moe_router, mamba by layer type) and per microbatch in the pipeline order (one microbatch "
+               "without PP), captured after the warm-up steps; the captured scopes' saved activations for the "
+               "in-flight microbatches are the capture peak and stay as the graphs' private pool (reserved, not "
+               "allocated, in replay). Each graphed layer and in-flight microbatch has a static input (the hidden "
+               "state, plus for attention graphs the bool mask mbs x s/cp x s: _get_layer_static_inputs), allocated "
+               "throughout, and a static output, allocated while capturing and weak-referenced into the pool after "
+               "its backward graph is captured (_reuse_graph_input_output_buffers), so in replay it and the next "
+               "eager norm's saved copy of it are pool memory. Static gradient buffers (reused by shape; the previous"
+               " graph's weak-referenced) are not counted. The local implementation is modelled the same way"),
+    Assumption("graph_warmup", lambda s, lay, st: bool(st.graph_scopes),
+               "the graphs are captured after cuda_graph_warmup_steps eager iterations, once, before training: the "
+               "high end of the activations' range",
+               GRAPH_WARMUP),
+    Assumption("precision_aware", lambda s, lay, st: st.precision_aware,
+               "the precision-aware optimizer keeps bf16 gradients at the step only where megatron-core's "
+               "use_precision_aware_optimizer_no_fp8_or_ds_fp8 holds",
+               PRECISION_AWARE_PATH),
+    Assumption("attention_kernel", lambda s, lay, st: any("attn" in k for k in layer_kinds(s)),
+               "attention keeps softmax statistics and its output with a fused/flash kernel, the s x s scores with a "
+               "non-fused one",
+               "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept "
+               "beside q, k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or "
+               "adapter-read copy for linear_proj stays). A non-fused attention (attention_backend unfused or local, "
+               "or the local transformer_impl) keeps the s x s scores per head and microbatch: the softmax output (in"
+               " the compute dtype with megatron-core's fused softmax kernel, else fp32 plus its cast back), and with"
+               " attention dropout a bool mask and the dropped probabilities (activations.attention_scores_bytes); "
+               "TE's unfused backend is taken to keep the same tensors as megatron-core's DotProductAttention"),
+    Assumption("hidden_dropout", lambda s, lay, st: st.hidden_dropout,
+               "hidden dropout keeps one bool mask per block per token",
+               "hidden dropout (hidden_dropout > 0) keeps one bool mask per block per token (the bias-dropout-add); "
+               "fused attention's own dropout keeps only its RNG state"),
+    Assumption("lora_gemm_inputs", lambda s, lay, st: st.lora_rank > 0,
+               "a frozen GEMM keeps its input only when a LoRA adapter reads the same tensor",
+               "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs "
+               "keep theirs only when an adapter reads the same tensor; under SP a column-parallel LoRA-A keeps the "
+               "full gathered input unless input re-gather lets it reuse the sequence-local shard"),
+    Assumption("fp8_transpose", lambda s, lay, st: st.fp8,
+               "FP8 weights keep a transposed FP8 copy on Hopper, not on Blackwell (the parameters' low end)",
+               FP8_TRANSPOSE),
+    Assumption("moe_balance", lambda s, lay, st: bool(s.experts and s.moe_layers),
+               "MoE tokens are balanced across experts; the activations' range runs to the most one GPU's experts can"
+               " receive",
+               MOE_BALANCE),
+    Assumption("moe_recompute", lambda s, lay, st: st.recompute == "selective" and "moe" in st.modules,
+               "'moe' selective recompute keeps the pre-MLP norm output unless 'layernorm' is recomputed too",
+               "'moe' selective recompute checkpoints the MoE layer with the pre-MLP norm output as its saved input "
+               "(moe/moe_layer.py tensor_parallel.checkpoint(custom_forward, False, hidden_states, ...)): that output"
+               " stays unless 'layernorm' is selected too, which megatron-core turns off for MoE layers under a TE "
+               "moe_router graph unless moe_preprocess is graphed with the alltoall dispatcher (transformer_layer.py "
+               "can_recompute_pre_mlp_layernorm_for_cudagraph)"),
+    Assumption("mamba_kernel", lambda s, lay, st: "mamba" in layer_kinds(s),
+               "Mamba blocks use the fused conv1d+scan kernel (use_mamba_mem_eff_path)",
+               "hybrid (Mamba) blocks use the fused conv1d+scan kernel (use_mamba_mem_eff_path, the default), which "
+               "keeps its input projection and scan output and recomputes the conv output and chunk states; the "
+               "mixer's group RMSNorm keeps its input and out_proj its input"),
+    Assumption("vocabulary", None,
+               "the vocabulary is the one Bridge sets at setup: the tokenizer's, padded to "
+               "make_vocab_size_divisible_by x TP, or model.vocab_size",
+               VOCAB_FROM_TOKENIZER),
+    Assumption("activation_offload", lambda s, lay, st: st.cpu_offload_layers > 0,
+               "activation CPU offload removes the offloaded layers' activations (double buffering adds one layer "
+               "back)",
+               "activation CPU offload removes the offloaded layers' activations from the GPU (double buffering adds "
+               "one layer back)"),
+    Assumption("optimizer_offload", lambda s, lay, st: st.optimizer_offload > 0,
+               "optimizer CPU offload moves the offloaded Adam moments; the distributed optimizer's fp32 master shard"
+               " stays on the GPU",
+               "optimizer CPU offload (HybridDeviceOptimizer, optimizer/cpu_offloading/hybrid_optimizer.py) clones "
+               "the offloaded fraction of the optimizer's parameters to pinned CPU memory and copies each CPU step's "
+               "result back to the GPU parameter: with the distributed optimizer and a non-precision-aware optimizer "
+               "that parameter is DistributedOptimizer's fp32 master shard, which therefore stays on the GPU, and "
+               "only the offloaded Adam moments leave; the fp32 gradient copy at the step is still made for every "
+               "shard (distrib_optimizer.py _copy_model_grads_to_main_grads). With the precision-aware optimizer "
+               "megatron-core keeps no master (shard_main_param=None) and the hybrid optimizer makes fp32 masters "
+               "itself, the offloaded part on the CPU and the rest on the GPU with fp32 moments (its GPU Adam gets no"
+               " exp_avg_dtype, optimizer/__init__.py). Without the distributed optimizer, Float16Optimizer's fp32 "
+               "masters stay beside the hybrid optimizer's own fp32 copies of the GPU part"),
+    Assumption("distributed_optimizer", lambda s, lay, st: st.dist_optimizer and not st.fsdp,
+               "the distributed optimizer shards over DP x CP / ddp.num_distributed_optimizer_instances ranks",
+               "the distributed optimizer shards over DP x CP / ddp.num_distributed_optimizer_instances ranks (expert"
+               " state over expert DP / instances: parallel_state.py intra-partial distributed-optimizer groups)"),
+    Assumption("megatron_fsdp", lambda s, lay, st: bool(st.fsdp),
+               "Megatron FSDP shards per data_parallel_sharding_strategy, with two units of parameters and one of "
+               "gradients unsharded at a time",
+               "Megatron FSDP shards, per ddp.data_parallel_sharding_strategy, the optimizer state (optim), also the "
+               "gradients (optim_grads) and also the parameters (optim_grads_params) across the same groups "
+               "(megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers; with several optimizer "
+               "instances optimizer state spans all of DP only when outer_dp_sharding_strategy is optim); every layer"
+               " is one FSDP unit, and the transient unsharded copies are two units of parameters (the current one "
+               "and the prefetched next) and one unit of gradients; under optim_grads_params the embedding and output"
+               " layer (outside every unit) stay gathered for the whole job beside their shard; no fp32 gradient copy"
+               " is made at the step (FSDP owns its main-grad buffers)"),
+    Assumption("muon", lambda s, lay, st: st.optimizer == "muon",
+               "Muon keeps one fp32 momentum per 2-D non-embedding parameter, Adam's moments for the rest",
+               "Muon steps every 2-D non-embedding parameter with one fp32 momentum, Adam the rest; with the "
+               "distributed optimizer it is the layer-wise optimizer's legacy path (--no-use-layer-wise-param-layout:"
+               " whole parameters ping-pong over DP ranks, the plan's figure is the most loaded rank unless "
+               "Settings.dp_rank names one); the default shard-aligned layout path (bin-packed buckets, Adam "
+               "parameters byte-sharded by a DistributedOptimizer) is planned the same way; Newton-Schulz temporaries"
+               " of one matrix at the step are not counted"),
 )
+ASSUMPTIONS = tuple(a.text for a in ASSUMPTION_TABLE)
+BY_TEXT = {a.text: a for a in ASSUMPTION_TABLE}
+
+
+def applying(inputs) -> tuple[str, ...]:
+    """The texts of the assumptions that change the figure of any of ``inputs`` ((Shape, Layout, Settings) each,
+    e.g. a plan's steps), in the table's order."""
+    inputs = list(inputs)
+    return tuple(a.text for a in ASSUMPTION_TABLE if any(a.holds(*i) for i in inputs))
 
 
 # Terms added for issue 25, each found in the code path of a measured configuration (bench/plan_accuracy.py) and

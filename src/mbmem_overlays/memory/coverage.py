@@ -7,6 +7,12 @@ set in a configuration ("not modelled: field=value"), which the plan carries int
 (memory/plan.py). Another part of the project that finds a memory-relevant field the model does not follow adds it
 here (one ``Unmodelled`` each), not in its own list; a memory-relevant Megatron-LM flag with no configuration field
 (a training script's own flag, outside megatron-core's parser) is one ``UnmodelledFlag`` in ``NOT_MODELLED_FLAGS``.
+
+Each entry also says how following it would move the plan's figure (``moves``: ``UP``, it can only add memory, so
+the modelled figure is a floor; ``DOWN``, it can only remove memory, a ceiling; ``EITHER``, both ends open, the
+default) and, where the code bounds it, by how much at most (``bound``). ``gaps`` reads a plan's ``not_modelled``
+texts back as :class:`Gap` records with that data, which the fit verdict (memory/plan.py ``judge``) turns into an
+honest range: "unknown: ... not modelled" unless the bound alone decides the fit.
 """
 
 from __future__ import annotations
@@ -61,16 +67,38 @@ MODEL_READS = frozenset({
     "model.add_bias_linear", "model.position_embedding_type",
     # hybrid stacks: the MTP depth's pattern and one shared MTP layer (from_config.hybrid_pattern)
     "model.mtp_hybrid_override_pattern", "model.mtp_use_repeated_layer",
+    # the attention variants (memory/variants.py): gated delta net, DeepSeek sparse attention, the output gate,
+    # q/k L2 norm
+    "model.experimental_attention_variant", "model.linear_attention_freq", "model.linear_key_head_dim",
+    "model.linear_value_head_dim", "model.linear_num_key_heads", "model.linear_num_value_heads",
+    "model.dsa_indexer_n_heads", "model.dsa_indexer_head_dim", "model.dsa_indexer_topk",
+    "model.dsa_indexer_topk_freq", "model.dsa_indexer_skip_topk_offset", "model.dsa_indexer_loss_coeff",
+    "model.dsa_kernel_backend", "model.attention_output_gate", "model.qk_l2_norm",
 })
+
+
+# How following an unmodelled feature would move the most-loaded GPU's figure (Unmodelled.moves).
+UP = "up"            # it can only add memory: the modelled figure is a floor
+DOWN = "down"        # it can only remove memory: the modelled figure is a ceiling
+EITHER = "either"    # it can move it either way: both ends open
+MOVES = (UP, DOWN, EITHER)
 
 
 @dataclass(frozen=True)
 class Unmodelled:
     """A configuration field that changes GPU memory and that the model does not follow at the values where
-    ``applies(value)`` holds (default: any value other than None, False, 0 or empty)."""
+    ``applies(value)`` holds (default: any value other than None, False, 0 or empty).
+
+    ``moves``: how following it would move the plan's figure (UP, DOWN or EITHER; EITHER unless the code it runs
+    shows one direction). ``bound``: where the code bounds that move, the most it can be, in bytes, from the
+    most-loaded GPU's modelled breakdown (memory/inputs.py Breakdown); None: the code gives no bound."""
     path: str
     reason: str
     applies: Callable[[Any], bool] = bool
+    moves: str = EITHER
+    bound: Callable[[Any], float] | None = None
+    # where it matters only beside other fields: a test of the whole configuration (None: always)
+    when: Callable[[Any], bool] | None = None
 
 
 def _enum_name(value: Any) -> str:
@@ -78,10 +106,14 @@ def _enum_name(value: Any) -> str:
 
 
 NOT_MODELLED: tuple[Unmodelled, ...] = (
+    # one more microbatch in flight: its forward runs beside another's backward (pipeline_parallel/combined_1f1b.py
+    # combined_1f1b_schedule_for_no_pipelining; schedules.py:939-943, num_warmup_microbatches + 1)
     Unmodelled("model.overlap_moe_expert_parallel_comm",
-               "overlapping expert-parallel communication runs two microbatches' layers interleaved"),
-    Unmodelled("model.delay_wgrad_compute", "delayed weight gradients keep GEMM inputs and grad outputs longer"),
-    Unmodelled("model.cpu_offloading_weights", "weight CPU offload moves layer weights off the GPU"),
+               "overlapping expert-parallel communication runs two microbatches' layers interleaved", moves=UP),
+    Unmodelled("model.delay_wgrad_compute", "delayed weight gradients keep GEMM inputs and grad outputs longer",
+               moves=UP),
+    Unmodelled("model.cpu_offloading_weights", "weight CPU offload moves layer weights off the GPU",
+               moves=DOWN, bound=lambda b: b.parameters),   # at most every weight leaves
     Unmodelled("model.fp4", "FP4 weights and GEMM inputs"),
     Unmodelled("model.first_last_layers_bf16", "with FP8 the first and last layers stay bf16",
                lambda v: bool(v)),
@@ -89,20 +121,88 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.moe_token_dispatcher_type", "the flex (DeepEP / HybridEP) dispatcher's buffers",
                lambda v: v == "flex"),
     Unmodelled("model.heterogeneous_block_specs", "heterogeneous layers (per-layer shapes)"),
-    Unmodelled("model.experimental_attention_variant", "an experimental attention variant"),
+    # megatron-core 0.19.2 builds two variants (memory/variants.py models both); any other value (DeepSeek-V4's
+    # "dsv4_hybrid") raises ValueError when the model is built (experimental_attention_variant_module_specs.py
+    # get_experimental_attention_variant_module_spec :141-148)
+    Unmodelled("model.experimental_attention_variant",
+               "an attention variant megatron-core 0.19.2 does not build (it builds gated_delta_net and dsa: "
+               "experimental_attention_variant_module_specs.py:141-148 raises ValueError for any other), so the "
+               "job cannot run on this stack",
+               lambda v: v not in ("gated_delta_net", "dsa")),
     Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
     Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon: its state is planned as Adam's",
                lambda v: str(v) not in ("adam", "muon")),
-    Unmodelled("model.hybrid_layer_pattern", "hybrid layers the plan has no block for (G: gated delta net, "
-               "D: DeepSeek sparse attention, +: MLA) are left out",
-               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
-    Unmodelled("model.hybrid_override_pattern", "hybrid layers the plan has no block for (G, D, +) are left out",
-               lambda v: isinstance(v, str) and any(c in v for c in "GD+")),
     Unmodelled("model.use_mamba_mem_eff_path", "the Mamba mixer's non-fused path (--disable-mamba-mem-eff-path: "
-               "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False),
-    Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
-    Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
+               "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False, moves=UP),
+    # FSDP2 shards what the plan counts whole (parameters, gradients, optimizer state) over data parallelism and
+    # gathers one module at a time: it can only lower those, never below nothing
+    Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding", moves=DOWN, bound=lambda b: b.parameters
+               + b.gradients + b.optimizer),
+    Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding", moves=DOWN, bound=lambda b: b.parameters
+               + b.gradients + b.optimizer),
+    # --- the attention variants (memory/variants.py models GDN and DSA): what stays outside the model
+    Unmodelled("model.dsa_kernel_backend", "DSA's TileLang kernels (dsa_tilelang_kernels.py) keep tensors the plan "
+               "does not model (it follows the cuDNN/FlashMLA and the unfused paths)", lambda v: v == "tilelang"),
+    Unmodelled("model.context_parallel_size", "DSA with context parallelism: the cuDNN kernel declines non-packed "
+               "CP and some packed layouts (dsa_cudnn_kernels.py run_fused_dsa_attention :218-259) and DSAttention "
+               "then runs the unfused path over the gathered keys, which the plan does not choose between",
+               lambda v: int(v or 1) > 1,
+               when=lambda cfg: _read(cfg, "model.experimental_attention_variant") == "dsa"
+               and str(_read(cfg, "model.dsa_kernel_backend") or "none") != "none"),
+    Unmodelled("model.deterministic_mode", "the gated delta net's deterministic mode runs torch's reference chunk "
+               "rule and conv1d (gated_delta_net/gdn.py :59-62, :197-209), which keep more than fla's kernels",
+               lambda v: bool(v), moves=UP,
+               when=lambda cfg: _read(cfg, "model.experimental_attention_variant") == "gated_delta_net"
+               or any(c in str(_read(cfg, "model.hybrid_layer_pattern") or _read(cfg, "model.hybrid_override_pattern")
+                              or "") for c in "G")),
+    # DeepSeek-V4's recipes (recipes/deepseek/*/deepseek_v4.py, perf_recipes/deepseek/*) set fields of a newer
+    # megatron-core: 0.19.2 has no hyper-connection module (nothing under megatron/core builds mHC, Sinkhorn
+    # residual mixing or num_residual_streams), no such TransformerConfig fields (the provider's setattr is
+    # ignored), and refuses "mhc" as a recompute module
+    Unmodelled("model.enable_hyper_connections", "mHC hyper-connections: megatron-core 0.19.2 has no "
+               "hyper-connection module nor this TransformerConfig field (it is ignored), so the job this recipe "
+               "describes cannot run on this stack"),
+    Unmodelled("model.use_fused_mhc", "fused mHC kernels: megatron-core 0.19.2 has no hyper-connection module nor "
+               "this TransformerConfig field, so the job this recipe describes cannot run on this stack"),
+    Unmodelled("model.recompute_modules", "recompute module 'mhc' is not one megatron-core 0.19.2 accepts "
+               "(transformer_config.py:1768-1782 asserts on it under selective recompute): the job cannot start",
+               lambda v: isinstance(v, (list, tuple)) and "mhc" in v,
+               when=lambda cfg: _read(cfg, "model.recompute_granularity") == "selective"),
+)
+
+
+@dataclass(frozen=True)
+class MemoryNeutral:
+    """A memory-relevant-looking field the model reads no differently because, at every value, the code keeps the
+    same tensors (or megatron-core refuses it in training): the reason cites that code."""
+    path: str
+    reason: str
+
+
+# Appended as data, one per field (the attention family: docs/memory-model.md, "Attention variants").
+MEMORY_NEUTRAL: tuple[MemoryNeutral, ...] = (
+    MemoryNeutral("model.window_size", "sliding-window attention changes only which scores the kernel computes: "
+                  "TEDotProductAttention gets the window as an argument (attention.py:1065-1074), and TE's fused and "
+                  "flash kernels save the same q, k, v, output and softmax statistics at any window (TE v2.17.1 "
+                  "attention/dot_product_attention/backends.py FusedAttnFunc.forward :1559-1569); the unfused "
+                  "backend masks the same s x s scores (UnfusedDotProductAttention.forward :567-684)"),
+    MemoryNeutral("model.window_attn_skip_freq", "which layers use the window (attention.py:1065-1074); each "
+                  "keeps the same tensors as a full-attention layer (model.window_size)"),
+    MemoryNeutral("model.softmax_type", "attention sinks / off-by-one softmax add one learnable offset per head "
+                  "(attention.py:820-845); TE's fused kernel saves it with its softmax statistics (backends.py "
+                  "FusedAttnFunc.forward aux_ctx_tensors), the unfused path one extra score column "
+                  "(UnfusedDotProductAttention.forward :629-655): 1/s of the s x s term"),
+    MemoryNeutral("model.cache_mla_latents", "an inference cache: megatron-core refuses it in training "
+                  "(multi_latent_attention.py:323-324 'cache_mla_latents conflicts with training'; absorbed MLA "
+                  "asserts it off, absorbed_mla.py:191)"),
+    MemoryNeutral("model.layernorm_zero_centered_gamma", "a reparametrized norm weight (w + 1): the same weight "
+                  "and saved input"),
+    MemoryNeutral("model.dsa_indexer_use_sparse_loss", "the sparse and the dense indexer loss save the same "
+                  "precomputed indexer gradients (dsa_cudnn_kernels.py FusedIndexerSparseAttnFunc.forward "
+                  ":2202-2274); the dense loss's scores are transient"),
+    MemoryNeutral("model.dsa_indexer_rotate_activation", "the Hadamard rotation (dsa.py rotate_activation "
+                  ":253-270) is its own inverse and saves nothing for backward"),
 )
 
 
@@ -113,6 +213,8 @@ class UnmodelledFlag:
     (bridge/megatron_args.py); ``with_coverage`` names it as not modelled instead, where its value is set."""
     flag: str
     reason: str
+    moves: str = EITHER        # as Unmodelled.moves / .bound
+    bound: Callable[[Any], float] | None = None
 
 
 # Megatron-LM's ModelOpt flags (megatron/post_training/arguments.py add_modelopt_args, which pretrain_gpt.py passes
@@ -125,12 +227,12 @@ DISTILLATION = "knowledge distillation: a teacher model is loaded beside the stu
 NOT_MODELLED_FLAGS: tuple[UnmodelledFlag, ...] = (
     UnmodelledFlag("--export-kd-teacher-load",
                    f"{DISTILLATION} from this checkpoint (its weights, its forward's activations and logits each "
-                   "microbatch); its shape is in the checkpoint, not in the arguments"),
+                   "microbatch); its shape is in the checkpoint, not in the arguments", moves=UP),
     UnmodelledFlag("--export-kd-teacher-model-config",
-                   f"{DISTILLATION}; this file gives the teacher's shape, which the plan does not read"),
+                   f"{DISTILLATION}; this file gives the teacher's shape, which the plan does not read", moves=UP),
     UnmodelledFlag("--export-kd-cfg",
                    f"{DISTILLATION}; this file names the teacher's and student's outputs kept for the distillation "
-                   "loss (logits, intermediate layers)"),
+                   "loss (logits, intermediate layers)", moves=UP),
 )
 
 
@@ -164,7 +266,7 @@ def unmodelled_fields(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[tup
     for u in NOT_MODELLED + tuple(extra):
         value = _read(cfg, u.path)
         try:
-            hit = value is not None and u.applies(value)
+            hit = value is not None and u.applies(value) and (u.when is None or bool(u.when(cfg)))
         except Exception:  # noqa: BLE001 — a value of an unexpected type is named rather than judged
             hit = True
         if hit:
@@ -175,6 +277,93 @@ def unmodelled_fields(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[tup
 def not_modelled(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[str, ...]:
     """``field=value: reason`` for every NOT_MODELLED field (and ``extra``) set in ``cfg`` where it matters."""
     return tuple(f"{path}={value}: {reason}" for path, value, reason in unmodelled_fields(cfg, extra))
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One feature set in a job that changes memory and that the plan does not follow, as the fit verdict reads it
+    (memory/plan.py ``judge``): its field or flag, the value set, why it matters, and how it can move the figure."""
+    name: str                                   # the field ("model.moe_latent_size") or the flag ("--export-kd-cfg")
+    value: str
+    reason: str
+    moves: str = EITHER                         # UP, DOWN or EITHER (Unmodelled.moves)
+    bound: Callable[[Any], float] | None = None  # Unmodelled.bound
+
+    @property
+    def setting(self) -> str:
+        """``field=value``; a Megatron-LM switch flag alone (``--delay-wgrad-compute``)."""
+        if self.value == "" or (self.name.startswith("-") and self.value == "True"):
+            return self.name
+        return f"{self.name}={self.value}"
+
+    def size(self, breakdown: Any = None) -> float | None:
+        """The most following it can move the figure, bytes (None: the code gives no bound)."""
+        if self.bound is None or breakdown is None:
+            return None
+        try:
+            return max(0.0, float(self.bound(breakdown)))
+        except Exception:  # noqa: BLE001 — a bound that cannot be computed is no bound
+            return None
+
+    def reach(self, breakdown: Any = None) -> tuple[float | None, float | None]:
+        """(how far down, how far up) following it could move the most-loaded GPU's figure, bytes; None: open."""
+        size = self.size(breakdown)
+        return (0.0 if self.moves == UP else size), (0.0 if self.moves == DOWN else size)
+
+    def how(self) -> str:
+        return {UP: "it can only add memory", DOWN: "it can only lower memory"}.get(self.moves,
+                                                                                   "it can move memory either way")
+
+    def as_dict(self, breakdown: Any = None) -> dict[str, Any]:
+        size = self.size(breakdown)
+        return {"name": self.name, "value": self.value, "reason": self.reason, "moves": self.moves,
+                "bound_bytes": None if size is None else int(size)}
+
+
+def _entry(name: str) -> Unmodelled | UnmodelledFlag | None:
+    """The entry of a field, or of a Megatron-LM flag: one of NOT_MODELLED_FLAGS, else the field it is named after
+    (``--delay-wgrad-compute``: model.delay_wgrad_compute, as with_coverage names them)."""
+    if name.startswith("-"):
+        flag = _flag_name(name)
+        return next((u for u in NOT_MODELLED_FLAGS if _flag_name(u.flag) == flag),
+                    next((u for u in NOT_MODELLED if u.path.rsplit(".", 1)[-1] == flag), None))
+    return next((u for u in NOT_MODELLED if u.path == name), None)
+
+
+def gaps(texts: Any) -> tuple[Gap, ...]:
+    """A plan's ``not_modelled`` texts (``field=value: reason``, or ``--flag=value: reason``) as :class:`Gap` records
+    with their entry's ``moves`` and ``bound``; a text no entry names moves EITHER with no bound (a direction
+    nobody stated is both ends open)."""
+    out = []
+    for text in texts or ():
+        text = str(text)
+        head, _, rest = text.partition(": ")
+        name, _, value = head.partition("=")
+        entry = _entry(name)
+        reason = rest
+        if entry is not None and text.endswith(": " + entry.reason) and text.startswith(name + "="):
+            value, reason = text[len(name) + 1:len(text) - len(entry.reason) - 2], entry.reason
+        out.append(Gap(name, value, reason, entry.moves if entry is not None else EITHER,
+                       entry.bound if entry is not None else None))
+    return tuple(out)
+
+
+def flag_texts(job: Any) -> tuple[str, ...]:
+    """A Megatron-LM job's not-modelled flags that are no configuration field (NOT_MODELLED_FLAGS, after
+    ``with_coverage``) as ``--flag=value: reason``: added to its plan's ``not_modelled``, so the one verdict counts
+    them too (the fields are in the plan's own list already)."""
+    names = {_flag_name(u.flag) for u in NOT_MODELLED_FLAGS}
+    return tuple(f"{n.flag}={n.value or 'True'}: {n.reason}" for n in getattr(job, "not_modelled", ())
+                 if _flag_name(n.flag) in names)
+
+
+def in_flags(job: Any, texts: Any) -> tuple[str, ...]:
+    """A Megatron-LM job's plan's ``not_modelled`` in the job's own words: each of the job's not-modelled flags as
+    ``--flag=value: reason`` (``with_coverage``: the fields by their flags, and the flags outside megatron-core's
+    parser), then any field of ``texts`` (the plan's list, overlays applied) that no flag of the job names."""
+    own = tuple(f"{n.flag}={n.value or 'True'}: {n.reason}" for n in getattr(job, "not_modelled", ()))
+    named = {_flag_name(n.flag) for n in getattr(job, "not_modelled", ())}
+    return own + tuple(t for t in texts or () if str(t).partition("=")[0].rsplit(".", 1)[-1] not in named)
 
 
 def with_coverage(job: Any) -> Any:

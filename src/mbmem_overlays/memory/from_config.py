@@ -10,6 +10,7 @@ from .buffers import gemm_workspaces
 from .graphs import WHOLE_LAYER
 from .inputs import BF16, FP8, FP32, Layout, Settings, Shape
 from .pipeline import HYBRID_SYMBOLS
+from .variants import DSA, DSA_SHARED, GDN, dsa_reuses_topk, linear_attention_pattern
 
 def cross_entropy_impl(m: Any) -> str:
     """Which cross entropy the last stage runs (language_module.py compute_language_model_loss)."""
@@ -200,6 +201,13 @@ def mcore_attention(m: Any) -> bool:
     return backend == "local" or str(getattr(m, "transformer_impl", "transformer_engine")) == "local"
 
 
+def dsa_backend(m: Any) -> str:
+    """The DSA kernel backend DSAttention tries: dsa_kernel_backend, or "none" under the unfused attention
+    backend (transformer/experimental_attention_variant/dsa_kernels.py use_fused_dsa_kernels :92-97)."""
+    backend = str(getattr(getattr(m, "attention_backend", None), "name", getattr(m, "attention_backend", "")))
+    return "none" if backend == "unfused" else str(getattr(m, "dsa_kernel_backend", "none") or "none")
+
+
 def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
     """Decoder layers of each model chunk in chunk order (chunk c = virtual stage c // pp on pipeline rank c % pp),
     when megatron-core does not split them evenly; () for the even split.
@@ -253,14 +261,42 @@ def hybrid_pattern(pattern: str, mtp_pattern: str | None = None
     the MTP depths at "/" (every depth the same pattern; Bridge's hybrid provider appends its
     ``mtp_hybrid_override_pattern`` the same way); select_pipeline_segment gives pipeline rank r's virtual stage
     v the segment ``v * pp + r`` of the "|"-delimited main pattern (chunk order), and splits a pattern without
-    "|" evenly or by num_layers_in_first/last_pipeline_stage (chunk_layers). Symbols the model has no block for
-    (G, D, +) are named by coverage.py, not counted."""
+    "|" evenly or by num_layers_in_first/last_pipeline_stage (chunk_layers). G, D and + are the gated-delta-net,
+    DSA and MLA blocks (pipeline.HYBRID_SYMBOLS)."""
     main, *mtp = pattern.split("/")
     if not any(mtp) and mtp_pattern:
         mtp = [mtp_pattern]
     blocks = lambda text: tuple(HYBRID_SYMBOLS[c] for c in text if c in HYBRID_SYMBOLS)  # noqa: E731
     parts = main.split("|")
     return blocks(main), blocks(next((p for p in mtp if p), "")), tuple(len(blocks(p)) for p in parts)
+
+
+def attention_blocks(m: Any, layers: int) -> tuple[str, ...]:
+    """The attention block of each GPT layer: "attn" (softmax attention, MLA with multi_latent_attention), or
+    with an experimental attention variant the block megatron-core's experimental spec builds per layer
+    (models/gpt/experimental_attention_variant_module_specs.py
+    get_transformer_layer_with_experimental_attention_variant_spec :156-270): "gdn" where
+    get_linear_attention_pattern (:402-436) puts a gated delta net, "dsa" on every layer with DSA. A variant
+    megatron-core 0.19.2 does not build is planned as "attn" and named by coverage.py."""
+    variant = getattr(m, "experimental_attention_variant", None)
+    if variant == "gated_delta_net":
+        pattern = linear_attention_pattern(getattr(m, "linear_attention_freq", None), layers)
+        return tuple(GDN if la else "attn" for la in pattern)
+    if variant == "dsa":
+        return (DSA,) * layers
+    return ("attn",) * layers
+
+
+def share_dsa_topk(kinds: tuple[str, ...], m: Any) -> tuple[str, ...]:
+    """``kinds`` with each DSA layer that reuses an earlier layer's top-k (dsa_indexer_topk_freq > 1; the layer
+    numbers are the stack's, 1-indexed: transformer_block.py / hybrid_block.py layer_number = i + 1 + offset)
+    made "dsa_shared": it builds no indexer (variants.dsa_reuses_topk)."""
+    freq = int(getattr(m, "dsa_indexer_topk_freq", 1) or 1)
+    offset = int(getattr(m, "dsa_indexer_skip_topk_offset", 0) or 0)
+    if freq <= 1:
+        return kinds
+    return tuple("+".join(DSA_SHARED if b == DSA and dsa_reuses_topk(i + 1, offset, freq) else b
+                          for b in kind.split("+")) for i, kind in enumerate(kinds))
 
 
 def mamba_heads(m: Any) -> int:
@@ -301,7 +337,10 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
             is_moe = [i % freq == 0 for i in range(layers)]
         else:
             is_moe = [bool(int(x)) for x in freq]
-        kinds = tuple("attn+moe" if x else "attn+mlp" for x in is_moe)
+        kinds = tuple(f"{a}+{'moe' if x else 'mlp'}" for a, x in zip(attention_blocks(m, layers), is_moe))
+    kinds = share_dsa_topk(kinds, m)
+    hybrid = bool(getattr(m, "is_hybrid_model", False) and isinstance(pattern, str) and pattern)
+    blocks = {b for kind in kinds + mtp_blocks for b in kind.split("+")}
     moe_layers = sum(1 for k in kinds if "moe" in k)
     vocab, pad = model_vocab(cfg)
     div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
@@ -313,10 +352,13 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         tied=bool(getattr(m, "share_embeddings_and_output_weights", False)),
         experts=experts, moe_ffn=getattr(m, "moe_ffn_hidden_size", 0) or 0, topk=getattr(m, "moe_router_topk", 0) or 0,
         shared_ffn=getattr(m, "moe_shared_expert_intermediate_size", 0) or 0, moe_layers=moe_layers,
-        mla=bool(getattr(m, "multi_latent_attention", False)), qk_head_dim=getattr(m, "qk_head_dim", 0) or 0,
+        # a hybrid stack's "*" is softmax attention, its "+" (and "D") MLA, whatever multi_latent_attention says
+        mla=bool(getattr(m, "multi_latent_attention", False)) and not hybrid, qk_head_dim=getattr(m, "qk_head_dim", 0) or 0,
         qk_pos_dim=getattr(m, "qk_pos_emb_head_dim", 0) or 0, v_head_dim=getattr(m, "v_head_dim", 0) or 0,
         kv_lora_rank=getattr(m, "kv_lora_rank", 0) or 0, q_lora_rank=getattr(m, "q_lora_rank", 0) or 0,
-        qk_norm=bool(getattr(m, "qk_layernorm", False)), layer_kinds=kinds,
+        # qk_l2_norm saves q and k for its backward as the q/k LayerNorm does (transformer/torch_norm.py L2Norm
+        # :90-102 under torch.compile; attention.py :1697-1700 builds it in place of the q/k norm)
+        qk_norm=bool(getattr(m, "qk_layernorm", False) or getattr(m, "qk_l2_norm", False)), layer_kinds=kinds,
         mamba_heads=mamba_heads(m) if "mamba" in kinds + mtp_blocks else 0,
         mamba_head_dim=getattr(m, "mamba_head_dim", 0) or 0,
         mamba_groups=getattr(m, "mamba_num_groups", 0) or 0, mamba_state=getattr(m, "mamba_state_dim", 0) or 0,
@@ -327,7 +369,18 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         # (Bridge gpt_provider.py:297, :301)
         position_embeddings=int(m.seq_length) if str(getattr(m, "position_embedding_type", "")) == "learned_absolute"
         else 0,
-        mtp_blocks=mtp_blocks, mtp_shared=bool(getattr(m, "mtp_use_repeated_layer", False)))
+        mtp_blocks=mtp_blocks, mtp_shared=bool(getattr(m, "mtp_use_repeated_layer", False)),
+        attn_gate=bool(getattr(m, "attention_output_gate", False)),
+        **(dict(gdn_key_heads=int(getattr(m, "linear_num_key_heads", 0) or 0),
+                gdn_value_heads=int(getattr(m, "linear_num_value_heads", 0) or 0),
+                gdn_key_dim=int(getattr(m, "linear_key_head_dim", 0) or 0),
+                gdn_value_dim=int(getattr(m, "linear_value_head_dim", 0) or 0),
+                gdn_conv=int(getattr(m, "linear_conv_kernel_dim", 4) or 4)) if GDN in blocks else {}),
+        **(dict(dsa_heads=int(getattr(m, "dsa_indexer_n_heads", 0) or 0),
+                dsa_head_dim=int(getattr(m, "dsa_indexer_head_dim", 0) or 0),
+                dsa_topk=int(getattr(m, "dsa_indexer_topk", 0) or 0),
+                dsa_topk_freq=int(getattr(m, "dsa_indexer_topk_freq", 1) or 1))
+           if blocks & {DSA, DSA_SHARED} else {}))
     chunks = segments if len(segments) > 1 else chunk_layers(m, layers)
     pp = m.pipeline_model_parallel_size
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
@@ -411,6 +464,9 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
         layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),
         attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
+        dsa_backend=dsa_backend(m),
+        dsa_loss=float(getattr(m, "dsa_indexer_loss_coeff", 0.0) or 0.0) > 0,
+        gpu_arch=arch,
         mcore_attention=mcore_attention(m),
         hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,
         attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0,

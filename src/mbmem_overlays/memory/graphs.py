@@ -3,6 +3,7 @@ static input and output buffers each graphed layer and in-flight microbatch hold
 
 from __future__ import annotations
 
+from . import variants
 from .activations import _selected_terms
 from .inputs import Layout, Settings, Shape, _tokens
 from .pipeline import rank_chunks
@@ -14,7 +15,8 @@ from .pipeline import rank_chunks
 GRAPH_SCOPE_TERMS = {
     "attn": ("attn_layernorm_input", "attention_layernorm_output", "attention_qkv", "attention_qk_norm_inputs",
              "attention_softmax_stats", "attention_scores", "attn_dropout_mask", "attention_output", "attention_kernel_output", "attention_output_fp8",
-             "mla_up_proj_inputs", "lora_a_gathered_input_linear_qkv"),
+             "mla_up_proj_inputs", "lora_a_gathered_input_linear_qkv", "attention_gate", "attention_gate_input",
+             *variants.GRAPH_TERMS),
     "mlp": ("mlp_layernorm_input", "mlp_dropout_mask", "mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output",
             "mlp_glu_linear_input", "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
     "moe": ("moe_layernorm_input", "moe_dropout_mask", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
@@ -35,7 +37,9 @@ def graphed_blocks(kind: str, scopes: tuple[str, ...]) -> dict[str, str]:
     moe_router for MoE layers, mamba for Mamba layers)."""
     out = {}
     for block in kind.split("+"):
-        if block in scopes:
+        if block in ("mla", *variants.VARIANT_BLOCKS) and "attn" in scopes:
+            out[block] = "attn"   # any TransformerLayer with a self_attention (_layer_is_graphable :2066-2072)
+        elif block in scopes:
             out[block] = block
         elif block == "moe" and "moe_router" in scopes:
             out[block] = "moe_router"

@@ -53,6 +53,21 @@ class Shape:
     # model's last layer kind. mtp_shared (mtp_use_repeated_layer): one MTP layer's parameters run at every depth.
     mtp_blocks: tuple[str, ...] = ()
     mtp_shared: bool = False
+    # attention_output_gate: softmax attention's QKV projection also yields a per-head gate (Qwen3-Next, Qwen3.5)
+    attn_gate: bool = False
+    # gated delta net layers ("gdn", memory/variants.py): linear_num_key_heads / linear_num_value_heads,
+    # linear_key_head_dim / linear_value_head_dim, linear_conv_kernel_dim
+    gdn_key_heads: int = 0
+    gdn_value_heads: int = 0
+    gdn_key_dim: int = 0
+    gdn_value_dim: int = 0
+    gdn_conv: int = 4
+    # DeepSeek sparse attention layers ("dsa" / "dsa_shared"): the indexer's heads, head dim and top-k, and
+    # dsa_indexer_topk_freq (layers that reuse a top-k are "dsa_shared")
+    dsa_heads: int = 0
+    dsa_head_dim: int = 0
+    dsa_topk: int = 0
+    dsa_topk_freq: int = 1
 
 
 @dataclass(frozen=True)
@@ -155,6 +170,12 @@ class Settings:
     # optimizer's whole-parameter shards): None, the most loaded; -1, the last (Megatron-LM logs memory from the
     # last rank, global_vars.py); else that rank
     dp_rank: int | None = None
+    # DeepSeek sparse attention (memory/variants.py): the kernel backend DSAttention tries (dsa_kernel_backend;
+    # "none" also under the unfused attention backend), whether the indexer loss trains (dsa_indexer_loss_coeff
+    # > 0), and the GPU's compute capability (FlashMLA pads the heads per generation)
+    dsa_backend: str = "none"
+    dsa_loss: bool = False
+    gpu_arch: int = 9
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

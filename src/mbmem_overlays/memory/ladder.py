@@ -372,7 +372,7 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     first = plan_of(work, world)
     total = first.footprint
     rows: list[dict[str, Any]] = [{"step": "baseline", "overlays": list(start.overlays), "total_bytes": int(total),
-                                   "fits": total <= limit, "validation": verdict_of(report), "breakdown": first,
+                                   **_fit(work, first, limit), "validation": verdict_of(report), "breakdown": first,
                                    **({} if target is None else target.extra(report))}]
     seen: dict[tuple, str] = {}
     for rung in LADDER_RUNGS:
@@ -422,17 +422,19 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         rows.append({"step": label, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                      "changes": [{"target": t, "old": _shown(o), "new": _shown(n)} for t, o, n in changed],
                      "total_bytes": int(new_total), "saving_bytes": int(saving), "cost": cost,
-                     "fits": new_total <= limit, "validation": verdict_of(report2), "breakdown": b,
+                     **_fit(cfg2, b, limit), "validation": verdict_of(report2), "breakdown": b,
                      **({} if target is None else target.extra(report2))})
         state = State(start, cand, cfg2, report2, world)
         total = new_total
     from . import model as P
-    from .ranges import uncertainty, verdict
+    from .coverage import gaps, not_modelled
+    from .ranges import uncertainty
     shape, lay, st = P.from_config(state.cfg, world)
     ranges = uncertainty(shape, lay, st)
-    fit_verdict, unless = verdict(total <= limit, ranges, limit)
-    return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, "fits": total <= limit,
-            "fit_verdict": fit_verdict, "fits_unless": unless, "uncertainty": [r.as_dict() for r in ranges],
+    # The ladder climbs on the modelled part (it stops where that fits); the verdict says what it leaves out.
+    fit = P.judge(total, limit, ranges, gaps(not_modelled(state.cfg)), P.estimate(shape, lay, st))
+    return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, **fit.as_dict(),
+            "exit_code": fit.exit_code, "uncertainty": [r.as_dict() for r in ranges],
             "overlays": list(dict.fromkeys([*start.overlays, *state.cand.overlays])),
             "validation": verdict_of(state.report),
             "command": train_command(start, state.cand, world) if target is None else
@@ -440,26 +442,49 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
             **({} if target is None else target.extra(state.report))}
 
 
+def _fit(cfg: Any, b: Any, limit: float) -> dict[str, Any]:
+    """A step's fit (memory/plan.py judge, without the plan's ranges): "fits" True/False, or None where a feature
+    that changes memory is not modelled and the fit is unknown; "modelled_fits": the modelled part alone."""
+    from . import model as P
+    from .coverage import gaps, not_modelled
+    v = P.judge(b.footprint, limit, (), gaps(not_modelled(cfg)), b)
+    return {"fits": v.fits, "fit": v.kind, "modelled_fits": v.modelled_fits}
+
+
 def _verdict(report: Any) -> str:
     v = report.validation
     return "our rules only (Bridge's validation not run)" if v is None else v.verdict
 
 
-def render_recommendation(rec: dict[str, Any]) -> str:
-    """The ladder as the user reads it: each step with its saving and cost; the rungs that would save nothing on
-    this configuration in one list ("skipped: saves nothing here"), the others skipped with their reason; then the
-    fit verdict ("fits unless ..." where the plan is unsure) and the one validated command."""
+def render_recommendation(rec: dict[str, Any], verbose: bool = False) -> str:
+    """The ladder as the user reads it, the answer first: the one validated command (and the fit verdict where it
+    is not a plain "fits": "fits unless ...", "unknown: ... not modelled"); then each step with its saving and cost,
+    and the rungs that would save nothing here in one list ("skipped: saves nothing here"). ``verbose`` (-v): every
+    other skipped rung with its reason and each step's fields, which the default folds into one line."""
     if rec.get("error"):
         return rec["error"]
-    lines = [f"recommended path (memory-tuning skill, Quick Decision), capacity {rec['capacity_bytes'] / 2**30:.1f} GiB "
-             f"with a {rec['margin']:.0%} margin; each step validated (our rules + Bridge):"]
-    nothing = []
+    text = rec.get("verdict_text", rec.get("fit_verdict"))
+    unknown = rec.get("fit") == "unknown"
+    if unknown:
+        names = ", ".join(f"{g['name']}={g['value']}" for g in rec.get("unmodelled", []))
+        head = f"next command, fit unknown ({names} not modelled; validated: "
+    else:
+        head = "next command (validated: " if rec["fits"] else "nothing on the ladder fits; closest (validated: "
+    lines = [f"{head}{rec['validation']}):", f"  {rec['command']}",
+             "  (a dry run: it validates again; drop run.dry_run=true on a GPU node to train)"]
+    if text and text not in ("fits", "-") and (rec["fits"] or unknown or rec.get("unmodelled")):
+        lines.append(f"verdict: {text}")
+    lines.append(f"the path (memory-tuning skill, Quick Decision), capacity {rec['capacity_bytes'] / 2**30:.1f} GiB "
+                 f"with a {rec['margin']:.0%} margin; each step validated (our rules + Bridge):")
+    nothing, folded = [], []
     for r in rec["steps"]:
         if "skipped" in r:
             if r.get("kind") == SAVES_NOTHING:
                 nothing.append(f"{r['step']} ({r['skipped']})")
-            else:
+            elif verbose or r.get("kind") == "rejected":
                 lines.append(f"  - {r['step']:<34} skipped: {r['skipped']}")
+            else:
+                folded.append(r["step"])
             continue
         if "saving_bytes" not in r:
             saving = ""
@@ -467,18 +492,15 @@ def render_recommendation(rec: dict[str, Any]) -> str:
             saving = f"  saves {r['saving_bytes'] / 2**30:5.2f} GiB"
         else:  # the one step whose effect, fragmentation, is outside the allocated-memory plan
             saving = "  saves fragmentation (reserved, not allocated: outside the plan)"
-        lines.append(f"  {'*' if r['fits'] else ' '} {r['step']:<34} {r['total_bytes'] / 2**30:6.2f} GiB{saving}"
-                     f"{'  FITS' if r['fits'] else ''}")
-        if r.get("changes"):
+        mark, fits = {True: ("*", "  FITS"), False: (" ", "")}.get(r["fits"], ("?", "  fit unknown" + (
+            " (the modelled part fits)" if r.get("modelled_fits") else "")))
+        lines.append(f"  {mark} {r['step']:<34} {r['total_bytes'] / 2**30:6.2f} GiB{saving}{fits}")
+        if verbose and r.get("changes"):
             lines.append("      sets: " + ", ".join(f"{c['target']}={c['new']!r}" for c in r["changes"]))
         if r.get("cost"):
             lines.append(f"      cost: {r['cost']}")
     if nothing:
         lines.append("  skipped: saves nothing here: " + "; ".join(nothing))
-    if rec.get("fit_verdict") and rec["fit_verdict"] not in ("fits", "-") and rec["fits"]:
-        lines.append(f"  verdict: {rec['fit_verdict']}")
-    lines.append(("next command (validated: " if rec["fits"] else "nothing on the ladder fits; closest (validated: ")
-                 + f"{rec['validation']}):")
-    lines.append(f"  {rec['command']}")
-    lines.append("  (a dry run: it validates again; drop run.dry_run=true on a GPU node to train)")
+    if folded:
+        lines.append(f"  skipped, not applicable here: {', '.join(folded)} (-v: why each, and every step's fields)")
     return "\n".join(lines)

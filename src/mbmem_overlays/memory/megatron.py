@@ -180,42 +180,53 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:6.2f} GiB"
 
 
-def render_recommendation(rec: dict[str, Any]) -> str:
-    """The ladder on a Megatron-LM job: each step with its saving, its cost and the flags it adds; the rungs that
-    cannot apply with their reason (a field without a Megatron-LM flag among them); the fit verdict (the plan's own,
-    ranges.verdict) and the job's whole change, validated."""
+def render_recommendation(rec: dict[str, Any], verbose: bool = False) -> str:
+    """The ladder on a Megatron-LM job, the answer first (as ladder.render_recommendation): the job's whole change,
+    validated, and the fit verdict where it is not a plain "fits"; then each step with its saving, its cost and the
+    flags it adds; the rungs that cannot apply with their reason (a field without a Megatron-LM flag among the
+    rejected ones, always shown), the others folded unless ``verbose``."""
     if rec.get("error"):
         return rec["error"]
-    lines = [f"recommended path for the Megatron-LM job (memory-tuning skill, Quick Decision), capacity "
-             f"{rec['capacity_bytes'] / 2**30:.1f} GiB with a {rec['margin']:.0%} margin; each step checked by our "
-             "rules, its flags by megatron-core 0.19.2's validate_args:"]
-    nothing = []
+    text = rec.get("verdict_text", rec.get("fit_verdict"))
+    unknown = rec.get("fit") == "unknown"
+    final = rec.get("megatron") or {}
+    if unknown:
+        names = ", ".join(f"{g['name']}={g['value']}" for g in rec.get("unmodelled", []))
+        head = f"next command, fit unknown ({names} not modelled"
+    else:
+        head = "next command" if rec["fits"] else "nothing on the ladder fits; closest"
+    lines = [f"{head} (the job's flags; checked: {final.get('check')}):", f"  {rec['command']}"]
+    if text and text not in ("fits", "-") and (rec["fits"] or unknown or rec.get("unmodelled")):
+        lines.append(f"verdict: {text}")
+    lines.append(f"the path (memory-tuning skill, Quick Decision), capacity {rec['capacity_bytes'] / 2**30:.1f} GiB "
+                 f"with a {rec['margin']:.0%} margin; each step checked by our rules, its flags by megatron-core "
+                 "0.19.2's validate_args:")
+    nothing, folded = [], []
     for r in rec["steps"]:
         if "skipped" in r:
             if r.get("kind") == "saves nothing here":
                 nothing.append(f"{r['step']} ({r['skipped']})")
-            else:
+            elif verbose or r.get("kind") == "rejected":
                 lines.append(f"  - {r['step']:<34} skipped: {r['skipped']}")
+            else:
+                folded.append(r["step"])
             continue
         saving = ""
         if "saving_bytes" in r:
             saving = (f"  saves {r['saving_bytes'] / 2**30:5.2f} GiB" if r["saving_bytes"] or
                       r["step"] != "expandable_segments" else "  saves fragmentation (outside the plan)")
-        lines.append(f"  {'*' if r['fits'] else ' '} {r['step']:<34} {_gib(r['total_bytes'])}{saving}"
-                     f"{'  FITS' if r['fits'] else ''}")
+        mark, fits = {True: ("*", "  FITS"), False: (" ", "")}.get(r["fits"], ("?", "  fit unknown" + (
+            " (the modelled part fits)" if r.get("modelled_fits") else "")))
+        lines.append(f"  {mark} {r['step']:<34} {_gib(r['total_bytes'])}{saving}{fits}")
         flags = r.get("megatron_flags") or {}
-        if r["step"] != "baseline" or not flags.get("text", "").startswith("no change"):
+        if r["step"] != "baseline" or not str(flags.get("text", "")).startswith("no change"):
             lines.append(f"      flags: {flags.get('text')}")
         if r.get("cost"):
             lines.append(f"      cost: {r['cost']}")
     if nothing:
         lines.append("  skipped: saves nothing here: " + "; ".join(nothing))
-    if rec.get("fit_verdict") and rec["fit_verdict"] not in ("fits", "-") and rec["fits"]:
-        lines.append(f"  verdict: {rec['fit_verdict']}")
-    final = rec.get("megatron") or {}
-    lines.append(("next command" if rec["fits"] else "nothing on the ladder fits; closest")
-                 + " (the job's flags; checked: " + str(final.get("check")) + "):")
-    lines.append(f"  {rec['command']}")
+    if folded:
+        lines.append(f"  skipped, not applicable here: {', '.join(folded)} (-v: why each)")
     return "\n".join(lines)
 
 
@@ -225,7 +236,8 @@ def layout_name(r: dict[str, Any]) -> str:
 
 
 def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
-    """The search on a Megatron-LM job: each validated layout with its saving, its cost and the job's flags."""
+    """The search on a Megatron-LM job (as cli/plan.py render_search): each validated layout with its saving, its
+    cost, its verdict where it is not a plain "fits", and the job's flags."""
     results = found["results"]
     lines = [f"searched {found['evaluated']} layouts x overlay sets in {found['seconds']:.1f} s: {found['candidates']} "
              f"fit {capacity / 2**30:.1f} GiB with a {margin:.0%} margin in the memory model; checked the cheapest "
@@ -233,9 +245,14 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
     if found["dropped"]:
         lines.append(f"dropped {found['dropped']} that were rejected or did not fit once applied:")
         lines += [f"  {d['count']:>3} x {d['reason']}" for d in found["dropped_reasons"][:5]]
+    unknown = found.get("fit") == "unknown" or any(r.get("fit") == "unknown" for r in results)
+    if unknown:
+        names = ", ".join(f"{g['name']}={g['value']}" for g in found.get("unmodelled", [])) or "a feature"
+        lines.append(f"fit unknown: {names} not modelled; each layout below fits in the modelled part only "
+                     "(its verdict says which end of its range is open)")
     if not results:
-        lines.append("no validated layout fits; try `mbmem recommend --megatron-args` (offload, full recompute) or "
-                     "more GPUs")
+        lines.append("no validated layout fits" + (" in the modelled part" if unknown else "")
+                     + "; try `mbmem recommend --megatron-args` (offload, full recompute) or more GPUs")
         return "\n".join(lines)
     lines.append(f"{len(results)} validated, cheapest first (cost: documented throughput cost, costs.py), each as the "
                  "job's flags:")
@@ -243,7 +260,7 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
         saving = r.get("saving_bytes")
         saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
         lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  cost ~{r['cost']:.0%}  {layout_name(r)}")
-        if r.get("fits_unless"):
-            lines.append(f"    {r['fit_verdict']}")
+        if r.get("fits_unless") or r.get("fit", "fits") != "fits":
+            lines.append(f"    {r.get('verdict_text', r.get('fit_verdict'))}")
         lines.append(f"    {r['command']}")
     return "\n".join(lines)

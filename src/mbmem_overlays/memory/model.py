@@ -44,7 +44,8 @@ from .phases import (HEADLINE_PHASES, ONE_TIME_PHASES, PHASES, REPORTED_ITERATIO
                      reported_phases, stage_breakdowns, stage_peak)
 from .pipeline import (HYBRID_SYMBOLS, _candidate_ranks, _rank_chunks, _rank_layers, in_flight,  # noqa: F401
                        layer_kinds, rank_chunks, rank_layers)
-from .plan import STEP_NOTES, Plan, Step, fit_verdict  # noqa: F401
+from .plan import (DOES_NOT_FIT, FITS, NO_CAPACITY, STEP_NOTES, UNKNOWN, Plan, Step, Verdict,  # noqa: F401
+                   fit_verdict, judge)
 from .stage_activations import StageActivations, stage_activations  # noqa: F401
 from .weights import (FSDP_SHARDS, _attention_params, _block_params, _mamba_params, _mlp_params,  # noqa: F401
                       data_parallel_shards, fsdp_shards, largest_layer_params, lora_params, model_state,

@@ -20,6 +20,7 @@ the embedding holds its state, the others do not, so ranks of one job differ by 
 
 from __future__ import annotations
 
+from . import variants
 from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
 from .pipeline import rank_layers
 
@@ -46,8 +47,10 @@ def block_tensors(s: Shape, lay: Layout, block: str) -> tuple[list[tuple[int, bo
     h, t = s.hidden, lay.tp
     dense: list[tuple[int, bool]] = []
     expert: list[tuple[int, bool]] = []
-    if block == "attn":
-        if s.mla:
+    if block in variants.VARIANT_BLOCKS:
+        dense += variants.block_tensors(s, lay, block)
+    elif block in ("attn", "mla"):
+        if s.mla or block == "mla":
             dense += _norm(s, h)
             qk = s.qk_head_dim + s.qk_pos_dim
             if s.q_lora_rank:
@@ -60,7 +63,7 @@ def block_tensors(s: Shape, lay: Layout, block: str) -> tuple[list[tuple[int, bo
             dense += _norm(s, s.kv_lora_rank)
             dense += [(h * s.heads * s.v_head_dim // t, True)]
         else:
-            qkv = (s.heads + 2 * s.groups) * s.head_dim // t
+            qkv = (s.heads + 2 * s.groups + (s.heads if s.attn_gate else 0)) * s.head_dim // t
             dense += [(qkv * h, True)] + _bias(s, qkv) + _norm(s, h)
             if s.qk_norm:
                 dense += _norm(s, s.head_dim) + _norm(s, s.head_dim)

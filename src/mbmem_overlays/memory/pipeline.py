@@ -7,7 +7,9 @@ import functools
 
 from .inputs import Layout, Shape
 
-HYBRID_SYMBOLS = {"M": "mamba", "*": "attn", "-": "mlp", "E": "moe"}
+# models/hybrid/hybrid_layer_allocation.py Symbols (:14-26) -> the plan's blocks: G a gated delta net, D DeepSeek
+# sparse attention (absorbed MLA with an indexer), + MLA (hybrid_layer_specs.py gdn_layer, dsa_layer, mla_layer)
+HYBRID_SYMBOLS = {"M": "mamba", "*": "attn", "-": "mlp", "E": "moe", "G": "gdn", "D": "dsa", "+": "mla"}
 
 
 def layer_kinds(s: Shape) -> tuple[str, ...]:

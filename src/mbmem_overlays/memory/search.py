@@ -27,7 +27,8 @@ from ..core.rules import REGATHER_SURFACES
 from . import levers
 from . import model as P
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST
-from .ranges import uncertainty, verdict
+from .coverage import UP, gaps, not_modelled
+from .ranges import uncertainty
 from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, first_line, launch_env, realize,
                     train_command)
 
@@ -207,15 +208,23 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
             continue
         v = report.validation
         shape, lay, st = P.from_config(work, world)
-        fit_verdict, unless = verdict(True, uncertainty(shape, lay, st, b), limit)
+        fit = P.judge(b.footprint, limit, uncertainty(shape, lay, st, b), gaps(not_modelled(work)), b)
         results.append({**row, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                         "total_bytes": int(b.footprint), "modelled_bytes": row["total_bytes"],
-                        "saving_bytes": int(own - b.footprint), "fit_verdict": fit_verdict, "fits_unless": unless,
+                        "saving_bytes": int(own - b.footprint), **fit.as_dict(),
                         "validation": ("our rules only" if v is None else v.verdict) if target is None else
                         target.verdict(report),
                         "command": train_command(start, cand, world) if target is None else
                         target.command(start, cand, world, report), "breakdown": b,
                         **({} if target is None else target.extra(report))})
+    # What the user's own configuration sets that the plan does not model: with nothing found, whether any layout
+    # could fit is unknown unless what is left out can only add memory (every layout was over the limit already).
+    mine_gaps = gaps(not_modelled(mine))
+    if results:
+        fit = "unknown" if any(r["fit"] == "unknown" for r in results) else "fits"
+    else:
+        fit = "does not fit" if all(g.moves == UP for g in mine_gaps) else "unknown"
     return {"results": results, "evaluated": evaluated, "seconds": seconds + (time.perf_counter() - t0),
             "candidates": len(rows), "checked": checked, "dropped": sum(dropped.values()),
-            "dropped_reasons": [{"reason": r, "count": n} for r, n in dropped.most_common()]}
+            "dropped_reasons": [{"reason": r, "count": n} for r, n in dropped.most_common()],
+            "fit": fit, "unmodelled": [g.as_dict() for g in mine_gaps]}

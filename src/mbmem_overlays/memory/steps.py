@@ -23,6 +23,7 @@ from ..core.paths import read
 from ..core.values import hydra_text
 from . import model as P
 from .costs import LADDER
+from .assumptions import BY_TEXT, applying
 from .levers import step_note
 from .coverage import not_modelled
 from .ranges import uncertainty
@@ -221,7 +222,8 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
                    key=lambda n: LADDER.index(n) if n in LADDER else len(LADDER))
     apply_overlay(copy.deepcopy(cfg), names, env=launch_env(), params=params, world_size=world, locked=locked,
                   catalog=catalog)  # all at once
-    steps = [P.Step("baseline", P.estimate(*P.from_config(cfg, world, arch=arch, env=env)))]
+    inputs = [P.from_config(cfg, world, arch=arch, env=env)]   # each step's (shape, layout, settings)
+    steps = [P.Step("baseline", P.estimate(*inputs[0]))]
     work = copy.deepcopy(cfg)
     applied: list[str] = []
     for name in names:
@@ -231,13 +233,14 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
                                                      if k.split(".")[0] in applied or k in applied}, world_size=world,
                       locked=locked, catalog=catalog)
         shape, lay, st = P.from_config(work, world, arch=arch, env=env)
+        inputs.append((shape, lay, st))
         b = P.estimate(shape, lay, st)
         note = P.STEP_NOTES.get(name) or step_note(name, shape, lay, st, steps[-1].breakdown.total - b.total)
         steps.append(P.Step(name, b, note))
     shape, lay, st = P.from_config(work, world, arch=arch, env=env)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
-                  not_modelled=not_modelled(work))
+                  not_modelled=not_modelled(work), applicable=applying(inputs))
 
 
 def layout_text(lay: P.Layout) -> str:
@@ -245,7 +248,13 @@ def layout_text(lay: P.Layout) -> str:
             + (f" EP{lay.ep}" if lay.ep > 1 else ""))
 
 
-def render_plan(plan: P.Plan) -> str:
+FIT_MARK = {P.FITS: "yes", P.DOES_NOT_FIT: "NO", P.UNKNOWN: "?", P.NO_CAPACITY: "-"}
+
+
+def render_plan(plan: P.Plan, verbose: bool = False) -> str:
+    """The plan as the user reads it: the table, the verdict, the peak's location, what is not modelled and where
+    the plan is unsure, the memory lines to expect, and the assumptions that change this job's figure in one line
+    each. ``verbose`` (--assumptions, -v): also Bridge's own estimate and every assumption in full."""
     lay = plan.layout
     lines = [f"memory plan: {plan.recipe}, world size {plan.world}: {layout_text(lay)}"
              f", SP {'on' if lay.sp else 'off'}, seq {lay.seq}, "
@@ -253,13 +262,13 @@ def render_plan(plan: P.Plan) -> str:
              "most-loaded GPU, GiB:",
              f"  {'step':<22}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'other':>8}{'total':>9}{'delta':>8}  fits"]
     prev = None
-    verdict, unless = plan.verdict()
+    verdict = plan.judge()
     for s in plan.steps:
         b = s.breakdown
         delta = "" if prev is None else f"{(b.total - prev.breakdown.total) / 2**30:+8.2f}"
-        fits = {None: "-", True: "yes", False: "NO"}[plan.fits(s)]
-        if s is plan.steps[-1] and unless:
-            fits = "yes*"
+        fits = FIT_MARK[verdict.kind if s is plan.steps[-1] else plan.judge(s).kind]
+        if s is plan.steps[-1] and verdict.clauses and verdict.kind == P.FITS:
+            fits += "*"
         lines.append(f"  {('+ ' if prev else '') + s.name:<22}{gib(b.parameters):>8}{gib(b.gradients):>8}"
                      f"{gib(b.optimizer):>8}{gib(b.activations):>8}{gib(b.other):>8}{gib(b.total):>9}{delta:>8}  {fits}"
                      + (f"   ({s.note})" if s.note else ""))
@@ -272,18 +281,31 @@ def render_plan(plan: P.Plan) -> str:
                      "plus the graphs' pool); whether it fits is judged on that")
     if plan.capacity:
         lines.append(f"capacity {plan.capacity / 2**30:.1f} GiB with a {plan.margin:.0%} margin -> "
-                     + ("* " if unless else "") + verdict)
+                     + ("* " if verdict.clauses and verdict.kind == P.FITS else "") + verdict.text)
     if plan.not_modelled:
         lines.append("not modelled (set in the configuration, not followed by the plan):")
-        lines += [f"  - {n}" for n in plan.not_modelled]
+        lines += [f"  - {n} ({g.how()})" for n, g in zip(plan.not_modelled, plan.gaps())]
     lines += render_ranges(plan.ranges)
     lines += render_memory_lines(plan)
-    if plan.bridge_estimate:
+    if verbose and plan.bridge_estimate:
         lines.append(f"Bridge's estimate_training_memory for the final config: {plan.bridge_estimate / 2**30:.2f} GiB "
                      "(ignores recompute, offload, SP, LoRA and precision)")
-    lines.append("assumptions:")
-    lines += [f"  - {a}" for a in plan.assumptions]
+    lines += render_assumptions(plan, verbose)
     return "\n".join(lines)
+
+
+def render_assumptions(plan: P.Plan, verbose: bool = False) -> list[str]:
+    """The assumptions that change this job's figure, one line each (a table entry's summary; the job's own in
+    full); ``verbose``: every assumption in full, those that apply here marked."""
+    table = [a for a in plan.assumptions if a in BY_TEXT]
+    if verbose:
+        out = [f"assumptions (all {len(plan.assumptions)}, in full; * changes this job's figure, - does not apply "
+               "here):"]
+        return out + [f"  {'*' if plan.applies(a) else '-'} {a}" for a in plan.assumptions]
+    shown = [a for a in plan.assumptions if plan.applies(a)]
+    out = [f"assumptions that change this figure ({len([a for a in table if plan.applies(a)])} of "
+           f"{len(table)}; all in full, with their sources: --assumptions):"]
+    return out + [f"  - {BY_TEXT[a].summary if a in BY_TEXT else a}" for a in shown]
 
 
 def render_memory_lines(plan: P.Plan) -> list[str]:

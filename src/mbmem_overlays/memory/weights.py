@@ -3,6 +3,9 @@ the distributed optimizer, Megatron FSDP and optimizer CPU offload shard or move
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from . import variants
 from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
 from .optimizers import emerging_optimizer_bytes, muon_state
 from .pipeline import layer_kinds, rank_layers
@@ -13,7 +16,9 @@ def _attention_params(s: Shape) -> float:
             s.hidden * s.q_lora_rank + s.q_lora_rank * s.heads * (s.qk_head_dim + s.qk_pos_dim)
         kv = s.hidden * (s.kv_lora_rank + s.qk_pos_dim) + s.kv_lora_rank * s.heads * (s.qk_head_dim + s.v_head_dim)
         return q + kv + s.heads * s.v_head_dim * s.hidden
-    return s.hidden * (s.heads + 2 * s.groups) * s.head_dim + s.heads * s.head_dim * s.hidden
+    # attention_output_gate widens linear_qkv by one gate per query head (attention.py :1678-1680)
+    gate = s.heads * s.head_dim if s.attn_gate else 0
+    return s.hidden * ((s.heads + 2 * s.groups) * s.head_dim + gate) + s.heads * s.head_dim * s.hidden
 
 
 def _mlp_params(hidden: int, ffn: int, gated: bool) -> float:
@@ -35,6 +40,10 @@ def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     """(dense, expert) parameters of one block on one GPU; every block has its own norm."""
     if block == "attn":
         return _attention_params(s) / lay.tp + s.hidden, 0.0
+    if block == "mla":   # a hybrid stack's "+" layer (hybrid_layer_specs.py mla_layer)
+        return _attention_params(replace(s, mla=True)) / lay.tp + s.hidden, 0.0
+    if block in variants.VARIANT_BLOCKS:
+        return variants.block_params(s, lay, block), 0.0
     if block == "mlp":
         return _mlp_params(s.hidden, s.ffn, s.gated) / lay.tp + s.hidden, 0.0
     if block == "moe":
@@ -101,7 +110,7 @@ def lora_params(s: Shape, lay: Layout, st: Settings, rank: int = 0) -> float:
     for kind, count in rank_layers(s, lay, rank).items():
         for block in kind.split("+"):
             total += count * sum(st.lora_rank * (i + o) / lay.tp
-                                 for t, (i, o) in dims[block].items() if t in st.lora_targets)
+                                 for t, (i, o) in dims.get(block, {}).items() if t in st.lora_targets)
     return total
 
 
