@@ -309,3 +309,11 @@ def test_the_overlays_flags_plan_prints_are_checked_on_the_job(bridge):
     assert args.recompute_granularity == "selective" and args.use_distributed_optimizer
     _, text = run_text(["plan", "--megatron-args", str(GPT), "--overlay", "selective_recompute"])
     assert "  checked: parsed and validated by megatron-core 0.19.2's parse_args + validate_args at world size 8" in text
+
+
+def test_a_dump_on_standard_input_says_to_save_the_log(bridge):
+    from conftest import mbmem
+    out = mbmem("doctor", "-", "--plan", "--json", input=DUMP_LOG.read_text())
+    data = json.loads(out.stdout)
+    assert out.returncode == 0 and "standard input, which cannot be read twice" in data["savings"]
+    assert data["next_command"] is None or "train.py" not in data["next_command"]

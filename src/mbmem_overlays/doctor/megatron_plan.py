@@ -52,15 +52,18 @@ def find_job(paths: list[str], f, world_size: int | None, arch: int | None) -> t
     from .diagnose import launch_problem
     dump = megatron_dump(paths)
     sources = []
+    why = []
     if dump is not None:
         sources.append((dump[1], f"the arguments dump of {dump[0]}", ()))
+    elif "-" in paths and getattr(f, "megatron_args", None) is not None:
+        why.append("its arguments dump came on standard input, which cannot be read twice: save the log to a file "
+                   "and give its path")
     command = f.command.value if f.command else None
     launch = C.parse_launch(command) if command else None
     if launch is not None and launch.kind == "megatron-lm":
         # the launcher words are printed again only when the doctor may reuse them (no control text, no ${...})
         prefix = tuple(launch.launcher) if launch_problem(command) is None else ()
         sources.append((command, f"the launch command [{f.command.where}]", prefix))
-    why = []
     for text, source, prefix in sources:
         try:
             words = job_words(text)
