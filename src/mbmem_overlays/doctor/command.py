@@ -55,6 +55,7 @@ class Remedy:
     step_cost: dict | None = None
     command: str | None = None                    # a command that is not the training command (nvidia-smi, ...)
     command_note: str = ""                        # how that command was checked
+    megatron: dict | None = None                  # a Megatron-LM job's flags for it (--plan: megatron_plan.py)
 
 
 @dataclass

@@ -19,12 +19,15 @@ GiB = 1 << 30
 SKIP_OVERRIDE_PREFIXES = ("recipe", "run.", "hydra", "mem.", "+")
 
 
-def make_planner(recipe: str | None, arch: int | None = None) -> Callable:
-    """``arch``: the GPUs' compute capability the costs are priced at (memory/cost/gpus.py; None: 9)."""
+def make_planner(recipe: str | None, *, megatron: tuple | None = None, arch: int | None = None,
+                 overlay_dirs: list[str] | None = None) -> Callable:
+    """``megatron``: (the Megatron-LM job the log's arguments give, or None; why not) from
+    doctor/megatron_plan.py ``find_job``: for a log without a recipe, that job is priced instead, in its own flags
+    (``arch``: --gpu-arch; ``overlay_dirs``: --overlay-dir)."""
     def planner(remedies: list[C.Remedy], ctx, f) -> tuple[list[C.Remedy], str, Callable | None]:
         name = recipe or f.recipe
         if not name:
-            return remedies, "savings not computed: the recipe is not in the log; give --recipe", None
+            return _megatron_or_unpriced(remedies, ctx, f, megatron, arch, overlay_dirs)
         try:
             from ..bridge.overrides import apply_overrides
             from ..bridge.recipes import load_recipe, world_size_for
@@ -101,6 +104,26 @@ def make_planner(recipe: str | None, arch: int | None = None) -> Callable:
 
         return ranked, text, validator
     return planner
+
+
+def _megatron_or_unpriced(remedies, ctx, f, megatron, arch, overlay_dirs):
+    """A log without a recipe: its Megatron-LM job, when its arguments (dump or launch command) give one, priced in
+    its own flags; else the remedies unpriced, saying why."""
+    found, why = megatron or (None, "")
+    if found is not None:
+        from .megatron_plan import price_remedies, status
+        try:
+            refused, base = price_remedies(found, remedies, arch=arch, overlay_dirs=overlay_dirs)
+            shortfall = _shortfall(f)
+            # a remedy no flags can make goes last: the first one's validated flags are the next command
+            ranked = _rank([r for r in remedies if r not in refused], shortfall) + refused
+            return ranked, status(found, base, shortfall, arch), None
+        except Exception as exc:  # noqa: BLE001 — any failure to plan the job is reported, never raised
+            why = (f"the job's Megatron-LM arguments could not be planned ({type(exc).__name__}: "
+                   f"{' '.join(str(exc).split())[:300]})")
+    if why:
+        return remedies, f"savings not computed: no recipe in the log, and {why}", None
+    return remedies, "savings not computed: the recipe is not in the log; give --recipe", None
 
 
 def _left_out(cfg, overlays: list[str], params: dict, world: int, locked: dict) -> tuple:

@@ -47,7 +47,9 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
                     f"{g['name']}={g['value']}" for g in r.get("unmodelled", [])) + " not modelled")
             remedies.append(f"   plan: hot rank {planned}predicted peak {size(r['predicted_peak_bytes'])} (the measured "
                             f"peak plus the plan's change): {fits}")
-        if r.get("train_command"):
+        if r.get("megatron") is not None:
+            remedies += megatron_lines(r)
+        elif r.get("train_command"):
             remedies.append(f"   {r['train_command']}")
             remedies.append(f"   checked: {r['check']}")
         elif r.get("check"):
@@ -99,3 +101,12 @@ def unreadable_memory_lines(f: Findings) -> list[str]:
     if f.memory_unreadable_count > len(f.memory_unreadable):
         rows.append(f"... and {f.memory_unreadable_count - len(f.memory_unreadable)} more")
     return rows
+
+
+def megatron_lines(r: dict) -> list[str]:
+    """A Megatron-LM job's remedy: its flags (or the whole command) and how megatron-core checked them, or why no
+    flags can make it."""
+    m = r["megatron"]
+    if not m.get("ok"):
+        return [f"   not possible for this job: {m.get('reason')}"]
+    return [f"   {m.get('text')}", f"   checked: {m.get('check')}"]

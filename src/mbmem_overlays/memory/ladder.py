@@ -364,7 +364,7 @@ def _cheapest(options: list[dict]) -> list[dict]:
 
 def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locked: dict | None = None,
               recipe: str = "<recipe>", *, start: Start | None = None, catalog: Catalog | None = None,
-              validate: bool = True, arch: int | None = None) -> dict[str, Any]:
+              validate: bool = True, arch: int | None = None, target: Any = None) -> dict[str, Any]:
     """The memory-tuning skill's ladder, step by step, until the plan fits.
 
     ``cfg`` is the recipe with the user's overrides written; ``start`` carries the user's --set words and
@@ -372,24 +372,34 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's.
 
     Each step carries its ``cost`` from the cost model (memory/cost/, on GPUs of compute capability ``arch``;
-    None: 9) and the documented words (``documented``). The rungs are walked in the skill's order while no
-    candidate fits; once one does, every candidate of that rung and of the later rungs that fits on its own is
-    priced and the cheapest is the step (``alternatives``: the others that fit, with their cost)."""
+    None: 9, or the target's) and the documented words (``documented``). The rungs are walked in the skill's order
+    while no candidate fits; once one does, every candidate of that rung and of the later rungs that fits on its own
+    is priced and the cheapest is the step (``alternatives``: the others that fit, with their cost).
+
+    ``target``: a job that is not launched as a recipe (memory/megatron.py ``MegatronTarget``, a Megatron-LM job's
+    own arguments): its ``realize`` replaces steps.realize (and refuses what its own validator refuses), its
+    ``verdict`` words each step's validation, its ``command`` is the printed command and its ``extra`` adds its
+    fields to each accepted step and to the result."""
     start = start or Start(recipe, locked=dict(locked or {}))
     catalog = catalog or Catalog(list(start.overlay_dirs))
+    arch = arch if arch is not None or target is None else target.arch
+    do = realize if target is None else target.realize
+    verdict_of = _verdict if target is None else target.verdict
+    plan_of = breakdown_of if target is None else target.breakdown
     limit = capacity * (1 - margin)
     base = Candidate()
     try:
-        work, report = realize(cfg, start, base, world, catalog=catalog, validate=validate)
+        work, report = do(cfg, start, base, world, catalog=catalog, validate=validate)
     except Rejected as exc:
         return {"capacity_bytes": int(capacity), "margin": margin, "fits": False, "steps": [],
                 "error": f"your starting point is rejected: {exc.reason}", "command": None}
     state = State(start, base, work, report, world)
     probes: dict = {}   # explain_rejection's realized probes, shared by the rungs
-    first = breakdown_of(work, world)
+    first = plan_of(work, world)
     total = first.footprint
     rows: list[dict[str, Any]] = [{"step": "baseline", "overlays": list(start.overlays), "total_bytes": int(total),
-                                   **_fit(work, first, limit), "validation": _verdict(report), "breakdown": first}]
+                                   **_fit(work, first, limit), "validation": verdict_of(report), "breakdown": first,
+                                   **({} if target is None else target.extra(report))}]
     seen: dict[tuple, str] = {}
     for index, rung in enumerate(LADDER_RUNGS):
         if rung.label != "expandable_segments" and total <= limit:
@@ -402,12 +412,12 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         options, reasons = [], []
         for cand, words in proposal:
             try:
-                cfg2, report2 = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
+                cfg2, report2 = do(cfg, start, cand, world, catalog=catalog, validate=validate)
             except Rejected as exc:
                 reasons.append(explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                                  cache=probes))
                 continue
-            b = breakdown_of(cfg2, world)
+            b = plan_of(cfg2, world)
             options.append({"rung": rung, "cand": cand, "words": words, "cfg": cfg2, "report": report2,
                             "total": b.footprint, "breakdown": b, "cost": _cost(state.cfg, cfg2, world, arch)})
         if not options:
@@ -417,13 +427,13 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         alternatives: list[dict] = []
         if fitting and rung.label != "expandable_segments":
             # the steps that fit, this rung's and every later rung's, each on its own: the cheapest is the step
-            pool = _cheapest(fitting + _later_fitting(cfg, state, index, limit, catalog, arch))
+            pool = _cheapest(fitting + _later_fitting(cfg, state, index, limit, catalog, arch, do, plan_of))
             best = None
             for option in pool:
                 if option.get("unvalidated") and validate:
                     try:
-                        option["cfg"], option["report"] = realize(cfg, start, option["cand"], world, catalog=catalog,
-                                                                  validate=True)
+                        option["cfg"], option["report"] = do(cfg, start, option["cand"], world, catalog=catalog,
+                                                             validate=True)
                     except Rejected:
                         continue
                 best = option
@@ -452,8 +462,8 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         row = {"step": label, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                "changes": [{"target": t, "old": _shown(o), "new": _shown(n)} for t, o, n in changed],
                "total_bytes": int(new_total), "saving_bytes": int(saving), "cost": best["cost"],
-               "documented": best["words"], **_fit(cfg2, b, limit), "validation": _verdict(report2),
-               "breakdown": b}
+               "documented": best["words"], **_fit(cfg2, b, limit), "validation": verdict_of(report2),
+               "breakdown": b, **({} if target is None else target.extra(report2))}
         if alternatives:
             row["alternatives"] = [{"step": _label(o["rung"], state.cand, o["cand"]), "total_bytes": int(o["total"]),
                                     "cost": o["cost"], "documented": o["words"]} for o in alternatives]
@@ -470,7 +480,10 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, **fit.as_dict(),
             "exit_code": fit.exit_code, "uncertainty": [r.as_dict() for r in ranges],
             "overlays": list(dict.fromkeys([*start.overlays, *state.cand.overlays])),
-            "validation": _verdict(state.report), "command": train_command(start, state.cand, world)}
+            "validation": verdict_of(state.report),
+            "command": train_command(start, state.cand, world) if target is None else
+            target.command(start, state.cand, world, state.report),
+            **({} if target is None else target.extra(state.report))}
 
 
 def _fit(cfg: Any, b: Any, limit: float) -> dict[str, Any]:
@@ -482,8 +495,8 @@ def _fit(cfg: Any, b: Any, limit: float) -> dict[str, Any]:
     return {"fits": v.fits, "fit": v.kind, "modelled_fits": v.modelled_fits}
 
 
-def _later_fitting(cfg: Any, state: State, index: int, limit: float, catalog: Catalog,
-                   arch: int | None) -> list[dict]:
+def _later_fitting(cfg: Any, state: State, index: int, limit: float, catalog: Catalog, arch: int | None,
+                   do: Callable = realize, plan_of: Callable = breakdown_of) -> list[dict]:
     """Every candidate of the rungs after ``index`` that fits on its own from ``state``, priced; realized by our
     rules only (the one chosen is validated with Bridge before it becomes the step). TP doubling stays the last
     resort it is on the skill's ladder and is not offered ahead of its turn: the cost model prices a TP change below
@@ -498,10 +511,10 @@ def _later_fitting(cfg: Any, state: State, index: int, limit: float, catalog: Ca
             continue
         for cand, words in proposal:
             try:
-                cfg2, report2 = realize(cfg, state.start, cand, state.world, catalog=catalog, validate=False)
+                cfg2, report2 = do(cfg, state.start, cand, state.world, catalog=catalog, validate=False)
             except Rejected:
                 continue
-            b = breakdown_of(cfg2, state.world)
+            b = plan_of(cfg2, state.world)
             if b.footprint <= limit:
                 out.append({"rung": rung, "cand": cand, "words": words, "cfg": cfg2, "report": report2,
                             "total": b.footprint, "breakdown": b, "cost": _cost(state.cfg, cfg2, state.world, arch),

@@ -172,22 +172,28 @@ def candidate_for(row: dict, locked: dict[str, Any], layers: int, moe: bool = Fa
 
 def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin: float = 0.05, top: int = 5, *,
                      catalog: Catalog | None = None, validate: bool = True, max_checks: int = 200,
-                     arch: int | None = None) -> dict[str, Any]:
+                     arch: int | None = None, target: Any = None) -> dict[str, Any]:
     """``search``, then each row realized and validated, cheapest first, until ``top`` pass.
 
     Returns {"results", "evaluated", "seconds", "checked", "dropped", "dropped_reasons"}; a result has its
-    applied total (the memory model on the realized config), the validation verdict and its command."""
+    applied total (the memory model on the realized config), the validation verdict and its command.
+    ``target``: a job that is not launched as a recipe (memory/megatron.py ``MegatronTarget``): it realizes and
+    validates each row, and its command and fields replace the train.py command (as in ladder.recommend)."""
     catalog = catalog or Catalog(list(start.overlay_dirs))
+    arch = arch if arch is not None or target is None else target.arch
+    do = realize if target is None else target.realize
+    plan_of = breakdown_of if target is None else target.breakdown
     mine = copy.deepcopy(cfg)
     try:  # the user's overlays, for the model's starting settings (the layout is checked per row below)
-        apply_overlay(mine, list(start.overlays), env=launch_env(), params=start.params, locked=start.locked, catalog=catalog)
+        apply_overlay(mine, list(start.overlays), env=launch_env() if target is None else dict(target.env),
+                      params=start.params, locked=start.locked, catalog=catalog)
     except OverlayError as exc:
         raise Rejected(f"your overlays are rejected on this recipe: {first_line(exc)}") from None
     rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays,
                                       arch=arch, priced=False)
     mine_job = K.job_of(mine, world, arch=arch)
     limit = capacity * (1 - margin)
-    own = breakdown_of(mine, world).footprint   # the user's configuration as planned: what each result saves
+    own = plan_of(mine, world).footprint   # the user's configuration as planned: what each result saves
     probes: dict = {}
     results: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
@@ -200,12 +206,12 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
         cand = candidate_for(row, start.locked, cfg.model.num_layers,
                              bool(getattr(cfg.model, "num_moe_experts", None)))
         try:
-            work, report = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
+            work, report = do(cfg, start, cand, world, catalog=catalog, validate=validate)
         except Rejected as exc:
             dropped[explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                       cache=probes)] += 1
             continue
-        b = breakdown_of(work, world)
+        b = plan_of(work, world)
         if b.footprint > limit:
             dropped["does not fit once the overlays resolve their parameters (memory model on the applied config)"] += 1
             continue
@@ -217,8 +223,11 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
         results.append({**row, "cost": cost, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                         "total_bytes": int(b.footprint), "modelled_bytes": row["total_bytes"],
                         "saving_bytes": int(own - b.footprint), **fit.as_dict(),
-                        "validation": "our rules only" if v is None else v.verdict,
-                        "command": train_command(start, cand, world), "breakdown": b})
+                        "validation": ("our rules only" if v is None else v.verdict) if target is None else
+                        target.verdict(report),
+                        "command": train_command(start, cand, world) if target is None else
+                        target.command(start, cand, world, report), "breakdown": b,
+                        **({} if target is None else target.extra(report))})
     # What the user's own configuration sets that the plan does not model: with nothing found, whether any layout
     # could fit is unknown unless what is left out can only add memory (every layout was over the limit already).
     mine_gaps = gaps(not_modelled(mine))

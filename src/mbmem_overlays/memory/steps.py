@@ -89,12 +89,13 @@ def first_line(exc: OverlayError) -> str:
 
 
 def realize(cfg: Any, start: Start, cand: Candidate, world: int, *, catalog: Catalog,
-            validate: bool = True) -> tuple[Any, Any]:
+            validate: bool = True, env: dict[str, str] | None = None) -> tuple[Any, Any]:
     """(config, engine report) of ``cand`` on top of ``start``, built the way train.py builds it: the
     candidate's Bridge fields as overrides (locked, like the user's), then every overlay through the
     engine at once, then Bridge's own validation (``api.apply_overlay(validate=True)``).
 
-    ``cfg`` is the recipe with the user's overrides already written. Raises :class:`Rejected`."""
+    ``cfg`` is the recipe with the user's overrides already written; ``env`` the environment the overlays are
+    checked against (None: this process's, as at launch; a Megatron-LM job's own). Raises :class:`Rejected`."""
     from ..api import apply_overlay as api_apply_overlay
     from ..bridge.overrides import apply_overrides
     clash = sorted(set(cand.sets) & set(start.locked))
@@ -106,8 +107,8 @@ def realize(cfg: Any, start: Start, cand: Candidate, world: int, *, catalog: Cat
               if start.params.get(n) or cand.params.get(n)}
     try:
         locked = {**start.locked, **(apply_overrides(work, dict(cand.sets)) if cand.sets else {})}
-        report = api_apply_overlay(work, names, env=launch_env(), params=params, world_size=world, locked=locked,
-                                   validate=validate, catalog=catalog)
+        report = api_apply_overlay(work, names, env=launch_env() if env is None else dict(env), params=params,
+                                   world_size=world, locked=locked, validate=validate, catalog=catalog)
     except OverlayError as exc:  # our rules, or (engine >= ValidationRejected) Bridge's validation
         raise Rejected(first_line(exc), next(iter(getattr(exc, "problems", None) or []), None)) from None
     v = report.validation
