@@ -214,7 +214,9 @@ def test_recommend_answers_in_the_jobs_flags_each_step_validated(bridge, jobs):
     assert taken[1]["megatron_flags"]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert all(r["validation"] == "our rules + megatron-core 0.19.2's validate_args on the job's flags" for r in taken)
     selective = next(r for r in taken if r["step"] == "selective_recompute")
-    assert selective["cost"] == COSTS["selective_recompute"][1]      # the ladder's own cost field
+    # the ladder's own cost fields: the cost model's price for the job, and the documented words beside it
+    assert selective["documented"] == COSTS["selective_recompute"][1]
+    assert selective["cost"]["text"].endswith("step time; FLOPs +3.6% (A100 SXM4)") and selective["cost"]["high"] > 0
     assert selective["megatron_flags"]["add"] == ["--recompute-granularity", "selective", "--recompute-modules",
                                                   "core_attn"]
     for r in taken:   # each step's flags, on the job's arguments as they are after it (megatron_flags' argv)
