@@ -8,7 +8,6 @@ envelope (``schema_version``, and an ``error`` object instead of an empty stdout
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -127,17 +126,16 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- output
 def emit(args, payload: dict[str, Any]) -> None:
     """The JSON object (with schema_version) on stdout."""
-    from ..core.report import SCHEMA_VERSION
-    print(json.dumps({"schema_version": SCHEMA_VERSION, "subcommand": args.command, **payload}, indent=2, default=repr))
+    from ..core.report import SCHEMA_VERSION, json_text
+    print(json_text({"schema_version": SCHEMA_VERSION, "subcommand": args.command, **payload}))
 
 
 def fail(args, exc: BaseException, code: int) -> int:
     """A usage error or a rejection: the error object under --json (never an empty stdout), else stderr."""
     if args.json:
-        from ..core.report import error_dict
+        from ..core.report import error_dict, json_text
         problems = getattr(exc, "problems", [])
-        print(json.dumps({**error_dict(str(exc), code, problems=problems), "subcommand": args.command},
-                         indent=2, default=repr))
+        print(json_text({**error_dict(str(exc), code, problems=problems), "subcommand": args.command}))
     else:
         print(shown(f"mbmem {args.command}: {exc}", one_line=False), file=sys.stderr)
     return code

@@ -190,7 +190,9 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
             if dump is not None:   # a Megatron-LM job: its own arguments dump is its configuration
                 try:
                     return _plan_megatron(rep, dump, world_size, margin, arch)
-                except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+                    # (SystemExit: Megatron-LM's validate_args calls exit(); bridge/megatron_args.py turns it into
+                    # its refusal, and nothing else may end the doctor silently with exit 0)
                     rep.plan_status = f"not planned: {' '.join(str(exc).split())[:400]}"
                     return None
             missing.append("the recipe (give --recipe)")
@@ -203,7 +205,7 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
             shown != world_size else ""
         try:
             planned = _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin, arch)
-        except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
             rep.plan_status = f"not planned: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             planned = None
         if overridden:
