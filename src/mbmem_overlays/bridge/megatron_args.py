@@ -517,12 +517,14 @@ def _dump_value(action: argparse.Action, text: str) -> Any:
     if text in ("True", "False"):
         return text == "True"
     if text.startswith(("[", "(")):
+        if len(text) > MAX_PATTERN_CHARS:
+            raise ValueError(text[:80])
         try:
             return ast.literal_eval(text)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
             if action.nargs in (None, "?"):
                 return text         # a pattern the flag's own type reads, e.g. moe_layer_freq "([1]*3+[0])"
-            raise
+            raise ValueError(text[:80]) from None
     if text in _DTYPE_CHOICE and action.choices and _DTYPE_CHOICE[text] in action.choices:
         return _DTYPE_CHOICE[text]      # validate_args turned the choice into a torch dtype (dtype_map)
     if "." in text and re.fullmatch(r"[A-Za-z_]\w*\.[A-Za-z_]\w*", text) and not text.startswith("torch."):
@@ -1251,7 +1253,23 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
     ``world_size`` wins over the launcher's and the dump's; without any the job is refused (Megatron-LM reads
     it from the launcher). ``env`` adds to the job's own environment (ENV_VARS, leading VAR=value words).
     ``arch``: the compute capability major validate_args is asked about (9: H100, 10: GB200). ``vocab``: the
-    tokenizer's vocabulary when it cannot be read from the arguments."""
+    tokenizer's vocabulary when it cannot be read from the arguments.
+
+    Raises MegatronArgsError, and nothing else: whatever an input makes fail on the way (megatron-core's parser,
+    validate_args, its config classes, our reading and mapping) is one line (``rejected``: megatron-core refused a
+    job it could read, exit 1; else a usage error, exit 2)."""
+    try:
+        return _load_job(source, world_size=world_size, env=env, arch=arch, vocab=vocab, script=script)
+    except _Refusal as exc:
+        raise exc.error from None
+    except MegatronArgsError:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - an input no check above foresaw: one line, not a traceback
+        raise MegatronArgsError(f"the job's arguments cannot be read: {_exc_text(exc)}",
+                                "check the arguments file (a command line, MODEL_ARGS YAML or a log's dump)") from None
+
+
+def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     words = source if isinstance(source, JobWords) else job_words(source)
     job_env = job_environment({**words.env, **(env or {})})
     if world_size is not None:

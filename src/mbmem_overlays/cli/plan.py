@@ -325,6 +325,12 @@ def run_megatron(args) -> int:
         flags = megatron_overlay_flags(job, overlays, checked["catalog"])
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
+    except Exception as exc:  # noqa: BLE001 - a job megatron-core accepted that the memory model cannot plan
+        from ..core.text import bounded
+        return fail(args, OverlayError([_problem("--megatron-args", args.megatron_args, "the memory model cannot "
+                                                 f"plan this job: {type(exc).__name__}: {bounded(exc, 300)}",
+                                                 "plan it with fewer unusual settings, or report the arguments")]),
+                    EXIT_REJECTED)
     try:
         if args.plot:
             write_plot(args, lambda: plan_figure(plan))

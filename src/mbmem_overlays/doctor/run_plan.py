@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from ..core.values import ascii_int
 from . import command as C
 
 GiB = 1 << 30
@@ -82,9 +83,9 @@ def _log_value(text: str) -> Any:
         return None
     if low in ("true", "false"):
         return low == "true"
-    if t.isdigit() and len(t) <= 7:
-        return int(t)
-    if t.replace(".", "", 1).isdigit() and len(t) <= 8:
+    if ascii_int(t, 7) is not None:
+        return ascii_int(t, 7)
+    if ascii_int(t.replace(".", "", 1), 7) is not None and len(t) <= 8:
         return float(t)
     if t.isidentifier() and t.isascii() and len(t) <= 24:
         return t
