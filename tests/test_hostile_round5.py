@@ -42,6 +42,7 @@ def plan(tmp_path, text: str, *extra: str, world: str | None = "8", timeout: int
     started = time.perf_counter()
     out = mbmem(*argv, timeout=timeout)
     out.seconds = time.perf_counter() - started
+    assert out.seconds < 0.9 * timeout, out.seconds   # a hang the reader's refusal swallowed is still a failure
     return out
 
 
@@ -439,6 +440,25 @@ def test_a_long_log_whose_head_holds_the_dump_is_still_read():
         log.write_text(LOG.read_text() + "iteration 1 | loss 1.0\n" * (500_000))
         assert log.stat().st_size > 8 * MiB
         assert DUMP_HEADER in read_source(str(log))
+
+
+def test_a_long_word_or_many_words_answer_fast(stack, tmp_path):
+    """shlex built each word a character at a time (an 8 MB word took minutes) and argparse's time grows with the
+    square of the options (20,000 words took half a minute): the words are split in linear time and counted."""
+    out = plan(tmp_path, BASE + " --data-path '" + "x y" * 2_000_000 + "'", timeout=60)
+    assert out.returncode == 0 and out.seconds < 10, out.stderr[-500:]
+    for body in (BASE + " --bf16" * 5000, "MODEL_ARGS:\n  --recompute-modules: [" + ", ".join(["core_attn"] * 6000) + "]\n"):
+        out = plan(tmp_path, body, name="job.yaml" if body.startswith("MODEL") else "job.sh", timeout=60)
+        assert "4,096" in refused(out, 2) and out.seconds < 10
+
+
+def test_the_words_split_as_bash_splits_them():
+    from mbmem_overlays.bridge.megatron_args import shell_words
+    assert shell_words("A='x y' torchrun --x \"a b\" c\\ d # comment\n--y 'it''s' e#f \"\\$H\\n\"") == \
+        ["A=x y", "torchrun", "--x", "a b", "c d", "--y", "its", "e#f", "$H\\n"]
+    for bad in ("'open", "\"open", "end\\"):
+        with pytest.raises(ValueError):
+            shell_words(bad)
 
 
 # ----------------------------------------------------------------------------- class 8: --use-checkpoint-args

@@ -54,7 +54,8 @@ FORM_YAML = "MODEL_ARGS YAML"
 FORM_DUMP = "arguments dump"
 
 MAX_BYTES = 8 << 20        # a command line or YAML block is a few KiB; a log's dump is in its first lines
-MAX_WORDS = 20_000         # words of a command line (Megatron-LM has ~900 flags)
+MAX_WORDS = 4_096          # words of a job (Megatron-LM has ~900 flags; argparse's time grows with the square of
+                           # the options given: 20,000 words took half a minute)
 MAX_DUMP_LINES = 20_000    # lines between a dump's header and its end (one per argument, ~1,100 in 0.19.2)
 DUMP_HEADER = "------------------------ arguments ------------------------"   # arguments.py _print_args
 DUMP_END = "-------------------- end of arguments ---------------------"
@@ -327,15 +328,9 @@ def command_words(source: str | list[str]) -> JobWords:
     if isinstance(source, str):
         text = source.replace("\\\r\n", " ").replace("\\\n", " ")
         try:
-            lexer = shlex.shlex(text, posix=True, punctuation_chars=False)
-            lexer.whitespace_split = True
-            lexer.commenters = "#"
-            words = []
-            for w in lexer:
-                words.append(w)
-                if len(words) > MAX_WORDS:
-                    raise MegatronArgsError(f"the command line has more than {MAX_WORDS} words",
-                                            "give the job's own command line")
+            words = shell_words(text)
+        except MegatronArgsError:
+            raise
         except ValueError as exc:
             raise MegatronArgsError(f"the command line does not split into words: {exc}",
                                     "close the quote, or give the arguments as MODEL_ARGS YAML")
@@ -360,6 +355,42 @@ def command_words(source: str | list[str]) -> JobWords:
         first_flag = next((k for k, w in enumerate(words) if w.startswith("--")), len(words))
         world, launcher = _launcher_world(words[:first_flag])
     return JobWords(FORM_COMMAND, tuple(words), MappingProxyType(env), world, launcher, script)
+
+
+# A word as bash reads it: unquoted characters, a backslash and the character it escapes, a single-quoted run,
+# a double-quoted run (where a backslash escapes only \\ " $ ` and a newline). Possessive, so matching is linear:
+# shlex builds each word a character at a time by string concatenation, quadratic in the word's length (one
+# 8 MB word took minutes).
+_SHELL_WORD = re.compile(r'(?:[^\s\'"\\]++|\\.|\'[^\']*+\'|"(?:[^"\\]++|\\.)*+")++', re.S)
+_SHELL_PIECE = re.compile(r'([^\'"\\]+)|\\(.)|\'([^\']*)\'|"((?:[^"\\]|\\.)*)"', re.S)
+_DOUBLE_QUOTED_ESCAPE = re.compile(r'\\([\\"$`\n])')
+
+
+def shell_words(text: str) -> list[str]:
+    """``text`` split into words as bash splits a simple command (no expansion: ``${...}`` stays as written), in
+    linear time: whitespace separates words, ``#`` at the start of a word comments out the rest of its line, and
+    quotes and backslashes as bash reads them. Raises ValueError for an unclosed quote or a trailing backslash,
+    MegatronArgsError past MAX_WORDS words."""
+    words: list[str] = []
+    i, n = 0, len(text)
+    while True:
+        while i < n and text[i].isspace():
+            i += 1
+        if i >= n:
+            return words
+        if text[i] == "#":
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        m = _SHELL_WORD.match(text, i)
+        if m is None or (m.end() < n and not text[m.end()].isspace()):
+            raise ValueError("No closing quotation" if text[m.end() if m else i] in "'\"" else "No escaped character")
+        words.append("".join(p[0] or p[1] or p[2] or _DOUBLE_QUOTED_ESCAPE.sub(r"\1", p[3])
+                             for p in _SHELL_PIECE.findall(m.group())))
+        if len(words) > MAX_WORDS:
+            raise MegatronArgsError(f"the command line has more than {MAX_WORDS:,} words (a Megatron-LM job has a few "
+                                    "hundred)", "give the job's own command line")
+        i = m.end()
 
 
 def _launcher_world(words: list[str]) -> tuple[int | None, str]:
@@ -862,6 +893,9 @@ def parse_and_validate(argv: Sequence[str], world: int, env: Mapping[str, str], 
     a number out of range (before validate_args divides by it), a file it names that cannot be read here, and
     validate_args' own refusal whatever it raises, its exit() included (``rejected``: exit 1)."""
     parser = parser or megatron_parser()
+    if len(argv) > MAX_WORDS:
+        raise MegatronArgsError(f"the job has {len(argv):,} words, more than {MAX_WORDS:,} (a Megatron-LM job has a "
+                                "few hundred)", "give the job's own arguments")
     argv, placeholders = _placeholders(argv, parser)
     with validation_env(env, arch, env_requirements(argv)) as printed, _bounded_reads():
         try:
@@ -1362,9 +1396,10 @@ def _unknown_notes(unknown: Sequence[str], form: str, dump: Mapping[str, str] | 
             notes.append([w])
         else:
             notes[-1].append(w)
+    from ..core.text import bounded
     if form == FORM_DUMP:
-        return tuple(FlagNote(n[0], str((dump or {}).get(n[0], "")), why) for n in notes)
-    return tuple(FlagNote(n[0], " ".join(n[1:]), why) for n in notes)
+        return tuple(FlagNote(bounded(n[0], 200), bounded(str((dump or {}).get(n[0], "")), 200), why) for n in notes)
+    return tuple(FlagNote(bounded(n[0], 200), bounded(" ".join(n[1:]), 200), why) for n in notes)
 
 
 # ----------------------------------------------------------------------------- overlays as Megatron-LM flags

@@ -378,6 +378,9 @@ def megatron_verdict(plan, job) -> str:
     return verdict
 
 
+MAX_NOTES_SHOWN = 40   # flags listed per section in the text (a job of thousands of unknown words is not a screenful)
+
+
 def render_megatron(job, flags, verdict: str) -> str:
     lines = [f"Megatron-LM job: {job.form}, {job.family}, world size {job.world_size} ({job.world_from}), "
              f"parsed and validated by megatron-core 0.19.2's own arguments.py",
@@ -388,7 +391,9 @@ def render_megatron(job, flags, verdict: str) -> str:
     for title, notes in sections:
         if notes:
             lines.append(f"{title}:")
-            lines += [f"  - {shown(n.text())}" for n in notes]
+            lines += [f"  - {shown(n.text())}" for n in notes[:MAX_NOTES_SHOWN]]
+            if len(notes) > MAX_NOTES_SHOWN:
+                lines.append(f"  ... and {len(notes) - MAX_NOTES_SHOWN:,} more (--json lists them all)")
     if job.ignored:
         lines.append(f"ignored (no effect on memory): {len(job.ignored)} flags ({', '.join(job.ignored[:6])}"
                      + (", ..." if len(job.ignored) > 6 else "") + ")")
