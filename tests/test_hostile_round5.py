@@ -474,6 +474,13 @@ def test_use_checkpoint_args_says_the_plan_is_not_the_jobs(stack, tmp_path, load
     assert "NOT MODELLED" in payload["megatron_args"]["verdict"] or "unknown" in payload["megatron_args"]["verdict"]
 
 
+def test_a_yaml_config_that_replaces_the_arguments_is_named_too(stack, tmp_path):
+    """The same kind: --yaml-cfg makes Megatron-LM's parse_args replace every argument with the file's."""
+    out = plan(tmp_path, f"{BASE} --yaml-cfg /cluster/job.yaml", "--json")
+    payload = strict_json(out.stdout)
+    assert "--yaml-cfg" in {n["flag"] for n in payload["megatron_args"]["not_modelled"]}
+
+
 def test_use_checkpoint_args_without_a_checkpoint_is_megatron_lms_refusal_and_a_dump_says_it_too(stack, tmp_path):
     assert "--load" in refused(plan(tmp_path, f"{BASE} --use-checkpoint-args"), 1)
     out = plan(tmp_path, f"{BASE} --load /ckpt/run", "--json")    # --load alone: the arguments given are the model

@@ -163,10 +163,10 @@ def json_safe(value: Any, depth: int = 0) -> Any:
     return value
 
 
-def json_text(obj: Any) -> str:
+def json_text(obj: Any, default=repr) -> str:
     """The one way mbmem writes a JSON object to stdout: strict JSON (``allow_nan=False``) of ``json_safe(obj)``;
-    a value json cannot write (a NaN inside an object's repr) is its repr."""
-    return json.dumps(json_safe(obj), indent=2, default=lambda o: json_safe(repr(o)), allow_nan=False)
+    a value that is not plain data is ``default(value)`` (its repr; ``str`` for paths)."""
+    return json.dumps(json_safe(obj), indent=2, default=lambda o: json_safe(default(o)), allow_nan=False)
 
 
 def render_json(report: Report, **extra: Any) -> str:
