@@ -454,11 +454,13 @@ class _Parser(argparse.ArgumentParser):
     """megatron-core's parser that raises instead of exiting (a bad value is the user's error, not an exit)."""
 
     def error(self, message):  # noqa: D401 - argparse's hook
-        raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {message}",
+        from ..core.text import bounded
+        raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {bounded(message, 400)}",
                                 "fix the flag named above (megatron-core 0.19.2's arguments.py)")
 
     def exit(self, status=0, message=None):
-        raise MegatronArgsError(f"Megatron-LM's parser stopped: {message or status}", "remove -h/--help")
+        from ..core.text import bounded
+        raise MegatronArgsError(f"Megatron-LM's parser stopped: {bounded(message or status, 400)}", "remove -h/--help")
 
 
 _PARSER: list[argparse.ArgumentParser] = []
