@@ -432,6 +432,26 @@ def test_an_argument_file_over_the_limit_is_refused_never_cut(stack, tmp_path):
     assert "8 MiB" in refused(out, 2)
 
 
+def test_a_damaged_or_cut_gzip_is_one_line(stack, tmp_path):
+    data = gzip.compress(BASE.encode() * 50)
+    for name, body in (("damaged.gz", data[:20] + b"\xff" * 40 + data[60:]), ("cut.gz", data[:30]),
+                       ("empty.gz", b"\x1f\x8b")):
+        path = tmp_path / name
+        path.write_bytes(body)
+        out = mbmem("plan", "--megatron-args", str(path), "--world-size", "8", "--json", timeout=60)
+        assert "cannot read" in refused(out, 2)
+        doctor = mbmem("doctor", str(path), "--plan", "--json", timeout=60)
+        assert "Traceback" not in doctor.stderr and doctor.returncode in (2, 3)
+
+
+def test_a_closed_standard_input_is_one_line():
+    out = subprocess.run(["bash", "-c", f"{sys.executable} -m mbmem_overlays.cli plan --megatron-args - --world-size 8 "
+                          "--json <&-"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-800:]
+    assert "standard input" in strict_json(out.stdout)["error"]
+
+
 def test_a_long_log_whose_head_holds_the_dump_is_still_read():
     from mbmem_overlays.bridge.megatron_args import DUMP_HEADER, read_source
     import tempfile

@@ -41,6 +41,7 @@ import shlex
 import stat
 import sys
 import warnings
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -209,12 +210,17 @@ def read_source(path: str, *, stdin: Any = None, limit: int = MAX_BYTES) -> str:
     the rest of the log is not the job's arguments); a longer command line or YAML is refused, never cut (the words
     after the cut would be lost without a word)."""
     if path == "-":
-        raw = (stdin or sys.stdin.buffer).read(limit + 1)
-        return _within(raw if isinstance(raw, bytes) else raw.encode(), limit, "standard input")
+        source = stdin or getattr(sys.stdin, "buffer", sys.stdin)
+        try:
+            raw = source.read(limit + 1)     # None: no standard input at all (the shell closed it)
+        except (AttributeError, OSError, ValueError) as exc:
+            raise MegatronArgsError(f"standard input cannot be read ({type(exc).__name__})",
+                                    "pipe the job's arguments in, or give a file") from None
+        return _within(raw if isinstance(raw, bytes) else str(raw).encode(), limit, "standard input")
     try:
         st = os.stat(path)
-    except OSError as exc:
-        raise MegatronArgsError(f"cannot read {path!r}: {exc.strerror or exc}",
+    except (OSError, ValueError) as exc:    # ValueError: a NUL byte in the name
+        raise MegatronArgsError(f"cannot read {path!r}: {getattr(exc, 'strerror', None) or exc}",
                                 "give a file with the job's arguments (a command line, MODEL_ARGS YAML or a log)")
     if not stat.S_ISREG(st.st_mode):
         raise MegatronArgsError(f"{path!r} is not a regular file", "give a regular file, or - for standard input")
@@ -227,8 +233,9 @@ def read_source(path: str, *, stdin: Any = None, limit: int = MAX_BYTES) -> str:
                     raw = gz.read(limit + 1)
             else:
                 raw = fh.read(limit + 1)
-    except (OSError, EOFError, ValueError) as exc:
-        raise MegatronArgsError(f"cannot read {path!r}: {exc}", "give a readable file")
+    except (OSError, EOFError, ValueError, zlib.error) as exc:   # zlib.error: a damaged gzip stream
+        from ..core.text import bounded
+        raise MegatronArgsError(f"cannot read {path!r}: {bounded(exc, 300)}", "give a readable file")
     return _within(raw, limit, repr(path))
 
 
