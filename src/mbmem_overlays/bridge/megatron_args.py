@@ -1280,6 +1280,17 @@ def _mapped(args: argparse.Namespace, family: str, vocab: int) -> tuple[Any, set
                                 "fix the arguments as the message says", rejected=True) from None
 
 
+def changed_config(job: MegatronJob, change: JobChange, vocab: int | None = None) -> Any:
+    """The job's configuration after a validated change, rebuilt from the arguments megatron-core validated
+    (``change.args``) as load_job builds it: what the printed flags train, including what Megatron-LM needs beyond
+    the change itself (``MEGATRON_LM_REQUIRES``: ``--use-precision-aware-optimizer`` with optimizer offload), so a
+    plan of it is the plan of the words printed. Raises MegatronArgsError."""
+    args = argparse.Namespace(**dict(change.args or {}))
+    size, _ = tokenizer_vocab(args, vocab)
+    cfg, _ = _mapped(args, job.family, padded_vocab(size, args))
+    return cfg
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return " ".join(_word(v) for v in value)

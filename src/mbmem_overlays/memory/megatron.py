@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..bridge.megatron_args import DEFAULT_ARCH, JobChange, MegatronJob, argv_segments, change_job, megatron_parser
+from ..bridge.megatron_args import (DEFAULT_ARCH, JobChange, MegatronArgsError, MegatronJob, argv_segments, change_job,
+                                    changed_config, megatron_parser)
 from . import model as P
 from .costs import COSTS, full_recompute_cost, optimizer_offload_cost
 from .steps import Candidate, Rejected, Start, realize, settings, toggles
@@ -80,7 +81,15 @@ class MegatronTarget:
         if not change.ok:
             raise Rejected(change.reason, _Refusal(change.reason))
         report.megatron = change
-        return work, report
+        if change.empty:
+            return work, report
+        # planned as the printed flags train (bridge/megatron_args.py changed_config): the validated arguments,
+        # with what Megatron-LM requires beside the change, rebuilt into the job's configuration
+        try:
+            return changed_config(self.job, change, self.vocab), report
+        except MegatronArgsError as exc:
+            raise Rejected(f"megatron-core cannot build the changed job: {exc.message}",
+                           _Refusal(exc.message)) from None
 
     def verdict(self, report: Any) -> str:
         return VALIDATION
