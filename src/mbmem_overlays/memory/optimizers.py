@@ -75,7 +75,7 @@ def block_tensors(s: Shape, lay: Layout, block: str) -> tuple[list[tuple[int, bo
         dense += _norm(s, h) + [(s.experts * h, True)]
         if s.shared_ffn:
             fc1 = (2 if s.gated else 1) * s.shared_ffn // t
-            dense += [(fc1 * h, True), (h * s.shared_ffn // t, True)]
+            dense += [(fc1 * h, True), (h * s.shared_ffn // t, True)] + ([(h, True)] if s.shared_gate else [])
         local = max(1, s.experts // lay.ep)
         fc1 = (2 if s.gated else 1) * s.moe_ffn // lay.etp
         expert += [(fc1 * h, True)] * local + [(h * s.moe_ffn // lay.etp, True)] * local
