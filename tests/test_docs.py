@@ -174,3 +174,15 @@ def test_documented_python_runs_as_written(bridge, scratch, page, code):
     assert dict(os.environ) == before
     assert out.returncode == 0 and "Traceback" not in out.stderr, f"{page}:\n{code}\n{out.stderr[-3000:]}"
     assert out.stdout.strip(), f"{page}: the example printed nothing"
+
+
+def test_readme_overlay_table_names_every_overlay_with_its_aliases():
+    """The front page's overlay table lists every built-in overlay, each with its aliases (issue 40)."""
+    from mbmem_overlays.core.catalog import Catalog
+    text = (ROOT / "README.md").read_text()
+    table = text.split("\n## Overlays\n", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): set(re.findall(r"`(\w+)`", m.group(2) or ""))
+            for m in re.finditer(r"^\| `(\w+)`(?: \(([^)]*)\))? \|", table, re.MULTILINE)}
+    catalog = Catalog()
+    builtin = {name: set(spec.aliases) for name, spec in catalog.specs.items() if spec.builtin}
+    assert rows == builtin, f"README's overlay table differs from overlays/mem/: {set(rows) ^ set(builtin)}"

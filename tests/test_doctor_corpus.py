@@ -271,6 +271,13 @@ def test_plan_computes_savings_and_validates_with_the_engine():
     covering = [s >= shortfall for s in saves]
     assert covering == sorted(covering, reverse=True)   # every covering remedy ranks above every other
     assert data["next_command"].endswith("+mem=" + data["remedies"][0]["name"])
+    # each sized remedy is priced for the job by the cost model, and the covering ones rank cheapest first by it
+    priced = [r for r in data["remedies"] if r["saves_bytes"] and r["name"] != "expandable_segments"]
+    assert priced and all({"text", "rank_key", "flops", "bytes_per_link", "bubble"} <= set(r["step_cost"])
+                          for r in priced)
+    keys = [tuple(r["step_cost"]["rank_key"]) for r in data["remedies"] if r["saves_bytes"] is not None
+            and r["saves_bytes"] >= shortfall and "step_cost" in r]
+    assert keys == sorted(keys)
 
 
 @pytest.mark.parametrize("line", ["+ export PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512,expandable_segments:True",

@@ -101,6 +101,11 @@ def test_plan_steps_and_expandable_segments_zero(recipe):
     assert d["steps"][1]["delta_bytes"] == 0 and "fragmentation" in d["steps"][1]["note"]
     assert d["total_bytes"] == d["steps"][-1]["total_bytes"]
     assert any("fragmentation" in a for a in d["assumptions"])
+    # each step priced against the one before it (memory/cost/): expandable segments changes no FLOP or byte,
+    # core_attn recompute replays the attention kernel
+    assert "cost" not in d["steps"][0]
+    assert d["steps"][1]["cost"]["low"] == d["steps"][1]["cost"]["high"] == 0
+    assert d["steps"][2]["cost"]["flops"] > 0 and d["steps"][2]["cost"]["high"] > 0
 
 
 def test_search_finds_cheap_fitting_layouts(recipe):
@@ -108,7 +113,12 @@ def test_search_finds_cheap_fitting_layouts(recipe):
     assert rows and n > 100
     assert all(r["total_bytes"] <= 0.95 * 80 * 2**30 for r in rows)
     assert all(not ("cpu_offload" in r["overlays"] and r["pp"] > 1) for r in rows)
-    assert rows == sorted(rows, key=lambda r: (r["cost"], r["total_bytes"]))
+    # ranked by the cost model (memory/cost/): the high end of the step-time range, then its low end, then memory
+    assert rows == sorted(rows, key=lambda r: (round(r["cost_range"][1], 3), round(r["cost_range"][0], 3),
+                                               r["total_bytes"]))
+    assert all(r["cost"]["high"] == r["cost_range"][1] or abs(r["cost"]["high"] - r["cost_range"][1]) < 1e-3
+               for r in rows)
+    assert all({"flops", "bytes_per_link", "bubble", "text"} <= set(r["cost"]) for r in rows)
 
 
 def test_plan_cli_json_and_plot(tmp_path):

@@ -188,8 +188,11 @@ def test_search_pins_the_layout_fields_the_user_set(bridge, capsys):
 def test_search_text_prints_each_results_saving(bridge, capsys):
     from mbmem_overlays.cli import main
     assert main(["plan", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80GiB", "--search", "--top", "2"]) == 0
-    rows = [ln for ln in capsys.readouterr().out.splitlines() if " GiB  saves " in ln]
-    assert len(rows) == 2 and all("cost ~" in ln for ln in rows), rows
+    lines = capsys.readouterr().out.splitlines()
+    rows = [i for i, ln in enumerate(lines) if " GiB  saves " in ln]
+    # each result's next line is its cost from the cost model: a step-time range and the GPU it is priced on
+    assert len(rows) == 2 and all(lines[i + 1].strip().startswith("cost: ") and "step time" in lines[i + 1]
+                                  and "H100/H200" in lines[i + 1] for i in rows), lines
 
 
 # ----------------------------------------------------------------------------- paste what was printed
@@ -199,13 +202,14 @@ def test_printed_commands_run_as_pasted(bridge, capsys):
     our rules and Bridge's validation pass, exit 0. (Each paste imports Bridge anew: ~40 s.)"""
     # the recipe's own 128256-token vocabulary, not its NullTokenizer's 32000 (Bridge's setup would use the
     # tokenizer's): the larger logits make the ladder need a recompute step with a parameter
-    # bf16 moments kept off, so that the step that fits has a parameter: Megatron FSDP's strategy (issue 31's rung,
-    # before `mlp` recompute) or the recompute modules
+    # bf16 moments kept off, so that the step that fits has a parameter (the cheapest that fits, by the cost model:
+    # optimizer offload's fraction, Megatron FSDP's strategy or the recompute modules)
     rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "80G",
                        "--set", "train.train_iters=20", "--set", "tokenizer.use_tokenizer_vocab_size=false",
                        "--set", "optimizer.use_precision_aware_optimizer=false")
     assert rc == 0 and rec["fits"]
-    assert any(w.startswith("mem.megatron_fsdp.strategy=") or w == "mem.selective_recompute.modules=[core_attn,mlp]"
+    assert any(w.startswith(("mem.megatron_fsdp.strategy=", "mem.optimizer_offload.fraction="))
+               or w == "mem.selective_recompute.modules=[core_attn,mlp]"
                for w in words(rec["command"])), rec["command"]   # a parameter the ladder chose
     rc, found = cli_json(capsys, "plan", "--recipe", "llama3_8b_peft", "--world-size", "8", "--gpu-memory", "30GiB",
                          "--search", "--top", "1", "--overlay", "recompute", "--set", "mem.recompute.modules=[core_attn]",
@@ -294,7 +298,7 @@ def test_the_search_never_offers_an_overlay_that_saves_nothing(bridge, recipe):
 
 
 LEVERS_OFF = {"ddp.use_megatron_fsdp": False, "optimizer.use_precision_aware_optimizer": False,
-              "model.fine_grained_activation_offloading": False}
+              "model.fine_grained_activation_offloading": False, "optimizer.optimizer_cpu_offload": False}
 
 
 # ----------------------------------------------------------------------------- issue 31: the levers on the ladder
@@ -302,7 +306,8 @@ LEVERS_OFF = {"ddp.use_megatron_fsdp": False, "optimizer.use_precision_aware_opt
 def test_recommend_reaches_megatron_fsdp_where_dp_is_large_and_the_distributed_optimizer_is_not_enough(bridge,
                                                                                                      capsys):
     """Llama3-8B on 8 GPUs at DP 8: the distributed optimizer is already on and bf16 moments are not enough; Megatron
-    FSDP is the first step that fits (before `mlp` recompute, PP doubling and offloading), with its cost in words."""
+    FSDP is the first step that fits (before `mlp` recompute, PP doubling and offloading) and the cheapest of those
+    that fit by the cost model; its cost is priced for the job, with the documented words beside it."""
     rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "55GiB",
                        "--set", "model.context_parallel_size=1")
     assert rc == 0 and rec["fits"], rec
@@ -311,7 +316,11 @@ def test_recommend_reaches_megatron_fsdp_where_dp_is_large_and_the_distributed_o
     assert not any(s["fits"] for s in taken[:-1])
     assert [s["step"] for s in taken[:-1]][-1] == "precision_aware_optimizer"   # the cheap optimizer step first
     fsdp = taken[-1]
-    assert fsdp["saving_bytes"] > 20 * 2**30 and "all-gathers each layer's weights" in fsdp["cost"]
+    assert fsdp["saving_bytes"] > 20 * 2**30 and "all-gathers each layer's weights" in fsdp["documented"]
+    # priced: its all-gathers and reduce-scatters on NVLink (DP 8 in one node), a range, cheaper than what else fits
+    assert fsdp["cost"]["bytes_per_link"]["nvlink"] > 0 and fsdp["cost"]["low"] <= fsdp["cost"]["high"]
+    assert fsdp["alternatives"] and all(a["cost"]["rank_key"] >= fsdp["cost"]["rank_key"]
+                                        for a in fsdp["alternatives"])
     assert {"target": "ddp.use_megatron_fsdp", "old": False, "new": True} in fsdp["changes"]
     assert "PASSED" in fsdp["validation"] and "megatron_fsdp]" in rec["command"]
     assert any(w.startswith("mem.megatron_fsdp.strategy=") for w in words(rec["command"]))
@@ -321,17 +330,20 @@ def test_recommend_reaches_megatron_fsdp_where_dp_is_large_and_the_distributed_o
 def test_recommend_reaches_fine_grained_offloading_where_activations_dominate(bridge, capsys):
     """The same model with PP and the recompute modules pinned by the user: after FSDP, activations are the largest
     component and module-level offloading (which works with recompute and PP > 1) is the first step that fits; its
-    cost names the host memory per GPU and per node."""
+    cost names the host memory per GPU and per node. (Optimizer offload, cheaper by the cost model at this batch, is
+    kept off by the user.)"""
     rc, rec = cli_json(capsys, "recommend", "--recipe", L8, "--world-size", "8", "--gpu-memory", "45GiB",
                        "--set", "model.context_parallel_size=1", "--set", "model.pipeline_model_parallel_size=1",
-                       "--overlay", "selective_recompute", "--set", "mem.selective_recompute.modules=[core_attn]")
+                       "--overlay", "selective_recompute", "--set", "mem.selective_recompute.modules=[core_attn]",
+                       "--set", "optimizer.optimizer_cpu_offload=false")
     assert rc == 0 and rec["fits"], rec
     taken = [s for s in rec["steps"][1:] if "skipped" not in s]
     assert [s["step"].split(" ")[0] for s in taken][-3:] == ["precision_aware_optimizer", "megatron_fsdp",
                                                             "fine_grained_offload"]
     offload = taken[-1]
     assert offload["fits"] and not any(s["fits"] for s in taken[:-1]) and offload["saving_bytes"] > 2**30
-    assert "per GPU" in offload["cost"] and "per node of 8 GPUs" in offload["cost"]
+    assert "per GPU" in offload["documented"] and "per node of 8 GPUs" in offload["documented"]
+    assert offload["cost"]["bytes_per_link"]["host"] > 0   # its copies over PCIe, priced
     assert {"target": "model.fine_grained_activation_offloading", "old": False, "new": True} in offload["changes"]
     assert "core_attn" in offload["step"]     # attn_proj needs it, although its recompute bypasses its own offload
     assert "PASSED" in offload["validation"]

@@ -289,19 +289,21 @@ def test_a_dense_recipes_plan_fits_on_one_screen_and_names_what_applies(bridge):
 
 
 @pytest.mark.bridge
-def test_a_flex_dispatcher_recipe_is_unknown_in_plan_search_and_recommend(bridge):
-    """Bridge's qwen3_30b_a3b H100 perf recipe uses the flex dispatcher (HybridEP), which the plan does not model:
-    each command says "unknown", --json carries fit_verdict "unknown", and each exits 4, not as a rejection."""
+def test_an_unmodelled_dispatcher_backend_is_unknown_in_plan_search_and_recommend(bridge):
+    """Bridge's qwen3_30b_a3b H100 perf recipe uses the flex dispatcher; with its NCCL EP backend, which the plan
+    does not model, each command says "unknown", --json carries fit_verdict "unknown", and each exits 4, not as a
+    rejection."""
     from conftest import mbmem
     name = "qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config"
-    common = ("--recipe", name, "--world-size", "16", "--gpu-memory", "80GiB")
+    common = ("--recipe", name, "--world-size", "16", "--gpu-memory", "80GiB",
+              "--set", "model.moe_flex_dispatcher_backend=ncclep")
     out = mbmem("plan", *common)
     assert out.returncode == EXIT_UNKNOWN, out.stderr[-2000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("capacity "))
-    assert "-> unknown: model.moe_token_dispatcher_type=flex not modelled" in line
+    assert "-> unknown: model.moe_flex_dispatcher_backend=ncclep not modelled" in line
     data = json.loads(mbmem("plan", *common, "--json").stdout)
     assert data["fit_verdict"] == "unknown" and data["fits"] is None and data["fit_range"]["open_ends"]
-    assert [g["name"] for g in data["unmodelled"]] == ["model.moe_token_dispatcher_type"]
+    assert [g["name"] for g in data["unmodelled"]] == ["model.moe_flex_dispatcher_backend"]
     rec = mbmem("recommend", *common, "--json")
     payload = json.loads(rec.stdout)
     assert rec.returncode == EXIT_UNKNOWN and payload["fit_verdict"] == "unknown" and payload["ok"] is False
@@ -309,6 +311,8 @@ def test_a_flex_dispatcher_recipe_is_unknown_in_plan_search_and_recommend(bridge
     found = mbmem("plan", *common, "--search", "--top", "1", "--json")
     results = json.loads(found.stdout)
     assert found.returncode == EXIT_UNKNOWN and all(r["fit_verdict"] == "unknown" for r in results["results"])
+    # the modelled backends (HybridEP, as shipped) give a known verdict
+    assert json.loads(mbmem("plan", *common[:6], "--json").stdout)["fit_verdict"] != "unknown"
 
 
 @pytest.mark.bridge
@@ -330,12 +334,12 @@ def test_a_megatron_lm_job_gets_the_same_verdict_in_its_own_flags(bridge):
 def test_doctor_plan_says_a_changes_fit_is_unknown_where_the_job_is_not_modelled(bridge):
     from conftest import mbmem
     log = str(Path(__file__).parent / "fixtures" / "runs" / "bridge_over_provisioned_recompute_offload.log")
-    out = mbmem("doctor", log, "--plan", "--set", "model.moe_token_dispatcher_type=flex", "--json")
+    out = mbmem("doctor", log, "--plan", "--set", "model.heterogeneous_block_specs=true", "--json")
     d = json.loads(out.stdout)
-    assert out.returncode == 0 and "NOT MODELLED: model.moe_token_dispatcher_type=flex" in d["run"]["plan_status"]
+    assert out.returncode == 0 and "NOT MODELLED: model.heterogeneous_block_specs=True" in d["run"]["plan_status"]
     priced = [r for r in d["remedies"] if r.get("predicted_peak_bytes") is not None]
     assert priced and all(r["fits"] is None and r["fit"] == "unknown" for r in priced)
-    assert all(r["fit_verdict"].startswith("unknown: model.moe_token_dispatcher_type=flex not modelled") for r in priced)
-    assert d["next_command"] and "unknown: model.moe_token_dispatcher_type=flex" in d["command_check"]
-    text = mbmem("doctor", log, "--plan", "--set", "model.moe_token_dispatcher_type=flex").stdout
-    assert "fit unknown: model.moe_token_dispatcher_type=flex not modelled" in text and "fits with the margin" not in text
+    assert all(r["fit_verdict"].startswith("unknown: model.heterogeneous_block_specs=True not modelled") for r in priced)
+    assert d["next_command"] and "unknown: model.heterogeneous_block_specs=True" in d["command_check"]
+    text = mbmem("doctor", log, "--plan", "--set", "model.heterogeneous_block_specs=true").stdout
+    assert "fit unknown: model.heterogeneous_block_specs=True not modelled" in text and "fits with the margin" not in text

@@ -951,6 +951,9 @@ _FIELD_TO_DEST = {
     "ddp.grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
     "ddp.check_for_nan_in_grad": "check_for_nan_in_loss_and_grad", "ddp.num_buckets": "ddp_num_buckets",
     "ddp.bucket_size": "ddp_bucket_size", "ddp.average_in_collective": "ddp_average_in_collective",
+    # validate_args derives virtual_pipeline_model_parallel_size from this flag (arguments.py: "no CLI argument exists"
+    # for the field itself, _add_network_size_args)
+    "model.virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank",
 }
 
 
@@ -1023,3 +1026,215 @@ def _env_text(value: Any) -> str:
     if isinstance(value, Mapping):
         return ",".join(f"{k}:{v}" for k, v in value.items())
     return str(value)
+
+
+# ----------------------------------------------------------------------------- a change, as the job's own flags
+# Flags validate_args refuses beside another one, or lets win over it: when a change gives the first, the job's
+# words for the others go (arguments.py validate_args: "--recompute-activations" rewrites recompute_granularity to
+# 'selective'; only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank).
+_REPLACES = {"recompute_granularity": ("recompute_activations",),
+             "num_virtual_stages_per_pipeline_rank": ("num_layers_per_virtual_pipeline_stage",),
+             "num_layers_per_virtual_pipeline_stage": ("num_virtual_stages_per_pipeline_rank",)}
+
+
+@dataclass(frozen=True)
+class JobChange:
+    """The job's arguments after a change, as Megatron-LM words: the flags to add, to change and to remove and the
+    environment to export, with the whole argv they give, parsed and validated by megatron-core's own parser and
+    ``validate_args`` (:func:`change_job`). ``ok`` is False, with ``reason``, when megatron-core refuses the words,
+    when they do not make the change (validate_args sets the value back) or when a field has no Megatron-LM flag."""
+    add: tuple[str, ...] = ()                       # words appended: each flag with its values
+    change: tuple[tuple[str, str, str], ...] = ()   # (flag, old value words, new value words)
+    remove: tuple[str, ...] = ()                    # flags the job has and drops
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    argv: tuple[str, ...] = ()                      # the job's whole argv after the change
+    ok: bool = True
+    reason: str = ""
+    check: str = ""                                 # how the words were checked
+    derived: tuple[str, ...] = ()                   # fields without a flag that Megatron-LM derives from the flags
+    args: Mapping[str, Any] | None = None           # the validated namespace (None when refused)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.add or self.change or self.remove or self.env)
+
+    def words(self) -> list[str]:
+        """The flags to give (added and changed), in order: appended to the job's command they win, as argparse
+        keeps the last value of a flag."""
+        out = list(self.add)
+        for flag, _, new in self.change:
+            out += [flag, *shlex.split(new)] if new else [flag]
+        return out
+
+    def text(self) -> str:
+        """The change in the job's own terms: ``export VAR=value; add --flag v; change --flag a -> b; remove
+        --flag``."""
+        parts = []
+        if self.env:
+            parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items()))
+        if self.add:
+            parts.append("add " + " ".join(shlex.quote(w) for w in self.add))
+        if self.change:
+            parts.append("change " + ", ".join(f"{flag} {old or '(set)'} -> {new or '(set)'}"
+                                                for flag, old, new in self.change))
+        if self.remove:
+            parts.append("remove " + " ".join(self.remove))
+        return "; ".join(parts) or "no change to the job's arguments"
+
+    def command(self, prefix: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+        """The whole command: the environment (the job's leading assignments with this change's merged in), the
+        launcher words up to the script (``prefix``), then the changed argv; every word quoted."""
+        merged = {**(env or {}), **self.env}
+        words = [w for w in prefix if not (_ENV_WORD.match(w) and _ENV_WORD.match(w).group(1) in merged)]
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in merged.items()), *(shlex.quote(w) for w in words),
+                         *(shlex.quote(w) for w in self.argv)])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"text": self.text(), "add": list(self.add),
+                "change": [{"flag": f, "old": o, "new": n} for f, o, n in self.change], "remove": list(self.remove),
+                "env": dict(self.env), "ok": self.ok, "reason": self.reason, "check": self.check,
+                "derived": list(self.derived), "argv": list(self.argv)}
+
+
+def argv_segments(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[tuple[str | None, list[str]]]:
+    """The words as argparse groups them: (dest, [flag, values...]) per option, (None, [word]) for a word that is
+    no option of the parser. The values a flag takes follow its ``nargs`` (``--flag=value`` is one word)."""
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    out: list[tuple[str | None, list[str]]] = []
+    words = list(argv)
+    k = 0
+    while k < len(words):
+        w = words[k]
+        action = by_option.get(w.split("=", 1)[0]) if w.startswith("-") else None
+        if action is None:
+            out.append((None, [w]))
+            k += 1
+            continue
+        take = 0
+        if "=" not in w:
+            rest = words[k + 1:]
+            if action.nargs is None:
+                take = 1 if rest else 0
+            elif isinstance(action.nargs, int):
+                take = action.nargs
+            elif action.nargs == "?":
+                take = 1 if rest and not rest[0].startswith("--") else 0
+            elif action.nargs in ("*", "+"):
+                while take < len(rest) and not (rest[take].startswith("--") or rest[take].split("=", 1)[0]
+                                                 in by_option):
+                    take += 1
+        out.append((action.dest, words[k:k + 1 + take]))
+        k += 1 + take
+    return out
+
+
+def _value_words(segment: list[str]) -> str:
+    first = segment[0]
+    values = [first.split("=", 1)[1]] if "=" in first else []
+    return " ".join(shlex.quote(v) for v in values + segment[1:])
+
+
+def edit_argv(argv: Sequence[str], words: Sequence[str], remove: Sequence[str],
+              parser: argparse.ArgumentParser | None = None) -> tuple[list[str], list[str], list[tuple[str, str, str]],
+                                                                      list[str]]:
+    """(new argv, words added, (flag, old, new) changed, flags removed): ``words`` (flags with their values) set
+    in ``argv`` where the job gives the same argument, appended where it does not; the flags in ``remove`` and
+    the ones a new flag replaces (:data:`_REPLACES`) dropped."""
+    parser = parser or megatron_parser()
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    segments = argv_segments(argv, parser)
+    added: list[str] = []
+    changed: list[tuple[str, str, str]] = []
+    removed: list[str] = []
+
+    def drop(dest: str) -> None:
+        for i in reversed(range(len(segments))):
+            if segments[i][0] == dest:
+                removed.append(segments[i][1][0].split("=", 1)[0])
+                del segments[i]
+
+    for dest, seg in argv_segments(words, parser):
+        if dest is None:
+            continue
+        for other in _REPLACES.get(dest, ()):
+            drop(other)
+        at = [i for i, (d, _) in enumerate(segments) if d == dest]
+        if not at:
+            segments.append((dest, list(seg)))
+            added += seg
+            continue
+        old = segments[at[0]][1]
+        flag = seg[0].split("=", 1)[0]
+        changed.append((flag if old[0].split("=", 1)[0] == flag else f"{old[0].split('=', 1)[0]} -> {flag}",
+                        _value_words(old), _value_words(seg)))
+        segments[at[0]] = (dest, list(seg))
+        for i in reversed(at[1:]):
+            del segments[i]
+    for flag in remove:
+        action = by_option.get(flag)
+        if action is not None:
+            drop(action.dest)
+    return [w for _, seg in segments for w in seg], added, changed, list(dict.fromkeys(removed))
+
+
+def change_job(job: MegatronJob, changes: Sequence[tuple[str, Any]], *, arch: int = DEFAULT_ARCH,
+               vocab: int | None = None) -> JobChange:
+    """The job with ``changes`` (``[(config field or $VAR, new value)]``, what the engine changed on
+    ``job.config``), as Megatron-LM flags and environment, parsed and validated by megatron-core 0.19.2's parser
+    and ``validate_args`` at the job's world size.
+
+    The words come from :func:`overlay_flags`. A change is kept only when the validated arguments hold it: a flag
+    validate_args sets back, or a field without a flag that Megatron-LM does not derive from the others
+    (checked on the configuration rebuilt from the validated arguments, :func:`config_from_args`), makes the
+    change refused with the field named ("no Megatron-LM flag for model.x=..."). A field set to None whose flag
+    the job gives drops that flag."""
+    from ..core.paths import MISSING, read
+    parser = megatron_parser()
+    actions = actions_by_dest(parser)
+    fields = {t: v for t, v in changes if not t.startswith("$")}
+    flags = overlay_flags(list(changes), job.args)
+    env = {k: v for k, v in flags.env.items() if job.env.get(k) != v}
+    given = {d for d, _ in argv_segments(job.argv, parser)}
+    remove = list(flags.remove)
+    unset: list[tuple[str, Any]] = []
+    for target, _ in flags.no_flag:
+        value = fields.get(target)
+        dest = dest_for_field(target, parser)
+        if dest is not None and value is None:
+            if dest in given:
+                remove.append(flag_of(actions[dest]))
+            continue
+        unset.append((target, value))
+    argv, added, changed, removed = edit_argv(job.argv, flags.words, remove, parser)
+    base = {"add": tuple(added), "change": tuple(changed), "remove": tuple(removed), "env": MappingProxyType(env),
+            "argv": tuple(argv)}
+    world = job.world_size
+    try:
+        args, _, _ = parse_and_validate(argv, world, {**job.env, **env}, arch, parser)
+    except MegatronArgsError as exc:
+        return JobChange(**base, ok=False, reason=f"megatron-core refuses the flags: {exc.message}",
+                         check=f"refused by megatron-core 0.19.2's parse_args + validate_args at world size {world}")
+    kept = overlay_flags([(t, v) for t, v in fields.items() if dest_for_field(t, parser)], vars(args))
+    lost = list(kept.words) + list(kept.remove)
+    check = (f"parsed and validated by megatron-core 0.19.2's parse_args + validate_args at world size {world} "
+             f"(compute capability {arch}), on the job's {job.form} with this change")
+    if lost:
+        return JobChange(**base, ok=False, check=check, args=MappingProxyType(vars(args)),
+                         reason="megatron-core's validate_args does not keep " + " ".join(lost))
+    derived: list[str] = []
+    missing: list[str] = []
+    if unset:
+        size, _ = tokenizer_vocab(args, vocab)
+        rebuilt, _ = config_from_args(args, job.family, padded_vocab(size, args))
+        for target, value in unset:
+            current = read(rebuilt, target, MISSING)
+            if current is not MISSING and _same(current, value):
+                derived.append(f"{target}={_shown(value)}")
+            else:
+                missing.append(f"{target}={_shown(value)}")
+    if missing:
+        return JobChange(**base, ok=False, check=check, args=MappingProxyType(vars(args)),
+                         derived=tuple(derived), reason="no Megatron-LM flag for " + ", ".join(missing))
+    if derived:
+        check += "; Megatron-LM derives " + ", ".join(derived) + " from these flags"
+    return JobChange(**base, ok=True, check=check, derived=tuple(derived), args=MappingProxyType(vars(args)))

@@ -70,7 +70,7 @@ def capacity_option(text: str | None) -> tuple[float | None, Problem | None]:
 # --gpu-arch: the GPUs' compute capability major (what the plan and Megatron-LM's validate_args read of the GPU),
 # or a data-center GPU's name; the default is Hopper (H100/H200), as every plan assumed before the option.
 DEFAULT_GPU_ARCH = 9
-GPU_ARCH_NAMES = {"a100": 8, "a800": 8, "a10": 8, "a30": 8, "a40": 8, "l4": 8, "l40": 8, "l40s": 8, "h100": 9,
+GPU_ARCH_NAMES = {"v100": 7, "t4": 7, "a100": 8, "a800": 8, "a10": 8, "a30": 8, "a40": 8, "l4": 8, "l40": 8, "l40s": 8, "h100": 9,
                   "h200": 9, "h800": 9, "h20": 9, "gh200": 9, "b100": 10, "b200": 10, "gb200": 10, "b300": 10,
                   "gb300": 10}
 

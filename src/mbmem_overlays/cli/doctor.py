@@ -166,9 +166,11 @@ def run_logs(args, logs: list[str], checked: dict[str, Any] | None = None) -> tu
     if args.plan:
         from ..doctor.plan import make_planner
         from ..doctor.run_plan import make_run_planner
-        planner = make_planner(args.recipe)
+        megatron = megatron_job(args, logs, findings, checked)
+        planner = make_planner(args.recipe, megatron=megatron, arch=checked.get("arch"),
+                               overlay_dirs=list(args.overlay_dir))
         run_planner = make_run_planner(args.recipe, list(args.set), checked["world"], list(args.overlay_dir),
-                                       checked["margin"], logs=list(logs), arch=checked.get("arch"))
+                                       checked["margin"], logs=list(logs), arch=checked.get("arch"), megatron=megatron)
     d = diagnose(findings, args.recipe, planner=planner, capacity=checked["capacity"], margin=checked["margin"],
                  run_planner=run_planner, overlay_dirs=list(args.overlay_dir),
                  replan=None if args.plan else replan_command(args, checked))
@@ -177,6 +179,23 @@ def run_logs(args, logs: list[str], checked: dict[str, Any] | None = None) -> tu
     if args.plot:
         code, text, payload = _plot(args, d, code, text, payload)
     return code, text, payload
+
+
+def megatron_job(args, logs: list[str], findings, checked: dict[str, Any]) -> tuple | None:
+    """With --plan and no recipe: (the Megatron-LM job the logs' arguments give, or None; why not), its arguments
+    added to the findings where the log does not print them (doctor/megatron_plan.py); None with a recipe."""
+    if args.recipe or findings.recipe:
+        return None
+    try:
+        from ..doctor.megatron_plan import enrich, find_job
+        found, why = find_job(list(logs), findings, checked["world"], checked.get("arch"))
+    except ImportError as exc:
+        return None, f"Megatron Bridge is not importable ({exc})"
+    except Exception as exc:  # noqa: BLE001 — any failure to read the job is reported, never raised
+        return None, f"the job's Megatron-LM arguments could not be read ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
+    if found is not None:
+        enrich(findings, found)
+    return found, why
 
 
 def _plot(args, d, code: int, text: str, payload: dict) -> tuple[int, str, dict]:

@@ -209,7 +209,8 @@ def run_search(args, cfg, start, checked) -> int:
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     try:
         with progress("searching layouts and validating the cheapest with Bridge"):
-            found = search_validated(cfg, start, world, capacity, margin, checked["top"], catalog=checked["catalog"])
+            found = search_validated(cfg, start, world, capacity, margin, checked["top"], catalog=checked["catalog"],
+                                     arch=checked.get("arch") or DEFAULT_GPU_ARCH)
     except Rejected as exc:
         return fail(args, OverlayError([Problem(("overlay",), "--overlay", list(start.overlays), exc.reason,
                                                 "drop or change the overlay named above")]), EXIT_REJECTED)
@@ -247,6 +248,7 @@ def _layout_name(r: dict[str, Any]) -> str:
 
 
 def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
+    from ..memory.cost import cost_text
     results = found["results"]
     lines = [f"searched {found['evaluated']} layouts x overlay sets in {found['seconds']:.1f} s: {found['candidates']} fit "
              f"{capacity / 2**30:.1f} GiB with a {margin:.0%} margin in the memory model; checked the cheapest "
@@ -263,11 +265,13 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
         lines.append("no validated layout fits" + (" in the modelled part" if unknown else "")
                      + "; try `mbmem recommend` (offload, full recompute) or more GPUs")
         return "\n".join(lines)
-    lines.append(f"{len(results)} validated, cheapest first (cost: documented throughput cost, costs.py):")
+    lines.append(f"{len(results)} validated, cheapest first (cost: step time against your configuration, "
+                 "memory/cost/ — docs/cost-model.md):")
     for r in results:
         saving = r.get("saving_bytes")
         saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
-        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  cost ~{r['cost']:.0%}  {_layout_name(r)}")
+        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  {_layout_name(r)}")
+        lines.append(f"    cost: {cost_text(r.get('cost'))}")
         if r.get("fits_unless") or r.get("fit") != "fits":
             lines.append(f"    {r.get('verdict_text', r['fit_verdict'])}")
         lines.append(f"    {r['command']}")
@@ -275,15 +279,20 @@ def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
 
 
 # ----------------------------------------------------------------------------- a Megatron-LM job's own arguments
-def megatron_checks(args) -> dict[str, Any]:
-    """Every argument problem of ``plan --megatron-args`` at once, before Bridge; raises UsageError."""
+def megatron_checks(args, *, capacity_required: str | None = None) -> dict[str, Any]:
+    """Every argument problem of ``plan``/``recommend --megatron-args`` at once, before Bridge; raises UsageError.
+
+    ``capacity_required``: why --gpu-memory is needed here (None: it is optional)."""
     problems: list[Problem] = []
     if args.recipe is not None:
         problems.append(_problem("--recipe", args.recipe, "--recipe and --megatron-args both name the job",
                                  "give one of them"))
-    if args.search:
-        problems.append(_problem("--search", True, "--search prints train.py commands for a recipe",
-                                 "drop --search, or plan a recipe with --recipe"))
+    if args.gpu_memory is None and capacity_required:
+        problems.append(_problem("--gpu-memory", None, f"--gpu-memory is required {capacity_required}",
+                                 "add the memory of one GPU, e.g. --gpu-memory 80GiB (or 80GB, 80G, bytes)"))
+    top = (None, None)
+    if getattr(args, "search", False):
+        top = count_option("--top", args.top, MAX_TOP)
     if args.set:
         problems.append(_problem("--set", args.set, "--set changes a recipe's fields",
                                  "change the job's Megatron-LM flags in the file instead"))
@@ -294,7 +303,7 @@ def megatron_checks(args) -> dict[str, Any]:
     if args.tokenizer_vocab is not None:
         vocab = count_option("--tokenizer-vocab", args.tokenizer_vocab, 1 << 24)
     arch = gpu_arch_option(args.gpu_arch)
-    problems += [p for _, p in (world, capacity, margin, vocab, arch) if p]
+    problems += [p for _, p in (world, capacity, margin, vocab, arch, top) if p]
     problems += plot_problems(args)
     try:
         catalog = catalog_for(args.overlay_dir)
@@ -312,7 +321,7 @@ def megatron_checks(args) -> dict[str, Any]:
     if problems:
         raise UsageError(problems)
     return {"world": world[0], "capacity": capacity[0], "margin": margin[0], "vocab": vocab[0], "text": text,
-            "arch": arch[0],
+            "arch": arch[0], "top": top[0],
             "catalog": catalog, "overlays": tuple(dict.fromkeys(catalog.resolve(n).name for n in names))}
 
 
@@ -322,18 +331,15 @@ def run_megatron(args) -> int:
     import dataclasses
 
     try:
-        checked = megatron_checks(args)
+        checked = megatron_checks(args, capacity_required="with --search" if args.search else None)
     except UsageError as exc:
         return fail(args, exc, EXIT_USAGE)
-    from ..bridge.megatron_args import MegatronArgsError, load_job
-    from ..memory.coverage import in_flags, with_coverage
-    try:
-        job = with_coverage(load_job(checked["text"], world_size=checked["world"], vocab=checked["vocab"],
-                                     arch=checked["arch"] or DEFAULT_GPU_ARCH))
-    except MegatronArgsError as exc:
-        code = EXIT_REJECTED if exc.rejected else EXIT_USAGE
-        flag = exc.flag if exc.flag != "--megatron-args" else "--megatron-args"
-        return fail(args, UsageError([_problem(flag, args.megatron_args, exc.message, exc.fix)]), code)
+    job = load_megatron_job(args, checked)
+    if isinstance(job, int):
+        return job
+    if args.search:
+        return run_megatron_search(args, job, checked)
+    from ..memory.coverage import in_flags
     try:
         from ..memory.steps import build_plan, plan_figure, render_plan
         overlays = list(checked["overlays"])
@@ -346,6 +352,7 @@ def run_megatron(args) -> int:
                                    + gpu_arch_assumptions(checked["arch"]),
                                    not_modelled=in_flags(job, plan.not_modelled))
         flags = megatron_overlay_flags(job, overlays, checked["catalog"])
+        flags_check = megatron_flags_check(job, overlays, checked) if flags is not None else None
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
     try:
@@ -356,13 +363,70 @@ def run_megatron(args) -> int:
     verdict = megatron_verdict(plan, job)
     if args.json:
         emit(args, {**plan.as_dict(), "plot": args.plot, "megatron_args": {**job.as_dict(), "verdict": verdict},
-                    "megatron_flags": flags.as_dict() if flags else None})
+                    "megatron_flags": flags.as_dict() if flags else None,
+                    "megatron_flags_check": flags_check.as_dict() if flags_check is not None else None})
     else:
         print(render_plan(plan, verbose=args.verbose))
         print(render_megatron(job, flags, verdict))
+        if flags_check is not None:
+            print(shown(f"  checked: {flags_check.check}" if flags_check.ok else
+                        f"  NOT VALID for this job: {flags_check.reason}"))
         if args.plot:
             print(f"plot: {args.plot}")
     return plan.judge().exit_code
+
+
+def load_megatron_job(args, checked: dict[str, Any]):
+    """The job of ``--megatron-args`` parsed and validated by megatron-core (memory/coverage.py fills what the plan
+    does not follow), or the exit code of the error printed: 2 for arguments that cannot be read, 1 for a job
+    megatron-core refuses."""
+    from ..bridge.megatron_args import MegatronArgsError, load_job
+    from ..memory.coverage import with_coverage
+    try:
+        return with_coverage(load_job(checked["text"], world_size=checked["world"], vocab=checked["vocab"],
+                                      arch=checked["arch"] or DEFAULT_GPU_ARCH))
+    except MegatronArgsError as exc:
+        code = EXIT_REJECTED if exc.rejected else EXIT_USAGE
+        return fail(args, UsageError([_problem(exc.flag, args.megatron_args, exc.message, exc.fix)]), code)
+
+
+def run_megatron_search(args, job, checked: dict[str, Any]) -> int:
+    """``mbmem plan --search --megatron-args FILE``: the layout search on the job's own configuration, each result
+    the job's flags, validated by megatron-core (memory/megatron.py)."""
+    from ..bridge.stack import progress
+    from ..memory.megatron import MegatronTarget, render_search, search_job
+    from ..memory.steps import Rejected, draw_bars
+    capacity, margin = checked["capacity"], checked["margin"]
+    target = MegatronTarget(job, arch=checked["arch"], vocab=checked["vocab"])
+    try:
+        with progress("searching layouts and validating the cheapest as the job's Megatron-LM flags"):
+            found = search_job(target, capacity, margin, checked["top"], catalog=checked["catalog"],
+                               overlays=checked["overlays"])
+    except Rejected as exc:
+        return fail(args, OverlayError([Problem(("overlay",), "--overlay", list(checked["overlays"]), exc.reason,
+                                                "drop or change the overlay named above")]), EXIT_REJECTED)
+    results = found["results"]
+    try:
+        if args.plot and results:
+            from ..memory.megatron import layout_name
+            write_plot(args, lambda: draw_bars(
+                [(layout_name(r), r["breakdown"]) for r in results],
+                title=f"Megatron-LM {job.form}, world size {job.world_size}: the {len(results)} cheapest validated "
+                      "layouts", capacity=capacity, margin=margin))
+    except UsageError as exc:
+        return fail(args, exc, EXIT_USAGE)
+    if args.json:
+        emit(args, {**{k: v for k, v in found.items() if k != "results"}, "capacity_bytes": int(capacity),
+                    "margin": margin, "world_size": job.world_size, "plot": args.plot if results else None,
+                    "megatron_args": job.as_dict(),
+                    "results": [{**{k: v for k, v in r.items() if k != "breakdown"},
+                                 "breakdown": breakdown_dict(r["breakdown"])} for r in results]})
+        return search_exit(found)
+    print(shown(render_search(found, capacity, margin), one_line=False))
+    print("\n".join(megatron_job_lines(job)))
+    if args.plot and results:
+        print(f"plot: {args.plot}")
+    return search_exit(found)
 
 
 def gpu_arch_assumptions(given: int | None) -> tuple[str, ...]:
@@ -386,6 +450,21 @@ def megatron_overlay_flags(job, overlays: list[str], catalog):
     return overlay_flags([(c.target, c.new) for c in report.changes], job.args)
 
 
+def megatron_flags_check(job, overlays: list[str], checked: dict[str, Any]):
+    """The overlays' flags on the job's own arguments, parsed and validated by megatron-core (bridge/megatron_args.py
+    change_job): a JobChange whose ``ok`` says whether Megatron-LM accepts them and makes the change."""
+    from ..memory.megatron import MegatronTarget
+    from ..memory.steps import Candidate, Rejected
+    target = MegatronTarget(job, arch=checked["arch"], vocab=checked["vocab"])
+    try:
+        _, report = target.realize(job.config, target.start(), Candidate(tuple(overlays)), job.world_size,
+                                   catalog=checked["catalog"])
+    except Rejected as exc:
+        from ..bridge.megatron_args import JobChange
+        return JobChange(ok=False, reason=exc.reason)
+    return report.megatron
+
+
 def megatron_verdict(plan, job) -> str:
     """The plan's one fit verdict (memory/plan.py ``judge``: "unknown: ... not modelled" when the job sets flags
     that change memory and that the plan does not follow; run_megatron puts the job's flags outside megatron-core's
@@ -398,10 +477,10 @@ def megatron_verdict(plan, job) -> str:
     return "no capacity given"
 
 
-def render_megatron(job, flags, verdict: str) -> str:
+def megatron_job_lines(job) -> list[str]:
+    """What the job is and which of its flags the plan does not follow (not modelled, unknown, unsupported)."""
     lines = [f"Megatron-LM job: {job.form}, {job.family}, world size {job.world_size} ({job.world_from}), "
-             f"parsed and validated by megatron-core 0.19.2's own arguments.py",
-             f"verdict: {verdict}"]
+             f"parsed and validated by megatron-core 0.19.2's own arguments.py"]
     sections = (("not modelled (change memory; the plan does not follow them)", job.not_modelled),
                 ("unknown (not flags of megatron-core 0.19.2's parser; not planned)", job.unknown),
                 ("unsupported (recognised, not carried into the plan)", job.unsupported))
@@ -412,6 +491,12 @@ def render_megatron(job, flags, verdict: str) -> str:
     if job.ignored:
         lines.append(f"ignored (no effect on memory): {len(job.ignored)} flags ({', '.join(job.ignored[:6])}"
                      + (", ..." if len(job.ignored) > 6 else "") + ")")
+    return lines
+
+
+def render_megatron(job, flags, verdict: str) -> str:
+    head, *notes = megatron_job_lines(job)
+    lines = [head, f"verdict: {verdict}", *notes]
     if flags is not None:
         lines.append("Megatron-LM flags for the overlays: " + (shown(flags.command_text()) or "none (already set)"))
         if flags.remove:

@@ -5,18 +5,31 @@ from __future__ import annotations
 import sys
 
 from ..core.errors import OverlayError
-from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
+from .common import EXIT_REJECTED, EXIT_USAGE, UsageError, usage_problem
 from ..core.text import shown
 from .plan import add_memory_options, breakdown_dict, build_start, checked_args, emit, fail, write_plot
 
 
 def register(sub) -> None:
     p = sub.add_parser("recommend", help="walk NVIDIA's memory ladder until the plan fits (each step validated)")
-    add_memory_options(p, capacity_help="capacity per GPU (required), e.g. 80GiB, 80GB, 80G or bytes")
+    add_memory_options(p, capacity_help="capacity per GPU (required), e.g. 80GiB, 80GB, 80G or bytes", megatron=True)
     p.set_defaults(fn=run)
 
 
 def run(args) -> int:
+    if args.megatron_args is not None:
+        return run_megatron(args)
+    if args.recipe is None:
+        return fail(args, UsageError([usage_problem("--recipe", None, "--recipe or --megatron-args is required",
+                                                    "add --recipe NAME, or --megatron-args FILE for a Megatron-LM "
+                                                    "job")]), EXIT_USAGE)
+    if args.gpu_arch is not None or args.tokenizer_vocab is not None:
+        flag, value = ("--gpu-arch", args.gpu_arch) if args.gpu_arch is not None else \
+            ("--tokenizer-vocab", args.tokenizer_vocab)
+        return fail(args, UsageError([usage_problem(flag, value, f"{flag} works with --megatron-args: recommend plans a "
+                                                    "recipe on GPUs of compute capability 9 (H100/H200)",
+                                                    f"drop {flag}, or give the job with --megatron-args")]),
+                    EXIT_USAGE)
     try:
         checked = checked_args(args, capacity_required="to know when the ladder may stop")
     except UsageError as exc:
@@ -36,7 +49,7 @@ def recommend_and_print(args, cfg, start, checked) -> int:
     from ..memory.steps import draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     with progress("walking the memory ladder, each step validated with Bridge"):
-        rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"])
+        rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"], arch=checked.get("arch"))
     taken = [r for r in rec["steps"] if "breakdown" in r]
     if args.plot and taken:
         write_plot(args, lambda: draw_bars(
@@ -55,4 +68,47 @@ def recommend_and_print(args, cfg, start, checked) -> int:
             print(f"plot: {args.plot}")
     # 0 a step fits, 1 nothing on the ladder fits, 4 the fit is unknown (a feature that changes memory is not
     # modelled): the verdict's own code (memory/plan.py Verdict.exit_code; docs/exit-codes.md)
+    return rec.get("exit_code", 0 if rec["fits"] else EXIT_REJECTED)
+
+
+def run_megatron(args) -> int:
+    """``mbmem recommend --megatron-args FILE``: the ladder on the job's own configuration, each step's flags parsed
+    and validated by megatron-core (memory/megatron.py), the answer in the job's flags."""
+    from ..bridge.stack import progress
+    from ..memory.megatron import MegatronTarget, recommend_job, render_recommendation
+    from ..memory.steps import draw_bars
+    from .plan import load_megatron_job, megatron_checks, megatron_job_lines
+    try:
+        checked = megatron_checks(args, capacity_required="to know when the ladder may stop")
+    except UsageError as exc:
+        return fail(args, exc, EXIT_USAGE)
+    job = load_megatron_job(args, checked)
+    if isinstance(job, int):
+        return job
+    capacity, margin = checked["capacity"], checked["margin"]
+    target = MegatronTarget(job, arch=checked["arch"], vocab=checked["vocab"])
+    try:
+        with progress("walking the memory ladder, each step's Megatron-LM flags validated by megatron-core"):
+            rec = recommend_job(target, capacity, margin, catalog=checked["catalog"], overlays=checked["overlays"])
+        taken = [r for r in rec["steps"] if "breakdown" in r]
+        if args.plot and taken:
+            write_plot(args, lambda: draw_bars(
+                [(r["step"], r["breakdown"]) for r in taken],
+                title=f"Megatron-LM {job.form}, world size {job.world_size}: the memory ladder, step by step",
+                capacity=capacity, margin=margin))
+    except UsageError as exc:
+        return fail(args, exc, EXIT_USAGE)
+    except OverlayError as exc:
+        return fail(args, exc, EXIT_REJECTED)
+    if args.json:
+        steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
+        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": job.world_size,
+                    "megatron_args": job.as_dict(), "plot": args.plot if taken else None})
+    elif rec.get("error"):
+        print(shown(f"mbmem recommend: {rec['error']}", one_line=False), file=sys.stderr)
+    else:
+        print(shown(render_recommendation(rec, verbose=args.verbose), one_line=False))
+        print("\n".join(megatron_job_lines(job)))
+        if args.plot and taken:
+            print(f"plot: {args.plot}")
     return rec.get("exit_code", 0 if rec["fits"] else EXIT_REJECTED)

@@ -50,8 +50,12 @@ class Remedy:
     env: dict[str, str] = field(default_factory=dict)           # environment prefix
     cost: str = ""
     saves: float | None = None                    # bytes, from the memory model (--plan); None = not computed
+    # the cost model's price of this change for the job (--plan; memory/cost/ Cost.as_dict: "text", "low",
+    # "high", "rank_key", "flops", "bytes_per_link", "bubble", ...); None = not computed
+    step_cost: dict | None = None
     command: str | None = None                    # a command that is not the training command (nvidia-smi, ...)
     command_note: str = ""                        # how that command was checked
+    megatron: dict | None = None                  # a Megatron-LM job's flags for it (--plan: megatron_plan.py)
 
 
 @dataclass

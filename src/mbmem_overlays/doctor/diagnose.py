@@ -450,15 +450,31 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, cap
                            "compute what each remedy saves for this recipe and layout")
                 name = recipe or f.recipe
                 cap = next((o.capacity for o in f.ooms if o.capacity), None) or capacity
-                if name:  # every word quoted: the recipe and sizes reach a command the user pastes (issue 22 #2b)
+                if _megatron_job_only(ctx, f) and replan:
+                    savings = (f"savings not computed: `{replan}` plans the job from its own Megatron-LM arguments "
+                               f"({_megatron_job_only(ctx, f)}), prices each remedy and prints it as the job's "
+                               "flags, validated by megatron-core")
+                elif name:  # every word quoted: the recipe and sizes reach a command the user pastes (issue 22 #2b)
                     hint = C.render_tokens(["mbmem", *(a for d in (overlay_dirs or []) for a in ("--overlay-dir", d)),
                                             "recommend", "--recipe", name, "--world-size", str(ctx.world or "<N>"),
                                             "--gpu-memory", f"{cap / GiB:.2f}GiB" if cap else "<SIZE>"])
                     savings += f", or `{hint}`"
         if not want_command:
             pass
-        elif remedies and cmd is None and remedies[0].command:
-            cmd, check = remedies[0].command, remedies[0].command_note or "not a training command: nothing to validate"
+        elif remedies and cmd is None and (remedies[0].command or remedies[0].megatron is not None):
+            # a Megatron-LM job's remedies carry their own validated flags (None: none could be written)
+            cmd, check = remedies[0].command, remedies[0].command_note or (
+                "not a training command: nothing to validate" if remedies[0].command else
+                f"no remedy could be written as the job's flags: {remedies[0].megatron.get('reason')}")
+        elif remedies and cmd is None and planner is None and replan and _megatron_job_only(ctx, f):
+            cmd, check = replan, (f"a Megatron-LM job ({_megatron_job_only(ctx, f)}), not a Bridge recipe: --plan "
+                                  "prices each remedy on its own arguments and prints the job's flags to change, "
+                                  "validated by megatron-core (imports Megatron Bridge)")
+        elif remedies and cmd is None and _megatron_job_only(ctx, f):
+            # --plan could not read the job: its flags cannot be written or checked, and a train.py command is for a
+            # Bridge recipe only
+            cmd, check = None, (f"no command: a Megatron-LM job ({_megatron_job_only(ctx, f)}) whose arguments "
+                                "megatron-core 0.19.2 does not accept (see savings); the remedies name what to change")
         elif remedies and cmd is None:
             cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator, dirs)
         elif cmd:
@@ -613,6 +629,16 @@ def _run(f: Findings, ctx: Context, done, rep: RR.RunReport, priced: dict, repla
         results = plan.price(remedies, rep)
         for r, res in zip(remedies, results):
             priced[id(r)] = res
+        # the changes validated and predicted to fit, cheapest first by the cost model (memory/cost/ rank_key; a
+        # turn-off's cost is negative: the largest gain first), then the others in their documented order
+        order = {id(r): i for i, r in enumerate(remedies)}
+
+        def key(r):
+            res = priced[id(r)]
+            ok = bool(res.get("command") and res.get("fits") and res.get("step_cost"))
+            return (0, tuple(res["step_cost"]["rank_key"]), order[id(r)]) if ok else (1, (0.0, 0.0), order[id(r)])
+        remedies = sorted(remedies, key=key)
+        results = [priced[id(r)] for r in remedies]
         fitting = [(r, res) for r, res in zip(remedies, results) if res.get("command") and res.get("fits")]
         if fitting:
             r, res = fitting[0]
@@ -694,11 +720,17 @@ def turn_off_remedies(f: Findings, ctx: Context) -> list[C.Remedy]:
 def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
     d = {"name": r.name, "action": r.action, "cost": r.cost, "saves_bytes": None if r.saves is None else int(r.saves),
          "command": r.command}
+    if r.step_cost is not None:   # --plan: the cost model's price (memory/cost/), beside the documented words
+        d["step_cost"] = r.step_cost
     if priced:  # --plan on a run report: the memory model's new peak on the hot rank, the validated command
         d.update({k: priced.get(k) for k in ("train_command", "check", "planned_hot_bytes", "predicted_peak_bytes",
                                              "fits")})
+        if priced.get("megatron") is not None:   # a Megatron-LM job's change: its own flags (run_plan.py)
+            d.update({"megatron": priced["megatron"], "command": priced.get("command")})
         if priced.get("fit") == "unknown":   # the plan does not model something the job sets (plan.py judge)
             d.update({k: priced[k] for k in ("fit", "fit_verdict", "unmodelled")})
+        if priced.get("step_cost") is not None:
+            d["step_cost"] = priced["step_cost"]
     if r.overlay:
         d["overlay"] = r.overlay
     for k in ("params", "overrides", "env"):
@@ -706,7 +738,22 @@ def _remedy_dict(r: C.Remedy, priced: dict | None = None) -> dict:
             d[k] = getattr(r, k)
     if r.remove_overlays:
         d["remove_overlays"] = list(r.remove_overlays)
+    if r.megatron is not None:
+        d["megatron"] = r.megatron
     return d
+
+
+def _megatron_job_only(ctx: Context, f: Findings) -> str:
+    """Where the log shows it is a Megatron-LM job's ("its arguments dump [where]", "its launch command [where]"),
+    when there is no recipe and no launch command to reuse (a train.py template would be all the doctor could
+    print); "" otherwise."""
+    if ctx.recipe or ctx.launch.kind != "template":
+        return ""
+    if f.megatron_args is not None:
+        return f"its arguments dump {at(f.megatron_args.where)}"
+    if f.command is not None and C.parse_launch(f.command.value).kind == "megatron-lm":
+        return f"its launch command {at(f.command.where)}"
+    return ""
 
 
 def _fill_in(ctx: Context) -> str:
@@ -866,7 +913,7 @@ def _allocator(f: Findings, ctx: Context, done, victims) -> Diagnosis:
             summary = ("fragmentation caused this failure; capacity is next: free + reserved-but-unallocated covers "
                        "the request only barely, so the next allocation of this size will fail too")
             conf = "medium"
-            reasons.append("remedies: expandable_segments first (zero cost), then a capacity remedy right after it")
+            reasons.append(f"remedies: {remedy.name} first (no model change), then a capacity remedy right after it")
     elif kind == "capacity":
         remedies = capacity_remedies(f, ctx)
         summary = ("genuine capacity limit: the OOM happened with expandable_segments already on" if ctx.expandable

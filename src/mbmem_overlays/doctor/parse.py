@@ -51,6 +51,7 @@ CONTEXT_TRIGGERS = (
     b"NVLS", b"LLM", b"llm", b"lang", b"verl", b"WorkerDict", b"recipe", b"egister", b"cuMem",
     b"SBATCH", b"--nodes", b"erminated", b"num_workers", b"MiB /", b"total_memory=", b"_mapping", b"Non-default",
     b"nproc", b"nnodes", b"ntasks",   # launcher lines that end in the script's name (no ".py " to find them by)
+    b" arguments ---",                # the header of Megatron-LM's arguments dump
 )
 TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS + FOLDED_TRIGGERS
 
@@ -108,6 +109,7 @@ class Findings:
     torch_version: Seen | None = None                                         # value: (major, minor)
     world: Seen | None = None                                                 # value: int; line says how
     command: Seen | None = None                                               # value: the launch command text
+    megatron_args: Seen | None = None                                         # where Megatron-LM's arguments dump starts
     recipe: str | None = None
     slurm_job: str | None = None
     inference_engine: Seen | None = None
@@ -454,6 +456,8 @@ def _task_ranks(text: str, limit: int = 4096) -> list[int]:
 
 
 def _context(body: str, where: str, f: Findings) -> None:
+    if f.megatron_args is None and " arguments ---" in body and P.MEGATRON_ARGS_DUMP.search(body):
+        f.megatron_args = Seen("arguments dump", where, clip(body))
     # The OOM message's own hint ("try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid
     # fragmentation"), whole or wrapped, is not the job's setting.
     if "ALLOC_CONF" in body and "try setting" not in body and "avoid fragmentation" not in body \

@@ -229,6 +229,10 @@ CONFIG_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vi
 CONFIG_VALUE = re.compile(r"(?<![\w])(" + "|".join(CONFIG_KEYS) + r")(?![\w])"
                           r"(?:\s{0,4}[=:]\s{0,4}|\s{1,4}\.{2,80}\s{1,4}|\s{1,4})"
                           r"(\[[^\]\n]{0,200}\]|'[^'\n]{0,60}'|\"[^\"\n]{0,60}\"|[\w.+-]{1,40})")
+# The header of the arguments dump Megatron-LM prints before training (arguments.py _print_args, since 2021; the
+# one bridge/megatron_args.py reads): the job's whole configuration is in the log (doctor --plan reads it). The
+# shorter header of 2020's Megatron-LM is GPT-NeoX's too, and says nothing about which framework ran.
+MEGATRON_ARGS_DUMP = re.compile(r"(?<!-)-{24} arguments -{24}(?!-)")
 MEGATRON_LM_SIZES = re.compile(r"(?<![\w-])(tensor|pipeline|data|context|expert)-(?:model-)?parallel size: (\d{1,6})")
 LAYOUT_SHORT = re.compile(r"(?<![\w])(TP|PP|VPP|CP|EP|DP)\s{0,2}[=:]\s{0,2}(\d{1,6})\b")
 # "export PYTORCH_CUDA_ALLOC_CONF=a:b", "PYTORCH_CUDA_ALLOC_CONF: a:b", and a printed dict

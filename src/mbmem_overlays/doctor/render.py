@@ -37,6 +37,8 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
     for i, r in enumerate(d.remedies, 1):
         saves = "" if r["saves_bytes"] is None else f"; saves {gib(r['saves_bytes'])}"
         remedies.append(f"{i}. {r['name']}: {r['action']}" + (f" (cost: {r['cost']}{saves})" if r["cost"] or saves else ""))
+        if r.get("step_cost"):   # --plan: the cost model's price for this job (memory/cost/)
+            remedies.append(f"   step cost: {r['step_cost']['text']}")
         if r.get("predicted_peak_bytes") is not None:
             size = (lambda b, u=(d.run or {}).get("display_unit", "GiB"): fmt_size(b, u))
             planned = "" if r.get("planned_hot_bytes") is None else f"planned {size(r['planned_hot_bytes'])}; "
@@ -45,7 +47,9 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
                     f"{g['name']}={g['value']}" for g in r.get("unmodelled", [])) + " not modelled")
             remedies.append(f"   plan: hot rank {planned}predicted peak {size(r['predicted_peak_bytes'])} (the measured "
                             f"peak plus the plan's change): {fits}")
-        if r.get("train_command"):
+        if r.get("megatron") is not None:
+            remedies += megatron_lines(r)
+        elif r.get("train_command"):
             remedies.append(f"   {r['train_command']}")
             remedies.append(f"   checked: {r['check']}")
         elif r.get("check"):
@@ -97,3 +101,12 @@ def unreadable_memory_lines(f: Findings) -> list[str]:
     if f.memory_unreadable_count > len(f.memory_unreadable):
         rows.append(f"... and {f.memory_unreadable_count - len(f.memory_unreadable)} more")
     return rows
+
+
+def megatron_lines(r: dict) -> list[str]:
+    """A Megatron-LM job's remedy: its flags (or the whole command) and how megatron-core checked them, or why no
+    flags can make it."""
+    m = r["megatron"]
+    if not m.get("ok"):
+        return [f"   not possible for this job: {m.get('reason')}"]
+    return [f"   {m.get('text')}", f"   checked: {m.get('check')}"]

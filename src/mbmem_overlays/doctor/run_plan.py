@@ -106,32 +106,25 @@ class RunPlan:
     measured: dict                 # stage -> (measured peak used, measured max allocated, the plan of that line)
     arch: int = DEFAULT_ARCH       # the GPUs' compute capability and the job's environment, as from_config reads them
     env: dict | None = None
+    base_job: Any = None           # the cost model's job of the configuration the log ran (memory/cost/ job_of)
 
     def price(self, remedies: list[C.Remedy], rep) -> list[dict]:
         return [self._price(r) for r in remedies]
 
     def _price(self, r: C.Remedy) -> dict:
-        from ..core.errors import OverlayError
         from ..memory import model as M
-        from ..memory.steps import Rejected, realize, train_command
-        if r.env or r.command or not (r.overlay or r.overrides or r.remove_overlays):
-            return {"check": "an environment or non-training change: the memory model does not price it"}
-        try:
-            start, cand, dropped = self._change(r)
-        except OverlayError as exc:
-            return {"check": f"rejected: {exc}"}
-        try:
-            work, _ = realize(self.cfg, start, cand, self.world, catalog=self.catalog, validate=True)
-        except Rejected as exc:
-            return {"check": f"rejected by our rules or Bridge's validation: {exc.reason}"}
+        got = self._realize(r)
+        if isinstance(got, dict):
+            return got
+        work, out = got
         planned_work = M.from_config(work, self.world, arch=self.arch, env=self.env)
         stages = stage_breakdowns(*planned_work)
-        command = train_command(start, cand, self.world)
-        check = (f"validated (our rules and Bridge's validation) on recipe {self.recipe} at world size {self.world}; "
-                 "a dry run: pasting it validates again (drop run.dry_run=true to train)")
-        if dropped:
-            check += f"; replaces your {', '.join(dropped)}"
-        out = {"train_command": command, "check": check, "command": command}
+        if self.base_job is not None:   # the cost model's price of this change (memory/cost/)
+            from ..memory import cost as K
+            try:
+                out["step_cost"] = K.price(self.base_job, (*planned_work, K.cost_inputs(work)), self.arch).as_dict()
+            except (ValueError, TypeError, ArithmeticError, KeyError):   # unpriced, never raised
+                pass
         if r.overlay == "expandable_segments":  # not modelled: it returns the reserved-but-unallocated gap
             hot = self.measured.get(self.hot_stage)
             out.update({"planned_hot_bytes": None, "predicted_peak_bytes": None if hot is None else int(hot[1]),
@@ -166,6 +159,27 @@ class RunPlan:
             out.update(fits=v.fits, fit=v.kind, fit_verdict=v.text, unmodelled=[g.as_dict() for g in left_out])
         return out
 
+    def _realize(self, r: C.Remedy) -> dict | tuple:
+        """(the realized config, {command, check, ...}) of a remedy on the recipe, or {check: why not}."""
+        from ..core.errors import OverlayError
+        from ..memory.steps import Rejected, realize, train_command
+        if r.env or r.command or not (r.overlay or r.overrides or r.remove_overlays):
+            return {"check": "an environment or non-training change: the memory model does not price it"}
+        try:
+            start, cand, dropped = self._change(r)
+        except OverlayError as exc:
+            return {"check": f"rejected: {exc}"}
+        try:
+            work, _ = realize(self.cfg, start, cand, self.world, catalog=self.catalog, validate=True)
+        except Rejected as exc:
+            return {"check": f"rejected by our rules or Bridge's validation: {exc.reason}"}
+        command = train_command(start, cand, self.world)
+        check = (f"validated (our rules and Bridge's validation) on recipe {self.recipe} at world size {self.world}; "
+                 "a dry run: pasting it validates again (drop run.dry_run=true to train)")
+        if dropped:
+            check += f"; replaces your {', '.join(dropped)}"
+        return work, {"train_command": command, "check": check, "command": command}
+
     def _change(self, r: C.Remedy):
         """(Start, Candidate, the user's words it replaces) for a remedy: removed overlays leave the start, the
         remedy's overrides replace the user's own word for the same field (a turn-off changes what they chose)."""
@@ -185,22 +199,63 @@ class RunPlan:
         return start, cand, replaced
 
 
+@dataclasses.dataclass
+class MegatronRunPlan(RunPlan):
+    """A Megatron-LM job's run plan: each change realized on the job's configuration and written as the job's own
+    flags, validated by megatron-core (memory/megatron.py MegatronTarget); no train.py command."""
+    target: Any = None
+    prefix: tuple = ()            # the launch command's words up to the script, when the log shows them
+
+    def _realize(self, r: C.Remedy) -> dict | tuple:
+        from ..memory.steps import Candidate, Rejected
+        if r.command:
+            return {"check": "not a change of the job's arguments"}
+        if r.env and not (r.overlay or r.overrides):
+            change = self.target.env_change(r.env)
+            work = None
+        elif r.overlay or r.overrides:
+            params = {k: C._typed(v) for k, v in r.params.items()}
+            cand = Candidate().plus(r.overlay, params=params or None, sets=dict(r.overrides))
+            try:
+                work, report = self.target.realize(self.cfg, self.start, cand, self.world, catalog=self.catalog)
+            except Rejected as exc:
+                return {"check": f"not possible for this job: {exc.reason}",
+                        "megatron": {"ok": False, "reason": exc.reason, "text": None}}
+            change = report.megatron
+        else:
+            return {"check": "nothing to change in the job's arguments"}
+        if not change.ok or change.empty:
+            reason = change.reason or "already in effect in the job's arguments"
+            return {"check": f"not possible for this job: {reason}", "megatron": {**change.as_dict(), "ok": False,
+                                                                                   "reason": reason}}
+        command = (change.command(self.prefix) if self.prefix and not any("$" in w for w in change.argv)
+                   else change.text())
+        out = {"command": command, "check": change.check, "megatron": change.as_dict()}
+        return out if work is None else (work, out)
+
+
 def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None, overlay_dirs: list[str] | None,
-                     margin: float, logs: list[str] | None = None, arch: int | None = None) -> Callable:
-    """``arch``: the GPUs' compute capability (--gpu-arch; None: DEFAULT_ARCH, H100/H200, and the plan says so)."""
+                     margin: float, logs: list[str] | None = None, arch: int | None = None,
+                     megatron: tuple | None = None) -> Callable:
+    """``arch``: the GPUs' compute capability (--gpu-arch; None: DEFAULT_ARCH, H100/H200, and the plan says so).
+    ``megatron``: (the Megatron-LM job the logs' arguments give, or None; why not), doctor/megatron_plan.py
+    ``find_job``; without it, the first log's arguments dump is read here."""
     def planner(rep, ctx, f) -> RunPlan | None:
         name = recipe or f.recipe
         missing = []
         shown = ctx.world or _world_from_layout(f)
         world = world_size or shown   # --world-size wins, like --recipe and --gpu-memory
         if not name:
-            dump = megatron_dump(logs or [])
-            if dump is not None:   # a Megatron-LM job: its own arguments dump is its configuration
+            found, why = megatron if megatron is not None else _dump_job(logs or [], world_size, arch)
+            if found is not None:   # a Megatron-LM job: its own arguments are its configuration
                 try:
-                    return _plan_megatron(rep, dump, world_size, margin, arch)
+                    return _plan_megatron(rep, found, world_size, margin, arch)
                 except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
                     rep.plan_status = f"not planned: {' '.join(str(exc).split())[:400]}"
                     return None
+            if why:
+                rep.plan_status = f"not planned: {' '.join(why.split())[:400]}"
+                return None
             missing.append("the recipe (give --recipe)")
         if not world:
             missing.append("the world size (give --world-size)")
@@ -235,32 +290,32 @@ def iteration_offset(rows) -> tuple[int, bool]:
     return 0, False
 
 
-def megatron_dump(paths: list[str]) -> tuple[str, str] | None:
-    """(path, text) of the first log whose head holds Megatron-LM's ``arguments`` dump (read again, bounded, by
-    bridge/megatron_args.py read_source; standard input cannot be read twice), None when none does."""
-    from ..bridge.megatron_args import DUMP_HEADER, MegatronArgsError, read_source
-    for path in paths:
-        if path == "-":
-            continue
-        try:
-            text = read_source(path)
-        except MegatronArgsError:
-            continue
-        if DUMP_HEADER in text:
-            return path, text
-    return None
+def _dump_job(paths: list[str], world_size: int | None, arch: int | None) -> tuple:
+    """(the job of the first log's arguments dump, or None; why not) without the findings (doctor/megatron_plan.py
+    find_job also reads a launch command)."""
+    from ..bridge.megatron_args import MegatronArgsError, load_job
+    from ..memory.coverage import with_coverage
+    from .megatron_plan import FoundJob, megatron_dump
+    dump = megatron_dump(paths)
+    if dump is None:
+        return None, ""
+    try:
+        job = with_coverage(load_job(dump[1], world_size=world_size, arch=arch or DEFAULT_ARCH))
+    except MegatronArgsError as exc:
+        return None, exc.message
+    return FoundJob(job, f"the arguments dump of {dump[0]}"), ""
 
 
-def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: float, arch: int | None = None):
+def _plan_megatron(rep, found, world_size: int | None, margin: float, arch: int | None = None):
     """The log's own Megatron-LM arguments, parsed and validated by megatron-core's parser
-    (bridge/megatron_args.py), planned and compared line by line like a recipe's job."""
-    from ..bridge.megatron_args import load_job
-    from ..memory.coverage import flag_texts, with_coverage
+    (bridge/megatron_args.py), planned and compared line by line like a recipe's job; its changes are priced as
+    the job's own flags (MegatronRunPlan)."""
+    from ..memory.coverage import flag_texts
     from ..core.catalog import Catalog
+    from ..memory.megatron import MegatronTarget
     from ..memory.steps import Start
-    path, text = dump
-    job = with_coverage(load_job(text, world_size=world_size, arch=arch or DEFAULT_ARCH))
-    name = f"Megatron-LM arguments dump of {path}"
+    job = found.job
+    name = f"Megatron-LM {found.source.replace('the ', '', 1)}"
     start = Start(name)
     planned = _compare(rep, job.config, job.config, start, Catalog(), job.world_size, name, [], (), [], margin,
                        arch=arch, env=dict(job.env))
@@ -270,12 +325,12 @@ def _plan_megatron(rep, dump: tuple[str, str], world_size: int | None, margin: f
     if flags:   # the config fields are named by _compare; the flags outside megatron-core's parser here
         rep.plan_status += ("; NOT MODELLED: " + "; ".join(n.text() for n in flags))
     if job.unknown:
-        rep.plan_status += "; unknown in the dump: " + ", ".join(n.flag for n in job.unknown[:8])
+        rep.plan_status += "; unknown in the arguments: " + ", ".join(n.flag for n in job.unknown[:8])
     if world_size and job.world_from == "given" and job.args.get("world_size") != world_size:
         rep.plan_status += f"; world size from --world-size {world_size}"
-    rep.plan_status += "; remedies are not priced for a Megatron-LM job (mbmem plan --megatron-args prints their flags)"
-    del planned   # no RunPlan returned: its remedies would be priced as train.py commands, not Megatron-LM flags
-    return None
+    rep.plan_status += "; each change is priced as the job's own flags, validated by megatron-core's validate_args"
+    fields = {f.name: getattr(planned, f.name) for f in dataclasses.fields(RunPlan)}
+    return MegatronRunPlan(**fields, target=MegatronTarget(job, arch=arch), prefix=found.prefix)
 
 
 def _world_from_layout(f) -> int | None:
@@ -423,5 +478,7 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
     if before_training:
         rep.plan_status += (f"; {len(before_training)} line(s) printed before the first training iteration "
                             f"({', '.join(before_training[:8])}) are not compared: no step has run")
+    from ..memory.cost import cost_inputs
+    base_job = (shape, lay, st, cost_inputs(work))
     return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
-                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env)
+                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env, base_job)

@@ -8,6 +8,7 @@ from typing import Any
 
 from . import variants
 from .inputs import FP8, FP32, Layout, Settings, Shape, _tokens
+from .pipeline import blocks_of, runs_bf16
 
 def attention_scores_bytes(st: Settings, lay: Layout) -> float:
     """Bytes a non-fused attention keeps per score element (per head, query and key position) for its backward.
@@ -24,6 +25,71 @@ def attention_scores_bytes(st: Settings, lay: Layout) -> float:
     if st.attention_dropout:
         return softmax + 1.0 + st.dtype_bytes
     return softmax + (st.dtype_bytes if softmax != st.dtype_bytes else 0.0)
+
+
+def latent_width(s: Shape) -> int:
+    """The width of the tokens the MoE dispatcher moves and the routed experts read and write: moe_latent_size
+    with latent MoE (Shape.moe_latent), else the hidden size."""
+    return s.moe_latent or s.hidden
+
+
+def flex_group(lay: Layout) -> int:
+    """Ranks of the flex dispatcher's communication group: expert TP x EP (token_dispatcher.py:1764-1792 use
+    tp_ep_group, pg_collection.tp_ep, and fold expert TP into the experts: num_experts = tp_size x experts)."""
+    return max(1, lay.etp * lay.ep)
+
+
+def hybridep_nodes(lay: Layout, st: Settings) -> int:
+    """NVLink domains HybridEP's group spans: the group over the ranks per domain, NUM_OF_HYBRID_EP_RANKS_PER_
+    NVLINK_DOMAIN when the job sets it, else what it detects (DeepEP hybrid-ep deep_ep/hybrid_ep_buffer.py
+    HybridEPBuffer.__init__ detect_accessible_ranks), taken as the 8 GPUs of an NVLink node."""
+    group = flex_group(lay)
+    per_domain = st.flex_nvl_ranks or min(group, 8)
+    return max(1, group // max(1, per_domain))
+
+
+def dispatcher_terms(s: Shape, lay: Layout, st: Settings) -> dict[str, float]:
+    """Bytes per token of a microbatch that the flex dispatcher keeps from one MoE layer's forward to its backward,
+    beside what the experts keep (their saved tensors are sized as with alltoall: each token goes to the expert TP
+    ranks of its experts' EP rank, token_dispatcher.py:1827-1854 _initialize_metadata).
+
+    Both backends save only a handle for the backward (megatron-core fused_a2a.py: FusedDispatch / FusedCombine and
+    HybridEPDispatch / HybridEPCombine keep ctx.handle, no token tensor), but the handle holds routing metadata per
+    token the dispatcher saw (N: this rank's sequence-local tokens; R: the expert TP x EP group; L: local experts):
+
+    - DeepEP (v1.2.1, the Buffer API fused_a2a.py calls): intranode (R <= 8) is_token_in_rank [N, R] bool and
+      send_head [N, R] int32, recv_src_idx [received] int32 (csrc/deep_ep.cpp:268, :473, :476); internode
+      is_token_in_rank, send_rdma_head [N, R / 8] int32, recv_src_meta [received, 8] bytes and send_nvl_head
+      [received, 8] int32 (:851-855). torch.topk in setup_metadata (token_dispatcher.py:1291) saves its int64
+      indices [N, topk x expert TP] for its backward, and _indices_to_multihot's index_put (:1354-1355) its two
+      int64 index vectors, one entry per received (token, expert) pair. A token is received once per EP rank it
+      picks (at most min(topk, EP) of them, on each expert TP rank).
+    - HybridEP (DeepEP's hybrid-ep branch, commit 94a9f8f, dispatch_with_permute as token_dispatcher.py:1142
+      calls it): csrc/hybrid_ep/executor/executor.cu metadata_preprocess_core :93-129: sparse_to_dense_map
+      [N x nodes, ranks per domain] int32, local_expert_routing_map [N x R, L] bool, dense_to_expert_map
+      [N x R, L] int32, rdma_to_attn_map [N, nodes] and attn_to_rdma_map [N, nodes - 1] bool.
+    """
+    if st.moe_dispatcher != "flex":
+        return {}
+    sp_div = lay.tp if lay.sp else 1
+    group = flex_group(lay)
+    local_experts = max(1, s.experts // max(1, lay.ep))
+    if st.flex_backend == "deepep":
+        received = min(s.topk, lay.ep) * lay.etp / sp_div * st.moe_load     # per token of the sequence
+        pairs = s.topk * lay.etp / sp_div * st.moe_load
+        if group <= 8:
+            per_local = group * (1 + 4)                      # is_token_in_rank, send_head
+            per_received = 4                                 # recv_src_idx
+        else:
+            per_local = group + 4 * (group // 8)             # is_token_in_rank, send_rdma_head
+            per_received = 8 + 4 * 8                         # recv_src_meta, send_nvl_head
+        topk_indices = 8 * s.topk * lay.etp                  # torch.topk's saved int64 indices
+        return {"moe_dispatch_handle": (per_local + topk_indices) / sp_div + per_received * received + 16 * pairs}
+    if st.flex_backend == "hybridep":
+        nodes = hybridep_nodes(lay, st)
+        per_local = 4 * group + 5 * group * local_experts + nodes + (nodes - 1)
+        return {"moe_dispatch_handle": per_local / sp_div}
+    return {}
 
 
 def mamba_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, gemm_in: float,
@@ -66,6 +132,11 @@ def mamba_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, g
 
 def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> dict[str, float]:
     """Bytes kept per token of one microbatch for one layer of ``kind`` on one GPU (before recompute)."""
+    if runs_bf16(kind) and st.fp8:
+        # one of an FP8 job's first/last layers kept in bf16: it runs outside fp8_autocast
+        # (transformer_block.py:651-652 / hybrid_block.py:364-365 get_fp8_context(config, layer_number - 1) returns a
+        # nullcontext for it, fp8_utils.py:686, :792), so TE saves bf16 GEMM inputs and no quantized copies
+        st = replace(st, fp8=False)
     t = lay.tp
     D = st.dtype_bytes   # the compute dtype: bf16 (2) or, training in fp32, 4
     sp_div = t if lay.sp else 1   # LayerNorm-region tensors are split across TP only with SP
@@ -88,7 +159,7 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             terms[f"lora_a_gathered_input_{target}"] = D * s.hidden
 
     terms: dict[str, float] = {}
-    blocks = kind.split("+")
+    blocks = blocks_of(kind)
     # Every block's norm input (the residual stream) is kept for the norm's backward; TE fuses the norm into
     # the block's first GEMM.
     for block in blocks:
@@ -163,12 +234,27 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # Expert-TP all-gathers the dispatched tokens across its group and splits the FFN: the expert input
         # grows ETP-fold, the FFN activations per rank stay the same (token_dispatcher.py, alltoall).
         routed = s.topk / sp_div * st.moe_load
+        # What is dispatched and what the routed experts read and write: the latent width with latent MoE
+        # (moe_layer.py:482-483 fc1_latent_proj before dispatch_preprocess; experts.py:218, :240 and mlp.py:220-245
+        # size the experts' FC1 input and FC2 output to moe_latent_size), else the hidden size
+        width = latent_width(s)
         # MoE layers have a separate (unfused) pre-MLP norm; the router's gating function saves its output
         # whether or not the router trains (moe_utils.py RouterGatingLinearFunction)
         terms["moe_layernorm_output"] = D * s.hidden / sp_div
         terms["moe_router"] = FP32 * s.experts / sp_div
+        if width != s.hidden:
+            # The latent projections are TELinear with parallel_mode "duplicated" (moe_layer.py:273-296): each TP
+            # rank runs them on its own sequence-local tokens. fc1_latent_proj saves its input for the weight
+            # gradient: in bf16 the pre-MLP norm output the router keeps already (the same tensor), under FP8
+            # its own quantized copy. fc2_latent_proj (moe_layer.py:584-585, after combine_postprocess) saves the
+            # combined latent tokens, which nothing else keeps (the combine returns a new tensor; the unpermute
+            # keeps only its row map).
+            if st.fp8 and keeps_input("fc1_latent_proj"):
+                terms["moe_latent_fc1_input_fp8"] = FP8 * s.hidden / sp_div
+            if keeps_input("fc2_latent_proj"):
+                terms["moe_latent_fc2_input"] = gemm_in * width / sp_div
         if keeps_input("linear_fc1"):  # grouped GEMMs keep inputs only for a weight gradient (grouped_linear.py)
-            terms["moe_permuted_input"] = routed * lay.etp * D * s.hidden
+            terms["moe_permuted_input"] = routed * lay.etp * D * width
         terms["moe_fc1_output"] = routed * D * (2 if s.gated else 1) * s.moe_ffn
         if s.gated and not st.swiglu_fused:
             terms["moe_silu_output"] = routed * D * s.moe_ffn
@@ -187,7 +273,8 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # probabilities at unpermute keeps it as that product's input; megatron-core 0.19.2 applies them inside the experts
         # (experts.py:850-879) and its unpermute keeps only a row map, yet the measured runs (bench/plan_corpus.py,
         # bench/plan_accuracy.py's Moonlight rows) hold a tensor of this size: kept, and open (docs/memory-model.md)
-        terms["moe_unpermute_input"] = routed * D * s.hidden
+        terms["moe_unpermute_input"] = routed * D * width
+        terms.update(dispatcher_terms(s, lay, st))
         if s.shared_ffn:
             terms["shared_expert"] = (D * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
             lora_gathered("linear_fc1")  # the shared expert's adapter is an ordinary column-parallel one
@@ -230,10 +317,13 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
     "moe_act": ("moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
                 "moe_act_output"),
     # The MoE checkpoint's saved input is the pre-MLP norm output (moe/moe_layer.py: tensor_parallel.checkpoint(
-    # custom_forward, False, hidden_states, ...)): it stays unless "layernorm" drops it as well.
+    # custom_forward, False, hidden_states, ...)): it stays unless "layernorm" drops it as well. custom_forward
+    # runs preprocess (fc1_latent_proj), the dispatch and postprocess (fc2_latent_proj) too (moe_layer.py:651-692),
+    # so the latent projections' inputs and the dispatcher's handle go with it.
     "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
             "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
-            "shared_expert", "shared_expert_gate"),
+            "shared_expert", "moe_latent_fc1_input_fp8", "moe_latent_fc2_input", "moe_dispatch_handle",
+            "shared_expert_gate"),
     # the checkpoint wraps the whole SharedExpertMLP forward, gate included (moe_layer.py:510-522)
     "shared_experts": ("shared_expert", "shared_expert_gate"),
     "mla_up_proj": ("attention_qkv", *variants.RECOMPUTE_DROPS["mla_up_proj"]),
@@ -247,7 +337,7 @@ def _selected_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> dict[str,
         for label in st.modules:
             for name in RECOMPUTE_DROPS.get(label, ()):
                 terms.pop(name, None)
-        if "mla_up_proj" in st.modules and any(b in (variants.DSA, variants.DSA_SHARED) for b in kind.split("+")):
+        if "mla_up_proj" in st.modules and any(b in (variants.DSA, variants.DSA_SHARED) for b in blocks_of(kind)):
             terms["dsa_up_proj_checkpoint_inputs"] = variants.dsa_up_proj_checkpoint_inputs(s, lay, st)
     return terms
 

@@ -48,6 +48,17 @@ PRECISION_AWARE_PATH = (
     "the step takes the regular path: DistributedOptimizer's fp32 masters and fp32 gradient copies "
     "(distrib_optimizer.py:2782), with the moments in exp_avg_dtype")
 
+OUTSIDE_TORCH = (
+    "CUDA context, NCCL communicators and TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
+    "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) are outside torch's allocated memory and not counted; "
+    "neither are the flex MoE dispatcher's communication buffers (DeepEP's cudaMalloc'd NVLink buffer, NVSHMEM "
+    "RDMA buffer and workspace: DeepEP v1.2.1 csrc/deep_ep.cpp:48, :62, :227; HybridEP's cuMemCreate / cudaMalloc "
+    "buffers: hybrid-ep csrc/hybrid_ep/allocator/allocator.cu:87-96), which the code sizes from the group, the "
+    "dispatched width and the tokens, so they are a range of the fit instead (buffers.flex_outside_torch_bytes); "
+    "the cuBLAS workspaces are inside it and counted (buffers.gemm_workspaces: torch's per thread and stream, two "
+    "threads; Transformer Engine's one, plus one per compute stream with its grouped GEMM) for a GPU of compute "
+    "capability 9 (H100/H200) unless the plan is told another")
+
 
 @dataclass(frozen=True)
 class Assumption:
@@ -74,13 +85,9 @@ ASSUMPTION_TABLE: tuple[Assumption, ...] = (
                "left over (CUDACachingAllocator should_split): that slack depends on the order of allocations and is "
                "not modelled"),
     Assumption("outside_torch", None,
-               "CUDA context, NCCL communicators and TE userbuffers are outside torch's allocator and not counted; "
-               "the cuBLAS workspaces are counted",
-               "CUDA context, NCCL communicators and TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1"
-               " comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) are outside torch's allocated memory and not "
-               "counted; the cuBLAS workspaces are inside it and counted (buffers.gemm_workspaces: torch's per thread"
-               " and stream, two threads; Transformer Engine's one, plus one per compute stream with its grouped "
-               "GEMM) for a GPU of compute capability 9 (H100/H200) unless the plan is told another"),
+               "CUDA context, NCCL communicators, TE userbuffers and the flex dispatcher's buffers are outside torch's "
+               "allocator and not counted; the cuBLAS workspaces are counted",
+               OUTSIDE_TORCH),
     Assumption("headline_phases", None,
                "the peak is the larger of the 1F1B steady state and the optimizer step, per pipeline rank; the "
                "one-time warm-up and graph capture bound the range",

@@ -4,9 +4,11 @@ bucket) and megatron-core's global memory buffer."""
 
 from __future__ import annotations
 
+import math
+
 from .inputs import FP32, Layout, Settings, Shape, _tokens
-from .pipeline import rank_layers
-from .weights import fsdp_shards, largest_layer_params, optimizer_shards, stage_params
+from .pipeline import blocks_of, rank_layers
+from .weights import fsdp_shards, largest_layer_params, optimizer_shards, stage_bf16_params, stage_params
 
 MiB = 1 << 20
 # The autograd engine runs a CUDA backward on its own worker thread per device (torch/csrc/autograd/engine.cpp
@@ -87,8 +89,10 @@ def fp8_master_cast_copies(s: Shape, lay: Layout, st: Settings, first: bool, las
     if not st.fp8_cast_copy_bytes or st.lora_rank or "fp8_master_cast_copies" in st.without:
         return 0.0
     layer_params, _, expert = stage_params(s, lay, first, last, rank)
+    # the first/last layers an FP8 job keeps in bf16 have params-dtype weights, copied from their masters in place
+    bf16_dense, bf16_expert = stage_bf16_params(s, lay, st, (0 if first else lay.pp - 1) if rank is None else rank)
     shards, expert_shards = optimizer_shards(lay, st)
-    return st.fp8_cast_copy_bytes * (layer_params / shards + expert / expert_shards)
+    return st.fp8_cast_copy_bytes * ((layer_params - bf16_dense) / shards + (expert - bf16_expert) / expert_shards)
 
 def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params: float) -> float:
     """Transient unsharded copies the data-parallel communication keeps beside the sharded state, and
@@ -152,3 +156,119 @@ def global_memory_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> floa
         # DotProductAttention refuses context parallelism (dot_product_attention.py:57-58): sq = sk = seq
         scores = st.dtype_bytes * lay.mbs * max(1, s.heads // lay.tp) * lay.seq * lay.seq
     return max(gather, scores) + (gather if st.deferred_wgrad_microbatches else 0.0)
+
+
+def _moe_dispatchers(s: Shape, lay: Layout, rank: int) -> int:
+    """MoE layers (each with its own token dispatcher and its manager) on pipeline rank ``rank``: the decoder's, and
+    on the last rank the MTP depths' (one module for all depths with mtp_use_repeated_layer)."""
+    n = sum(count for kind, count in rank_layers(s, lay, rank).items() if "moe" in blocks_of(kind))
+    if rank == lay.pp - 1 and s.mtp_layers:
+        from .weights import mtp_blocks
+        n += (1 if s.mtp_shared else s.mtp_layers) * sum(1 for b in mtp_blocks(s) if b == "moe")
+    return n
+
+
+def flex_dispatcher_state(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """Routing tensors each MoE layer's flex dispatcher keeps referenced from one forward to its next, so one set
+    per MoE layer is allocated in every phase (the step included), beside what autograd saves.
+
+    The manager of each layer (token_dispatcher.py:1764-1792, one per MoELayer) stores what setup_metadata makes
+    and nothing clears it (combine releases only the handle and the dispatched tensors, :1196, :1378-1381):
+    HybridEP the routing map and probabilities expanded to the expert-TP-folded experts, new contiguous tensors
+    [N, expert TP x experts] in bool and fp32 (_initialize_metadata :1827-1854, setup_metadata :1087-1088);
+    DeepEP their top-k, [N, topk x expert TP] fp32 values and int64 indices (:1291). N: the sequence-local tokens
+    of a microbatch."""
+    if st.moe_dispatcher != "flex" or not s.experts:
+        return 0.0
+    local_tokens = _tokens(lay) / (lay.tp if lay.sp else 1)
+    if st.flex_backend == "hybridep":
+        per_token = (1 + FP32) * s.experts * lay.etp
+    elif st.flex_backend == "deepep":
+        per_token = (FP32 + 8) * s.topk * lay.etp
+    else:
+        return 0.0
+    return _moe_dispatchers(s, lay, rank) * local_tokens * per_token
+
+
+# DeepEP v1.2.1 deep_ep/buffer.py get_dispatch_config / get_combine_config: (NVL chunked recv tokens, RDMA chunked
+# send tokens, RDMA chunked recv tokens) per EP group size, for the dispatch and the combine (csrc/config.hpp
+# Config; the NVL send-chunk size does not size a buffer)
+DEEPEP_CONFIGS = {
+    2: ((256, 6, 128), (256, 6, 128)), 4: ((256, 6, 128), (256, 6, 128)), 8: ((256, 6, 128), (256, 6, 128)),
+    16: ((288, 20, 128), (288, 12, 128)), 24: ((288, 32, 128), (288, 8, 128)), 32: ((288, 32, 128), (288, 8, 128)),
+    64: ((288, 28, 128), (288, 20, 128)), 128: ((560, 32, 128), (560, 12, 128)),
+    144: ((720, 12, 128), (720, 8, 128)), 160: ((720, 12, 128), (720, 8, 128)),
+}
+DEEPEP_DEFAULT_SMS = 20            # fused_a2a.py set_deepep_num_sms: moe_flex_dispatcher_num_sms or 20
+DEEPEP_WORKSPACE = 32 * MiB        # csrc/kernels/configs.cuh NUM_WORKSPACE_BYTES, cudaMalloc'd by Buffer::Buffer
+NUM_MAX_NVL_PEERS = 8              # csrc/kernels/configs.cuh
+
+
+def _deepep_nvl_bytes(hidden_bytes: int, ranks: int, sms: int, recv_tokens: int) -> int:
+    """Config::get_nvl_buffer_size_hint (csrc/config.hpp): per channel (sms / 2) and NVL peer, the chunked
+    receive tokens' data, source meta (8 bytes), top-k indices (128 x int64), weights and scales (128 x fp32)."""
+    rdma_ranks, nvl_ranks, channels = max(ranks // NUM_MAX_NVL_PEERS, 1), min(ranks, NUM_MAX_NVL_PEERS), sms // 2
+    n = channels * nvl_ranks * (2 * rdma_ranks + 3) * 4
+    n += channels * nvl_ranks * recv_tokens * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4)
+    return (n + 127) // 128 * 128
+
+
+def _deepep_rdma_bytes(hidden_bytes: int, ranks: int, sms: int, send_tokens: int, recv_tokens: int) -> int:
+    """Config::get_rdma_buffer_size_hint (csrc/config.hpp): 0 within one NVLink node (legacy mode), else per
+    channel and RDMA peer a send and a receive copy of the chunked tokens' data, source meta, top-k indices,
+    weights, scales and an int4 each; the Config constructor first rounds the chunked receive tokens up to a
+    multiple of the send chunk."""
+    if ranks <= NUM_MAX_NVL_PEERS:
+        return 0
+    recv_tokens = math.ceil(recv_tokens / send_tokens) * send_tokens
+    rdma_ranks, channels = ranks // NUM_MAX_NVL_PEERS, sms // 2
+    n = channels * rdma_ranks * (NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
+    n += channels * rdma_ranks * recv_tokens * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16) * 2
+    return (n + 127) // 128 * 128
+
+
+def flex_outside_torch_bytes(s: Shape, lay: Layout, st: Settings) -> float | None:
+    """Bytes one GPU gives the flex dispatcher's communication buffers outside torch's caching allocator (so not
+    in max_memory_allocated, nor in the plan's figure, yet on the GPU); 0 without the flex dispatcher, None when
+    the code does not size them from the configuration (NCCL EP, a group size DeepEP has no config for).
+
+    - DeepEP (v1.2.1, the legacy Buffer that fused_a2a.py get_buffer builds once, sized by the largest of the
+      dispatch and combine configs' hints for 2-byte tokens of the dispatched width, hidden_bytes = width x
+      max(element size, 2)): the NVLink buffer is cudaMalloc'd (csrc/deep_ep.cpp:48), the RDMA buffer NVSHMEM's
+      (:227 internode::alloc), the 32 MiB workspace cudaMalloc'd (:62).
+    - HybridEP (DeepEP hybrid-ep branch, commit 94a9f8f): ExtendedMemoryAllocator::allocate is cuMemCreate or
+      cudaMalloc (csrc/hybrid_ep/allocator/allocator.cu:87-96). Every rank's NVLink buffers hold the worst case,
+      all T x group tokens (buffer/intranode.cu:127-129; T: this rank's tokens, rounded up to 16 by
+      hybrid_ep_buffer.py update_template_config): their 2-byte data, one fp32 probability per local expert of the
+      NVLink domain (allocate_combine_buffers :253-261, shared with the dispatch's, :205-208) and the dispatch's
+      fp32 scaling factors per 128 channels (:201, :213); across NVLink domains the RDMA buffers
+      (buffer/internode_doca.cu allocate_dispatch_buffers :383-420, allocate_combine_buffers :557-580)."""
+    if st.moe_dispatcher != "flex" or not s.experts:
+        return 0.0
+    group = max(1, lay.etp * lay.ep)
+    width = s.moe_latent or s.hidden
+    if st.flex_backend == "deepep":
+        if group not in DEEPEP_CONFIGS:
+            return None
+        sms = st.flex_num_sms or DEEPEP_DEFAULT_SMS
+        hidden_bytes = width * max(st.dtype_bytes, 2)
+        nvl = max(_deepep_nvl_bytes(hidden_bytes, group, sms, c[0]) for c in DEEPEP_CONFIGS[group])
+        rdma = max(_deepep_rdma_bytes(hidden_bytes, group, sms, c[1], c[2]) for c in DEEPEP_CONFIGS[group])
+        return float(nvl + rdma + DEEPEP_WORKSPACE)
+    if st.flex_backend == "hybridep":
+        from .activations import hybridep_nodes
+        per_domain = group // hybridep_nodes(lay, st)
+        nodes = group // per_domain
+        tokens = math.ceil(_tokens(lay) / (lay.tp if lay.sp else 1) / 16) * 16
+        local_experts = max(1, s.experts // max(1, lay.ep))
+        scale = FP32 * (width // 128)
+        probs = FP32 * local_experts * per_domain          # one per local expert of the NVLink domain
+        nvl = tokens * group * (2 * width + probs + scale)
+        rdma = 0.0
+        if nodes > 1:
+            rest = nodes - 1
+            rdma += tokens * (2 * width + probs * nodes + scale)                 # the attention side's input
+            rdma += tokens * rest * (2 * width + probs + scale)                  # the inter-node group's
+            rdma += 2 * tokens * rest * (2 * width + probs)                      # combine: reduced and grouped
+        return float(nvl + rdma)
+    return None

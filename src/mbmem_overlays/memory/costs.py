@@ -1,4 +1,9 @@
-"""The memory ladder's order and each step's documented throughput cost, with its source."""
+"""The memory ladder's order and each step's documented throughput cost, with its source: the words NVIDIA's skill
+texts give (shown beside each step as "documented").
+
+What the ladder, ``--search`` and ``doctor --plan`` rank by is the cost model (memory/cost/: each change priced
+for the job). The numbers below are the texts' own figures, used only where no plan exists: the doctor without
+``--plan`` (no Bridge, no configuration to price) orders its turn-off remedies by them (doctor/diagnose.py)."""
 
 from __future__ import annotations
 

@@ -78,6 +78,10 @@ MODEL_READS = frozenset({
     # (from_config.packed_sequences); the shared expert's gate
     "model.dsa_indexer_use_sparse_loss", "dataset.enable_offline_packing", "dataset.offline_packing_specs",
     "dataset.enable_in_batch_packing", "model.moe_shared_expert_gate",
+    # latent MoE, FP8's first/last bf16 layers, the flex dispatcher (from_config bf16_layer_span, moe_dispatcher)
+    "model.first_last_layers_bf16", "model.num_layers_at_start_in_bf16", "model.num_layers_at_end_in_bf16",
+    "model.moe_enable_deepep", "model.moe_flex_dispatcher_backend", "model.moe_flex_dispatcher_num_sms",
+    "model.moe_deepep_num_sms", "model.moe_hybridep_num_sms", "model.moe_expert_rank_capacity_factor", "env_vars",
 })
 
 
@@ -119,11 +123,15 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.cpu_offloading_weights", "weight CPU offload moves layer weights off the GPU",
                moves=DOWN, bound=lambda b: b.parameters),   # at most every weight leaves
     Unmodelled("model.fp4", "FP4 weights and GEMM inputs"),
-    Unmodelled("model.first_last_layers_bf16", "with FP8 the first and last layers stay bf16",
-               lambda v: bool(v)),
-    Unmodelled("model.moe_latent_size", "latent MoE projects tokens to a smaller size before the experts"),
-    Unmodelled("model.moe_token_dispatcher_type", "the flex (DeepEP / HybridEP) dispatcher's buffers",
-               lambda v: v == "flex"),
+    # The flex dispatcher's DeepEP and HybridEP backends are modelled (activations.dispatcher_terms,
+    # buffers.flex_dispatcher_state; their buffers outside torch's allocator are a range, ranges.py); NCCL EP is
+    # not: megatron-core 0.19.2 requires it with the flex dispatcher (transformer_config.py:1609-1614)
+    Unmodelled("model.moe_flex_dispatcher_backend",
+               "the flex dispatcher's NCCL EP backend: each dispatch gets a receive buffer of a static per-rank "
+               "capacity (tokens x topk x moe_expert_rank_capacity_factor) that the experts keep views of, plus, "
+               "with zero copy, NCCL symmetric memory outside torch's allocator (token_dispatcher.py _NCCLEPManager; "
+               "TE v2.17.1 transformer_engine/pytorch/ep.py EpBuffer); not modelled",
+               lambda v: str(v) == "ncclep"),
     Unmodelled("model.heterogeneous_block_specs", "heterogeneous layers (per-layer shapes)"),
     # megatron-core 0.19.2 builds two variants (memory/variants.py models both); any other value (DeepSeek-V4's
     # "dsv4_hybrid") raises ValueError when the model is built (experimental_attention_variant_module_specs.py

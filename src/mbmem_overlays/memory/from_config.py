@@ -322,6 +322,45 @@ def mamba_heads(m: Any) -> int:
     return 2 * m.hidden_size // head_dim if head_dim else 0
 
 
+def bf16_layer_span(m: Any, mp: Any, fp8: bool) -> tuple[int, int]:
+    """Shape.bf16_layers: (first, last) main-decoder layers an FP8 job builds and runs outside FP8, (0, 0) without
+    FP8, where first_last_layers_bf16 changes nothing (get_fp8_context returns a nullcontext for every layer then,
+    fp8_utils.py:792). transformer_config.py:628-637: num_layers_at_start/end_in_bf16 (default 1 each) count
+    only with first_last_layers_bf16. A mixed-precision preset wins: Bridge's setup copies each of its fields the
+    model config also has onto it (mixed_precision.py:127, update_config_with_precision_overrides :138-156), these
+    three included."""
+    if not fp8:
+        return 0, 0
+    src = mp if mp is not None and hasattr(mp, "first_last_layers_bf16") else m
+    if not bool(getattr(src, "first_last_layers_bf16", False)):
+        return 0, 0
+    return (max(0, int(getattr(src, "num_layers_at_start_in_bf16", 1) or 0)),
+            max(0, int(getattr(src, "num_layers_at_end_in_bf16", 1) or 0)))
+
+
+def moe_dispatcher(m: Any) -> tuple[str, str]:
+    """(moe_token_dispatcher_type, flex backend or ""): transformer_config.py:862-873 (default "allgather";
+    the flex backend defaults to "deepep"), the deprecated moe_enable_deepep selecting DeepEP (:1589-1598)."""
+    kind = str(getattr(m, "moe_token_dispatcher_type", None) or "allgather")
+    if kind != "flex":
+        return kind, ""
+    backend = "deepep" if bool(getattr(m, "moe_enable_deepep", False)) else str(
+        getattr(m, "moe_flex_dispatcher_backend", None) or "deepep")
+    return kind, backend
+
+
+def _env_int(env: dict[str, str] | None, cfg: Any, name: str) -> int:
+    """An integer the job's environment sets (the user's, else the recipe's cfg.env_vars), 0 when unset or bad."""
+    value = (env or {}).get(name)
+    if value is None:
+        value = (getattr(cfg, "env_vars", None) or {}).get(name) if isinstance(getattr(cfg, "env_vars", None),
+                                                                                dict) else None
+    try:
+        return max(0, int(value)) if value is not None else 0
+    except (TypeError, ValueError):
+        return 0
+
+
 def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None
                 ) -> tuple[Shape, Layout, Settings]:
     """The plan's inputs read from a Bridge ConfigContainer for ``world`` GPUs of compute capability ``arch``
@@ -353,6 +392,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     hybrid = bool(getattr(m, "is_hybrid_model", False) and isinstance(pattern, str) and pattern)
     blocks = {b for kind in kinds + mtp_blocks for b in kind.split("+")}
     moe_layers = sum(1 for k in kinds if "moe" in k)
+    mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
+    fp8 = bool(getattr(mp, "fp8", None) or getattr(m, "fp8", None))
     vocab, pad = model_vocab(cfg)
     div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
     vocab = int(math.ceil(vocab / div) * div) if vocab and pad else vocab   # calculate_padded_vocab_size
@@ -396,7 +437,9 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
            if blocks & {DSA, DSA_SHARED} else {}),
         # moe/moe_layer.py:338-342 passes moe_shared_expert_gate to the shared experts (only with a shared expert)
         shared_gate=bool(getattr(m, "moe_shared_expert_gate", False)) and bool(
-            getattr(m, "moe_shared_expert_intermediate_size", 0)) and bool(experts))
+            getattr(m, "moe_shared_expert_intermediate_size", 0)) and bool(experts),
+        moe_latent=int(getattr(m, "moe_latent_size", 0) or 0) if experts else 0,
+        bf16_layers=bf16_layer_span(m, mp, fp8))
     chunks = segments if len(segments) > 1 else chunk_layers(m, layers)
     pp = m.pipeline_model_parallel_size
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
@@ -408,7 +451,6 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
                  chunk_layers=chunks,
                  # model_parallel_config.py:431-445 (None: the pipeline size, set in __post_init__ :567-568)
                  vp_group=int(getattr(m, "microbatch_group_size_per_vp_stage", None) or 0))
-    mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
     grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
     if grad_fp32 is None:
         grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
@@ -421,7 +463,6 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         _dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) != FP32 or fp8_recipe in (None, "delayed")
         or bool(getattr(opt, "optimizer_cpu_offload", False)))
     peft = getattr(cfg, "peft", None)
-    fp8 = bool(getattr(mp, "fp8", None) or getattr(m, "fp8", None))
     fp8_params = bool(getattr(m, "fp8_param", False) or getattr(mp, "fp8_param_gather", False))
     overlap = getattr(cfg, "comm_overlap", None)
     defer = getattr(overlap, "defer_embedding_wgrad_compute", None)
@@ -436,6 +477,15 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     if peft is not None and getattr(peft, "sequence_parallel_input_regather", False):
         view = View(cfg, {}, {}, world, (), {})
         regather = tuple(t for t, r in regather_fallbacks(view).items() if r is None)
+    dispatcher, backend = moe_dispatcher(m) if experts else ("alltoall", "")
+    # HybridEP with moe_expert_rank_capacity_factor sizes its dispatched tokens to a static budget of tokens x
+    # topk x factor per rank and drops the rest (token_dispatcher.py:1090-1102 num_permuted_tokens; hybrid-ep
+    # csrc/hybrid_ep/hybrid_ep.cu dispatch_with_permute allocates [num_permuted_tokens, hidden]): the experts run on
+    # that budget whatever the routing
+    rank_capacity = getattr(m, "moe_expert_rank_capacity_factor", None) if backend == "hybridep" else None
+    rank_capacity = float(rank_capacity) if rank_capacity else None
+    moe_load = _capacity_factor(m) if _capacity_factor(m) and getattr(m, "moe_pad_expert_input_to_capacity",
+                                                                      False) else (rank_capacity or 1.0)
     settings = Settings(
         recompute=m.recompute_granularity,
         modules=recompute_modules(m, scopes) if m.recompute_granularity == "selective" else (),
@@ -460,8 +510,11 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         glu_clamped=getattr(m, "activation_func_clamp_value", None) is not None,
         moe_probs_mul=bool(experts) and _moe_weights_activation_separately(m),
         moe_capacity_factor=_capacity_factor(m),
-        moe_load=_capacity_factor(m) if _capacity_factor(m) and getattr(m, "moe_pad_expert_input_to_capacity",
-                                                                          False) else 1.0,
+        moe_load=moe_load, moe_rank_capacity=rank_capacity,
+        moe_dispatcher=dispatcher, flex_backend=backend,
+        flex_num_sms=int(getattr(m, "moe_flex_dispatcher_num_sms", None) or getattr(m, "moe_deepep_num_sms", None)
+                         or getattr(m, "moe_hybridep_num_sms", None) or 0) if backend else 0,
+        flex_nvl_ranks=_env_int(env, cfg, "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN") if backend == "hybridep" else 0,
         graph_warmup_steps=int(getattr(m, "cuda_graph_warmup_steps", 0) or 0) if scopes else 0,
         graph_scopes=scopes,
         logits_bytes=loss_bytes(m),

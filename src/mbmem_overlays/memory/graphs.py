@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import variants
 from .activations import _selected_terms
 from .inputs import Layout, Settings, Shape, _tokens
-from .pipeline import rank_chunks
+from .pipeline import blocks_of, rank_chunks
 
 # CUDA graph module -> the activation terms a captured graph of that scope keeps inside its private memory pool.
 # Everything a graph saves is written by replay into pool memory the caching allocator has already handed to
@@ -21,7 +21,8 @@ GRAPH_SCOPE_TERMS = {
             "mlp_glu_linear_input", "mlp_glu_clamped_input", "mlp_act_output", "lora_a_gathered_input_linear_fc1"),
     "moe": ("moe_layernorm_input", "moe_dropout_mask", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
             "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
-            "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert", "shared_expert_gate"),
+            "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert", "moe_latent_fc1_input_fp8",
+            "moe_latent_fc2_input", "moe_dispatch_handle", "shared_expert_gate"),
     # up to the router: the pre-MLP norm and the router, and the shared experts unless they overlap with the
     # EP communication (then they run outside the graph)
     "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert",
@@ -37,7 +38,7 @@ def graphed_blocks(kind: str, scopes: tuple[str, ...]) -> dict[str, str]:
     (cuda_graphs.py _layer_is_graphable: attn for layers with attention, mlp for dense MLP layers, moe or
     moe_router for MoE layers, mamba for Mamba layers)."""
     out = {}
-    for block in kind.split("+"):
+    for block in blocks_of(kind):
         if block in ("mla", *variants.VARIANT_BLOCKS) and "attn" in scopes:
             out[block] = "attn"   # any TransformerLayer with a self_attention (_layer_is_graphable :2066-2072)
         elif block in scopes:
@@ -105,14 +106,14 @@ def graph_outputs_read_eagerly(s: Shape, lay: Layout, st: Settings, rank: int) -
     for chunk in rank_chunks(s, lay, rank):
         for j, kind in enumerate(chunk):
             graphed = graphed_blocks(kind, st.graph_scopes)
-            blocks = kind.split("+")
+            blocks = blocks_of(kind)
             whole = [b for b, module in graphed.items() if module == b]
             if not whole or len(whole) != len(graphed):
                 continue
             last = max(blocks.index(b) for b in whole)
             if last + 1 < len(blocks):
                 n += 1
-            elif j + 1 < len(chunk) and chunk[j + 1].split("+")[0] not in graphed_blocks(chunk[j + 1],
+            elif j + 1 < len(chunk) and blocks_of(chunk[j + 1])[0] not in graphed_blocks(chunk[j + 1],
                                                                                          st.graph_scopes):
                 n += 1
     return n

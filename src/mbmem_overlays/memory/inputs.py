@@ -74,6 +74,13 @@ class Shape:
     dsa_qkv_norms: bool = False
     # moe_shared_expert_gate: one sigmoid gate per token scales the shared expert's output (moe/shared_experts.py)
     shared_gate: bool = False
+    # moe_latent_size: the routed experts work in this width, between a hidden -> latent and a latent -> hidden
+    # projection (transformer/moe/moe_layer.py fc1/fc2_latent_proj); 0: none, the experts work in the hidden size
+    moe_latent: int = 0
+    # With FP8: how many of the first and of the last main-decoder layers are built and run outside FP8
+    # (first_last_layers_bf16, num_layers_at_start/end_in_bf16: fp8_utils.py is_first_last_bf16_layer); (0, 0)
+    # without FP8, where they change nothing. pipeline.layer_kinds marks those layers (BF16_LAYER).
+    bf16_layers: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,9 @@ class Settings:
     glu_clamped: bool = False                 # activation_func_clamp_value set: the unfused GLU clamps x_glu first
     moe_load: float = 1.0                     # tokens on this rank's experts / a balanced load (see moe_load_range)
     moe_capacity_factor: float | None = None  # moe_expert_capacity_factor (None: dropless)
+    # moe_expert_rank_capacity_factor with HybridEP: a static per-rank budget of topk x factor x tokens the experts
+    # run on, tokens beyond it dropped (None: none; Settings.moe_load is then that factor)
+    moe_rank_capacity: float | None = None
     moe_probs_mul: bool = False               # experts weight their activation output by the probs separately
     graph_warmup_steps: int = 0               # cuda_graph_warmup_steps: eager iterations before TE graph capture
     fine_grained_offload: Any = None          # levers.FineGrainedOffload (model.fine_grained_activation_offloading)
@@ -187,6 +197,14 @@ class Settings:
     # batches carry packed-sequence metadata (Bridge training/gpt_step.py _uses_packed_sequence_metadata)
     dsa_sparse_loss: bool = False
     packed_sequences: bool = False
+    # The MoE token dispatcher (moe_token_dispatcher_type: "alltoall", "allgather" or "flex") and, for flex, its
+    # backend ("deepep", "hybridep", "ncclep"); what each keeps for the backward (activations.dispatcher_terms),
+    # beside the experts' own tensors, and what it allocates outside torch's allocator (buffers.flex_buffers)
+    moe_dispatcher: str = "alltoall"
+    flex_backend: str = ""
+    flex_num_sms: int = 0                     # moe_flex_dispatcher_num_sms (0: unset, the backend's default)
+    # NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN from the job's environment (0: unset, HybridEP detects it)
+    flex_nvl_ranks: int = 0
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

@@ -3,7 +3,10 @@
 Every rung proposes a :class:`~.steps.Candidate` on top of the user's own start (recipe, ``--set``
 words, overlays); it is realized the way ``train.py`` realizes it (our rules, then Bridge's
 validation) before it may become a step, and the one command printed at the end is the last
-accepted candidate's, so it has passed both already. Order (sources in ``costs.py``):
+accepted candidate's, so it has passed both already. Each step is priced for the job by the cost model
+(memory/cost/); while no candidate fits the rungs are walked in this order, and at the first rung where one fits,
+the cheapest of every candidate that fits, this rung's and the later rungs' (TP doubling aside), is the step.
+Order (the documented words in ``costs.py``):
 
 1. expandable segments (memory-tuning skill, Quick Decision 1)
 2. sequence parallel at TP > 1, the precondition of 3 (memory-tuning skill, PEFT + SP input re-gather)
@@ -39,11 +42,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.catalog import Catalog
+from . import cost as K
+from .cost import cost_text
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST, full_recompute_cost, optimizer_offload_cost
 from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, realize, settings, toggles,
                     train_command)
 
 RECOMPUTE_OVERLAYS = ("selective_recompute", "full_recompute")
+LAST_RESORT = ("TP x2",)   # never ranked ahead of its turn (_later_fitting)
 SAVES_NOTHING = "saves nothing here"
 MIN_SAVING = 1 << 20   # a candidate the plan prices at less than 1 MiB saved is not a step
 
@@ -291,6 +297,9 @@ def full_recompute_uniform(state: State) -> Proposal:
 
 
 def optimizer_offload(state: State) -> Proposal:
+    taken = _own(state, "optimizer_offload", ("optimizer.optimizer_cpu_offload", "optimizer.optimizer_offload_fraction"))
+    if taken:
+        return taken
     # HybridDeviceOptimizer needs the distributed optimizer (cpu-offloading skill, Compatibility: Optimizer offloading)
     on = bool(state.cfg.optimizer.use_distributed_optimizer)
     with_dist = state.cand if on else state.cand.plus("dist_optimizer")
@@ -342,31 +351,57 @@ def _shown(value: Any) -> Any:
     return value if isinstance(value, (type(None), bool, int, float, str, list, dict)) else repr(value)
 
 
+def _cost(before_cfg: Any, after_cfg: Any, world: int, arch: int | None) -> dict[str, Any]:
+    """The cost model's price of one step (memory/cost/ Cost.as_dict: range, FLOPs, bytes per link, bubble)."""
+    return K.price(K.job_of(before_cfg, world, arch=arch), K.job_of(after_cfg, world, arch=arch), arch).as_dict()
+
+
+def _cheapest(options: list[dict]) -> list[dict]:
+    """Options ordered by their cost (memory/cost/ rank_key: the high end of the range, then the low end), then by
+    the memory they leave."""
+    return sorted(options, key=lambda o: (tuple(o["cost"]["rank_key"]), o["total"]))
+
+
 def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locked: dict | None = None,
               recipe: str = "<recipe>", *, start: Start | None = None, catalog: Catalog | None = None,
-              validate: bool = True) -> dict[str, Any]:
+              validate: bool = True, arch: int | None = None, target: Any = None) -> dict[str, Any]:
     """The memory-tuning skill's ladder, step by step, until the plan fits.
 
     ``cfg`` is the recipe with the user's overrides written; ``start`` carries the user's --set words and
     overlays (``recipe``/``locked`` are the short form when there are none). Every accepted step has passed
-    our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's."""
+    our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's.
+
+    Each step carries its ``cost`` from the cost model (memory/cost/, on GPUs of compute capability ``arch``;
+    None: 9, or the target's) and the documented words (``documented``). The rungs are walked in the skill's order
+    while no candidate fits; once one does, every candidate of that rung and of the later rungs that fits on its own
+    is priced and the cheapest is the step (``alternatives``: the others that fit, with their cost).
+
+    ``target``: a job that is not launched as a recipe (memory/megatron.py ``MegatronTarget``, a Megatron-LM job's
+    own arguments): its ``realize`` replaces steps.realize (and refuses what its own validator refuses), its
+    ``verdict`` words each step's validation, its ``command`` is the printed command and its ``extra`` adds its
+    fields to each accepted step and to the result."""
     start = start or Start(recipe, locked=dict(locked or {}))
     catalog = catalog or Catalog(list(start.overlay_dirs))
+    arch = arch if arch is not None or target is None else target.arch
+    do = realize if target is None else target.realize
+    verdict_of = _verdict if target is None else target.verdict
+    plan_of = breakdown_of if target is None else target.breakdown
     limit = capacity * (1 - margin)
     base = Candidate()
     try:
-        work, report = realize(cfg, start, base, world, catalog=catalog, validate=validate)
+        work, report = do(cfg, start, base, world, catalog=catalog, validate=validate)
     except Rejected as exc:
         return {"capacity_bytes": int(capacity), "margin": margin, "fits": False, "steps": [],
                 "error": f"your starting point is rejected: {exc.reason}", "command": None}
     state = State(start, base, work, report, world)
     probes: dict = {}   # explain_rejection's realized probes, shared by the rungs
-    first = breakdown_of(work, world)
+    first = plan_of(work, world)
     total = first.footprint
     rows: list[dict[str, Any]] = [{"step": "baseline", "overlays": list(start.overlays), "total_bytes": int(total),
-                                   **_fit(work, first, limit), "validation": _verdict(report), "breakdown": first}]
+                                   **_fit(work, first, limit), "validation": verdict_of(report), "breakdown": first,
+                                   **({} if target is None else target.extra(report))}]
     seen: dict[tuple, str] = {}
-    for rung in LADDER_RUNGS:
+    for index, rung in enumerate(LADDER_RUNGS):
         if rung.label != "expandable_segments" and total <= limit:
             break  # expandable segments always comes first (free; fragmentation is invisible to any plan)
         proposal = rung.propose(state)
@@ -374,29 +409,43 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
             rows.append({"step": rung.label, "skipped": str(proposal),
                          "kind": SAVES_NOTHING if isinstance(proposal, SavesNothing) else "not applicable"})
             continue
-        best, reasons = None, []
-        for cand, cost in proposal:
+        options, reasons = [], []
+        for cand, words in proposal:
             try:
-                cfg2, report2 = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
+                cfg2, report2 = do(cfg, start, cand, world, catalog=catalog, validate=validate)
             except Rejected as exc:
                 reasons.append(explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                                  cache=probes))
                 continue
-            b = breakdown_of(cfg2, world)
-            new_total = b.footprint
-            option = (cand, cost, cfg2, report2, new_total, b)
-            if best is None or new_total < best[4]:
-                best = option
-            if new_total <= limit:
-                best = option
-                break
-        if best is None:
+            b = plan_of(cfg2, world)
+            options.append({"rung": rung, "cand": cand, "words": words, "cfg": cfg2, "report": report2,
+                            "total": b.footprint, "breakdown": b, "cost": _cost(state.cfg, cfg2, world, arch)})
+        if not options:
             rows.append({"step": rung.label, "skipped": f"rejected: {reasons[0]}", "kind": "rejected"})
             continue
-        cand, cost, cfg2, report2, new_total, b = best
+        fitting = [o for o in options if o["total"] <= limit]
+        alternatives: list[dict] = []
+        if fitting and rung.label != "expandable_segments":
+            # the steps that fit, this rung's and every later rung's, each on its own: the cheapest is the step
+            pool = _cheapest(fitting + _later_fitting(cfg, state, index, limit, catalog, arch, do, plan_of))
+            best = None
+            for option in pool:
+                if option.get("unvalidated") and validate:
+                    try:
+                        option["cfg"], option["report"] = do(cfg, start, option["cand"], world, catalog=catalog,
+                                                             validate=True)
+                    except Rejected:
+                        continue
+                best = option
+                break
+            best = best or _cheapest(fitting)[0]
+            alternatives = [o for o in pool if o is not best]
+        else:
+            best = min(options, key=lambda o: o["total"])   # none fits: the one that saves most
+        cand, cfg2, report2, new_total, b = best["cand"], best["cfg"], best["report"], best["total"], best["breakdown"]
         changed = toggles(cfg, settings(state.report, state.cand), settings(report2, cand))
         key = tuple((t, repr(new)) for t, _, new in changed)
-        label = _label(rung, state.cand, cand)
+        label = _label(best["rung"], state.cand, cand)
         if not changed:
             rows.append({"step": label, "skipped": "already in effect in this config (changes nothing)",
                          "kind": "already in effect"})
@@ -410,10 +459,15 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
             rows.append({"step": label, "skipped": f"the plan prices it at {saving / 2**30:+.2f} GiB on this "
                                                    "configuration", "kind": SAVES_NOTHING})
             continue
-        rows.append({"step": label, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
-                     "changes": [{"target": t, "old": _shown(o), "new": _shown(n)} for t, o, n in changed],
-                     "total_bytes": int(new_total), "saving_bytes": int(saving), "cost": cost,
-                     **_fit(cfg2, b, limit), "validation": _verdict(report2), "breakdown": b})
+        row = {"step": label, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
+               "changes": [{"target": t, "old": _shown(o), "new": _shown(n)} for t, o, n in changed],
+               "total_bytes": int(new_total), "saving_bytes": int(saving), "cost": best["cost"],
+               "documented": best["words"], **_fit(cfg2, b, limit), "validation": verdict_of(report2),
+               "breakdown": b, **({} if target is None else target.extra(report2))}
+        if alternatives:
+            row["alternatives"] = [{"step": _label(o["rung"], state.cand, o["cand"]), "total_bytes": int(o["total"]),
+                                    "cost": o["cost"], "documented": o["words"]} for o in alternatives]
+        rows.append(row)
         state = State(start, cand, cfg2, report2, world)
         total = new_total
     from . import model as P
@@ -426,7 +480,10 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, **fit.as_dict(),
             "exit_code": fit.exit_code, "uncertainty": [r.as_dict() for r in ranges],
             "overlays": list(dict.fromkeys([*start.overlays, *state.cand.overlays])),
-            "validation": _verdict(state.report), "command": train_command(start, state.cand, world)}
+            "validation": verdict_of(state.report),
+            "command": train_command(start, state.cand, world) if target is None else
+            target.command(start, state.cand, world, state.report),
+            **({} if target is None else target.extra(state.report))}
 
 
 def _fit(cfg: Any, b: Any, limit: float) -> dict[str, Any]:
@@ -436,6 +493,33 @@ def _fit(cfg: Any, b: Any, limit: float) -> dict[str, Any]:
     from .coverage import gaps, not_modelled
     v = P.judge(b.footprint, limit, (), gaps(not_modelled(cfg)), b)
     return {"fits": v.fits, "fit": v.kind, "modelled_fits": v.modelled_fits}
+
+
+def _later_fitting(cfg: Any, state: State, index: int, limit: float, catalog: Catalog, arch: int | None,
+                   do: Callable = realize, plan_of: Callable = breakdown_of) -> list[dict]:
+    """Every candidate of the rungs after ``index`` that fits on its own from ``state``, priced; realized by our
+    rules only (the one chosen is validated with Bridge before it becomes the step). TP doubling stays the last
+    resort it is on the skill's ladder and is not offered ahead of its turn: the cost model prices a TP change below
+    what NVIDIA measured (bench/cost_accuracy.py, the TP8 row: +12% at most against +38%; what it lacks is named
+    there), so its price cannot rank it ahead of a step the skill puts first."""
+    out = []
+    for rung in LADDER_RUNGS[index + 1:]:
+        if rung.label in LAST_RESORT:
+            continue
+        proposal = rung.propose(state)
+        if isinstance(proposal, str):
+            continue
+        for cand, words in proposal:
+            try:
+                cfg2, report2 = do(cfg, state.start, cand, state.world, catalog=catalog, validate=False)
+            except Rejected:
+                continue
+            b = plan_of(cfg2, state.world)
+            if b.footprint <= limit:
+                out.append({"rung": rung, "cand": cand, "words": words, "cfg": cfg2, "report": report2,
+                            "total": b.footprint, "breakdown": b, "cost": _cost(state.cfg, cfg2, state.world, arch),
+                            "unvalidated": True})
+    return out
 
 
 def _verdict(report: Any) -> str:
@@ -485,7 +569,12 @@ def render_recommendation(rec: dict[str, Any], verbose: bool = False) -> str:
         if verbose and r.get("changes"):
             lines.append("      sets: " + ", ".join(f"{c['target']}={c['new']!r}" for c in r["changes"]))
         if r.get("cost"):
-            lines.append(f"      cost: {r['cost']}")
+            lines.append(f"      cost: {cost_text(r['cost'])}")
+            if r.get("documented"):
+                lines.append(f"      documented: {r['documented']}")
+            if r.get("alternatives"):
+                lines.append("      also fits: " + "; ".join(f"{a['step']} ({cost_text(a['cost'])})"
+                                                       for a in r["alternatives"][:4]))
     if nothing:
         lines.append("  skipped: saves nothing here: " + "; ".join(nothing))
     if folded:

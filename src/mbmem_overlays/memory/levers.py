@@ -21,7 +21,7 @@ from . import variants
 from .activations import RECOMPUTE_DROPS, _selected_terms, layer_activation_terms
 from .graphs import GRAPH_SCOPE_TERMS, graphed_blocks
 from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
-from .pipeline import layer_kinds, rank_alive, rank_chunks, rank_layers
+from .pipeline import blocks_of, layer_kinds, rank_alive, rank_chunks, rank_layers
 from .weights import data_parallel_shards
 
 # megatron-core transformer_config.py:1247 (min_offloaded_tensor_size default, in elements) and :1262
@@ -120,7 +120,7 @@ ATTENTION_BLOCKS = ("attn", "mla", *variants.VARIANT_BLOCKS)
 
 def attention_block(kind: str) -> str:
     """The attention block of a layer of ``kind`` ("" for a layer without one: a hybrid stack's M, -, E)."""
-    first = kind.split("+")[0]
+    first = blocks_of(kind)[0]
     return first if first in ATTENTION_BLOCKS else ""
 
 
@@ -157,7 +157,7 @@ def _captured_names(s: Shape, st: Settings, kind: str, module: str) -> list[str]
             names = []
         elif st.attention_scores:
             names = [n for n in names if n in NON_FUSED_CORE_ATTN]
-    if module == "mlp_norm" and ("moe" not in kind.split("+") or {"attn", "moe_router"} & set(off.graph_modules)):
+    if module == "mlp_norm" and ("moe" not in blocks_of(kind) or {"attn", "moe_router"} & set(off.graph_modules)):
         names = []
     return names
 

@@ -26,15 +26,16 @@ This module is the model's one public name space; each concern lives in its own 
 
 from __future__ import annotations
 
-from .activations import (RECOMPUTE_DROPS, _selected_terms, layer_activation,  # noqa: F401
-                          layer_activation_terms)
+from .activations import (RECOMPUTE_DROPS, _selected_terms, dispatcher_terms, latent_width,  # noqa: F401
+                          layer_activation, layer_activation_terms)
 from .assumptions import (ADDED_TERMS, ASSUMPTIONS, FP8_TRANSPOSE, GRAPH_WARMUP, MOE_BALANCE,  # noqa: F401
-                          PRECISION_AWARE_PATH, VOCAB_FROM_TOKENIZER)
-from .buffers import (communication_buffers, fp8_master_cast_copies, global_memory_buffer,  # noqa: F401
-                      optimizer_step_buffers)
+                          OUTSIDE_TORCH, PRECISION_AWARE_PATH, VOCAB_FROM_TOKENIZER)
+from .buffers import (communication_buffers, flex_dispatcher_state, flex_outside_torch_bytes,  # noqa: F401
+                      fp8_master_cast_copies, global_memory_buffer, optimizer_step_buffers)
 from .from_config import (_capacity_factor, _dtype_bytes, _moe_weights_activation_separately,  # noqa: F401
-                          _tokenizer_vocab, cross_entropy_impl, fp8_cast_copy_bytes, fp8_weight_copy_bytes,
-                          from_config, graph_scopes, loss_bytes, model_vocab, recompute_modules, vocab_size)
+                          _tokenizer_vocab, bf16_layer_span, cross_entropy_impl, fp8_cast_copy_bytes,
+                          fp8_weight_copy_bytes, from_config, graph_scopes, loss_bytes, model_vocab, moe_dispatcher,
+                          recompute_modules, vocab_size)
 from .graphs import (GRAPH_SCOPE_TERMS, WHOLE_LAYER, graph_outputs_read_eagerly, graphed_blocks,  # noqa: F401
                      layer_graph_buffers, layer_graph_parts)
 from .inputs import (ADAM_MOMENTS, BF16, FP8, FP32, Breakdown, Layout, Settings, Shape,  # noqa: F401
@@ -42,12 +43,12 @@ from .inputs import (ADAM_MOMENTS, BF16, FP8, FP32, Breakdown, Layout, Settings,
 from .phases import (HEADLINE_PHASES, ONE_TIME_PHASES, PHASES, REPORTED_ITERATIONS, _graphed,  # noqa: F401
                      _phases, estimate, memory_lines, one_time_peak, phase_breakdowns, reported_breakdowns,
                      reported_phases, stage_breakdowns, stage_peak)
-from .pipeline import (HYBRID_SYMBOLS, _candidate_ranks, _rank_chunks, _rank_layers, in_flight,  # noqa: F401
-                       layer_kinds, rank_chunks, rank_layers)
+from .pipeline import (BF16_LAYER, HYBRID_SYMBOLS, _candidate_ranks, _rank_chunks, _rank_layers,  # noqa: F401
+                       blocks_of, in_flight, layer_kinds, rank_chunks, rank_layers, runs_bf16)
 from .plan import (DOES_NOT_FIT, FITS, NO_CAPACITY, STEP_NOTES, UNKNOWN, Plan, Step, Verdict,  # noqa: F401
                    fit_verdict, judge)
 from .stage_activations import StageActivations, stage_activations  # noqa: F401
 from .weights import (FSDP_SHARDS, _attention_params, _block_params, _mamba_params, _mlp_params,  # noqa: F401
                       data_parallel_shards, fsdp_shards, largest_layer_params, lora_params, model_state,
-                      optimizer_before_first_step, optimizer_gpu_bytes, optimizer_gpu_parts, optimizer_shards,
-                      stage_params)
+                      latent_projection_params, optimizer_before_first_step, optimizer_gpu_bytes,
+                      optimizer_gpu_parts, optimizer_shards, stage_bf16_params, stage_params)

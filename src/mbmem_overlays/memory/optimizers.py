@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from . import variants
 from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
-from .pipeline import rank_layers
+from .pipeline import blocks_of, rank_layers
 
 EMERGING = ("muon",)   # adaptive_muon adds a second moment: not modelled
 
@@ -76,9 +76,12 @@ def block_tensors(s: Shape, lay: Layout, block: str) -> tuple[list[tuple[int, bo
         if s.shared_ffn:
             fc1 = (2 if s.gated else 1) * s.shared_ffn // t
             dense += [(fc1 * h, True), (h * s.shared_ffn // t, True)] + ([(h, True)] if s.shared_gate else [])
+        width = s.moe_latent or h   # latent MoE: duplicated hidden <-> latent projections, latent-width experts
+        if width != h:
+            dense += [(width * h, True)] + _bias(s, width) + [(h * width, True)] + _bias(s, h)
         local = max(1, s.experts // lay.ep)
         fc1 = (2 if s.gated else 1) * s.moe_ffn // lay.etp
-        expert += [(fc1 * h, True)] * local + [(h * s.moe_ffn // lay.etp, True)] * local
+        expert += [(fc1 * width, True)] * local + [(width * s.moe_ffn // lay.etp, True)] * local
     elif block == "mamba":
         inner = s.mamba_heads * s.mamba_head_dim
         bc = 2 * s.mamba_groups * s.mamba_state
@@ -102,7 +105,7 @@ def stage_tensors(s: Shape, lay: Layout, rank: int) -> tuple[list[tuple[int, boo
             dense.append((s.position_embeddings * s.hidden, True))
     for kind, count in rank_layers(s, lay, rank).items():
         for _ in range(int(count)):
-            for block in kind.split("+"):
+            for block in blocks_of(kind):
                 d, e = block_tensors(s, lay, block)
                 dense += d
                 expert += e

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .buffers import communication_buffers, fp8_master_cast_copies, global_memory_buffer, optimizer_step_buffers
+from .buffers import (communication_buffers, flex_dispatcher_state, fp8_master_cast_copies, global_memory_buffer,
+                      optimizer_step_buffers)
 from .inputs import Breakdown, Layout, Settings, Shape
 from .pipeline import _candidate_ranks
 from .stage_activations import stage_activations
@@ -43,7 +44,8 @@ def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> d
     acts = stage_activations(s, lay, st, rank)
     comm = communication_buffers(s, lay, st, rank, p)
     workspaces = 0.0 if "gemm_workspaces" in st.without else st.gemm_workspace_bytes
-    other = comm + workspaces
+    flex = flex_dispatcher_state(s, lay, st, rank)
+    other = comm + workspaces + flex
     step = optimizer_step_buffers(s, lay, st, first, last, rank)
     casts = fp8_master_cast_copies(s, lay, st, first, last, rank)
     detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
@@ -55,6 +57,8 @@ def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> d
         detail += (("megatron-core global memory buffer (output layer SP gather, local attention scores)", gathered),)
     if workspaces:
         detail += (("cuBLAS workspaces (torch's per thread, Transformer Engine's)", workspaces),)
+    if flex:
+        detail += (("flex dispatcher routing tensors kept per MoE layer", flex),)
     resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
     o_no_moments = optimizer_before_first_step(o, st)
     values = {"steady 1F1B": (o, acts.steady, other), "optimizer step": (o, acts.persistent, other + step + casts),

@@ -10,13 +10,36 @@ from .inputs import Layout, Shape
 # models/hybrid/hybrid_layer_allocation.py Symbols (:14-26) -> the plan's blocks: G a gated delta net, D DeepSeek
 # sparse attention (absorbed MLA with an indexer), + MLA (hybrid_layer_specs.py gdn_layer, dsa_layer, mla_layer)
 HYBRID_SYMBOLS = {"M": "mamba", "*": "attn", "-": "mlp", "E": "moe", "G": "gdn", "D": "dsa", "+": "mla"}
+# Appended to the kind of a layer that runs outside FP8 in an FP8 job (Shape.bf16_layers): "attn+mlp@bf16"
+BF16_LAYER = "@bf16"
+
+
+def blocks_of(kind: str) -> tuple[str, ...]:
+    """The blocks of one layer kind ("attn+mlp" -> attn, mlp), without its precision mark."""
+    return tuple(kind.removesuffix(BF16_LAYER).split("+"))
+
+
+def runs_bf16(kind: str) -> bool:
+    """Whether a layer of ``kind`` is one of an FP8 job's first/last layers kept in bf16 (Shape.bf16_layers)."""
+    return kind.endswith(BF16_LAYER)
 
 
 def layer_kinds(s: Shape) -> tuple[str, ...]:
+    """One kind per main-decoder layer, in global layer order; with FP8 the first/last layers the job keeps in bf16
+    carry BF16_LAYER: fp8_utils.py is_first_last_bf16_layer takes the global layer index (layer_number - 1 over
+    every pipeline rank, transformer_block.py get_fp8_context(config, layer.layer_number - 1); a hybrid stack
+    counts each block symbol as a layer, hybrid_block.py :128, :363-365) against num_layers, so the marks fall
+    on the first ``start`` and the last ``end`` layers of the whole stack, whichever ranks hold them."""
     if s.layer_kinds:
-        return s.layer_kinds
-    moe = [round((i + 1) * s.moe_layers / s.layers) - round(i * s.moe_layers / s.layers) for i in range(s.layers)]
-    return tuple("attn+moe" if m else "attn+mlp" for m in moe)
+        kinds = s.layer_kinds
+    else:
+        moe = [round((i + 1) * s.moe_layers / s.layers) - round(i * s.moe_layers / s.layers) for i in range(s.layers)]
+        kinds = tuple("attn+moe" if m else "attn+mlp" for m in moe)
+    start, end = s.bf16_layers
+    if not (start or end):
+        return kinds
+    n = len(kinds)
+    return tuple(k + BF16_LAYER if (i < start or i >= n - end) else k for i, k in enumerate(kinds))
 
 
 def rank_layers(s: Shape, lay: Layout, rank: int) -> dict[str, int]:

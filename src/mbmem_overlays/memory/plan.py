@@ -165,6 +165,8 @@ class Step:
     name: str                 # "baseline" or the overlay added at this step
     breakdown: Breakdown
     note: str = ""
+    # the step's price against the step before it (memory/cost/ Cost.as_dict: range, FLOPs, bytes per link, bubble)
+    cost: dict | None = None
 
     def as_dict(self, previous: "Step | None") -> dict[str, Any]:
         d = {"name": self.name, **{k: int(v) for k, v in self.breakdown.as_dict().items()}}
@@ -176,6 +178,8 @@ class Step:
             d["resident_bytes"] = int(self.breakdown.resident)
         if self.note:
             d["note"] = self.note
+        if self.cost is not None:
+            d["cost"] = self.cost
         return d
 
 

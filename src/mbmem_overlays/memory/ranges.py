@@ -48,6 +48,9 @@ def moe_worst_load(s: P.Shape, lay: P.Layout, st: P.Settings) -> float:
     """
     if not s.moe_layers or not s.topk or not s.experts:
         return 1.0
+    if st.moe_rank_capacity:
+        # HybridEP's static per-rank budget (moe_expert_rank_capacity_factor): the experts always run on it
+        return max(1.0, st.moe_rank_capacity)
     if st.moe_capacity_factor:
         return max(1.0, st.moe_capacity_factor)
     local = max(1, s.experts // max(1, lay.ep))
@@ -86,6 +89,14 @@ def uncertainty(s: P.Shape, lay: P.Layout, st: P.Settings, base: P.Breakdown | N
             why = "the capture holds every in-flight microbatch's graphed activations (before the first step)"
         out.append(Range("activations (before CUDA graphs replay)", why, P.GRAPH_WARMUP,
                          f"the one-time {once.phase} (pipeline rank {once.rank}) counts", mid, once.total))
+    outside = P.flex_outside_torch_bytes(s, lay, st)
+    if outside:
+        # not in torch's allocated memory (the plan's figure), but on the GPU beside it: the fit's high end
+        name = {"deepep": "DeepEP", "hybridep": "HybridEP"}.get(st.flex_backend, st.flex_backend)
+        out.append(Range("outside torch's allocator (flex dispatcher buffers)",
+                         f"{name}'s communication buffers ({outside / 2**30:.2f} GiB per GPU) are allocated outside "
+                         "torch's caching allocator, so max_memory_allocated does not show them", P.OUTSIDE_TORCH,
+                         f"{name}'s buffers outside torch's allocator count", mid, mid + outside))
     if not s.vocab:
         per_token = _per_vocab_token(s, lay, st)
         out.append(Range("embedding, output layer and logits", "vocabulary unknown (model.vocab_size unset and the "

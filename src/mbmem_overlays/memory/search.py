@@ -1,8 +1,9 @@
-"""Layout search: TP x PP x VPP x CP x DP x overlay sets that fit, cheapest first (documented costs).
+"""Layout search: TP x PP x VPP x CP x DP x overlay sets that fit, cheapest first (the cost model, memory/cost/).
 
 Two passes. ``search`` enumerates on the memory model's dataclasses alone (tens of thousands of plans per
 second), with the rules that decide most combinations written out on the dataclasses. ``search_validated``
-then realizes the cheapest ones, one by one, exactly as ``train.py`` would (the user's overrides and
+then realizes the cheapest ones (by the step-time cost of going from the user's configuration to each,
+memory/cost/: the high end of its range first), one by one, exactly as ``train.py`` would (the user's overrides and
 overlays, our engine, Bridge's validation), drops what is refused or no longer fits once applied, and
 keeps going until ``top`` have passed; each result carries the command that reproduces it, its saving against
 the user's own configuration and the fit verdict. An overlay set is not offered when one of its overlays saves
@@ -24,9 +25,9 @@ from ..core.catalog import Catalog
 from ..core.engine import apply_overlay
 from ..core.errors import OverlayError
 from ..core.rules import REGATHER_SURFACES
+from . import cost as K
 from . import levers
 from . import model as P
-from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST
 from .coverage import UP, gaps, not_modelled
 from .ranges import uncertainty
 from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, first_line, launch_env, realize,
@@ -75,13 +76,20 @@ def _refused(s: set[str], pp: int, tp: int, dist: bool) -> bool:
 
 
 def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int | None = 5, *,
-           locked: dict[str, Any] | None = None, fixed: tuple[str, ...] = ()) -> tuple[list[dict], int, float]:
+           locked: dict[str, Any] | None = None, fixed: tuple[str, ...] = (),
+           arch: int | None = None, priced: bool = True) -> tuple[list[dict], int, float]:
     """Enumerate TP x PP x VPP x CP x DP x overlay sets; keep those the model says fit; rank by cost.
 
     ``cfg`` already carries the user's overrides and overlays (``fixed``: those overlays, never varied);
-    ``locked`` pins the layout fields the user set. ``top=None`` returns every row."""
+    ``locked`` pins the layout fields the user set; ``arch``: the GPUs' compute capability (memory/cost/gpus.py;
+    None: 9). Each row's ``cost_range`` is (low, high), the step-time cost of going from ``cfg`` to it (cost
+    model, memory/cost/), and rows are ranked by its high end, then its low end, then memory; with ``priced``
+    the rows returned carry ``cost``, the cost with its parts (memory/cost/ Cost.as_dict). ``top=None`` returns
+    every row."""
     locked = locked or {}
     shape, base_lay, base_st = P.from_config(cfg, world)
+    ci = K.cost_inputs(cfg)
+    own = (shape, base_lay, base_st, ci)
     options = [o for o in OPTIONS if o not in fixed]
     if base_st.lora_rank > 0 and "lora_sp_regather" not in fixed:
         options.append("lora_sp_regather")
@@ -111,12 +119,19 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
                                 continue
                             if any(footprints.get(frozenset(s - {o}), math.inf) <= total + MIN_SAVING for o in s):
                                 continue  # an overlay in it saves nothing here: the smaller set is offered
+                            low, high = K.cost_range(own, (shape, lay, st, ci), arch)
                             found.append({"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": lay.dp, "sp": lay.sp,
                                           "overlays": sorted(s), "total_bytes": int(total),
-                                          "cost": round(_cost(s, lay, base_lay), 3)})
+                                          "cost_range": (round(low, 4), round(high, 4)),
+                                          "_job": (shape, lay, st, ci)})
     elapsed = time.perf_counter() - t0
-    found.sort(key=lambda r: (r["cost"], r["total_bytes"]))
-    return (found if top is None else found[:top]), evaluated, elapsed
+    found.sort(key=lambda r: (K.rank_key(*r["cost_range"]), r["total_bytes"]))
+    shown = found if top is None else found[:top]
+    for i, row in enumerate(found):   # the cost with its parts, for the rows returned (the others only ranked)
+        job = row.pop("_job")
+        if priced and i < len(shown):
+            row["cost"] = K.price(own, job, arch).as_dict()
+    return shown, evaluated, elapsed
 
 
 def _settings(base: P.Settings, s: set[str], shape: P.Shape) -> P.Settings:
@@ -131,15 +146,6 @@ def _settings(base: P.Settings, s: set[str], shape: P.Shape) -> P.Settings:
                    cpu_offload_layers=(shape.layers // 2) if "cpu_offload" in s else base.cpu_offload_layers,
                    optimizer_offload=1.0 if "optimizer_offload" in s else base.optimizer_offload,
                    lora_regather=REGATHER_SURFACES if "lora_sp_regather" in s else base.lora_regather)
-
-
-def _cost(s: set[str], lay: P.Layout, base: P.Layout) -> float:
-    cost = sum(COSTS[o][0] for o in s)
-    if lay.tp > base.tp:
-        cost += TP_DOUBLING_COST[0] * math.log2(lay.tp / base.tp)
-    if lay.dp < base.dp:
-        cost += DP_HALVING_COST[0] * math.log2(base.dp / lay.dp)
-    return cost
 
 
 def candidate_for(row: dict, locked: dict[str, Any], layers: int, moe: bool = False) -> Candidate:
@@ -165,20 +171,29 @@ def candidate_for(row: dict, locked: dict[str, Any], layers: int, moe: bool = Fa
 
 
 def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin: float = 0.05, top: int = 5, *,
-                     catalog: Catalog | None = None, validate: bool = True, max_checks: int = 200) -> dict[str, Any]:
+                     catalog: Catalog | None = None, validate: bool = True, max_checks: int = 200,
+                     arch: int | None = None, target: Any = None) -> dict[str, Any]:
     """``search``, then each row realized and validated, cheapest first, until ``top`` pass.
 
     Returns {"results", "evaluated", "seconds", "checked", "dropped", "dropped_reasons"}; a result has its
-    applied total (the memory model on the realized config), the validation verdict and its command."""
+    applied total (the memory model on the realized config), the validation verdict and its command.
+    ``target``: a job that is not launched as a recipe (memory/megatron.py ``MegatronTarget``): it realizes and
+    validates each row, and its command and fields replace the train.py command (as in ladder.recommend)."""
     catalog = catalog or Catalog(list(start.overlay_dirs))
+    arch = arch if arch is not None or target is None else target.arch
+    do = realize if target is None else target.realize
+    plan_of = breakdown_of if target is None else target.breakdown
     mine = copy.deepcopy(cfg)
     try:  # the user's overlays, for the model's starting settings (the layout is checked per row below)
-        apply_overlay(mine, list(start.overlays), env=launch_env(), params=start.params, locked=start.locked, catalog=catalog)
+        apply_overlay(mine, list(start.overlays), env=launch_env() if target is None else dict(target.env),
+                      params=start.params, locked=start.locked, catalog=catalog)
     except OverlayError as exc:
         raise Rejected(f"your overlays are rejected on this recipe: {first_line(exc)}") from None
-    rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays)
+    rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays,
+                                      arch=arch, priced=False)
+    mine_job = K.job_of(mine, world, arch=arch)
     limit = capacity * (1 - margin)
-    own = breakdown_of(mine, world).footprint   # the user's configuration as planned: what each result saves
+    own = plan_of(mine, world).footprint   # the user's configuration as planned: what each result saves
     probes: dict = {}
     results: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
@@ -191,23 +206,28 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
         cand = candidate_for(row, start.locked, cfg.model.num_layers,
                              bool(getattr(cfg.model, "num_moe_experts", None)))
         try:
-            work, report = realize(cfg, start, cand, world, catalog=catalog, validate=validate)
+            work, report = do(cfg, start, cand, world, catalog=catalog, validate=validate)
         except Rejected as exc:
             dropped[explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                       cache=probes)] += 1
             continue
-        b = breakdown_of(work, world)
+        b = plan_of(work, world)
         if b.footprint > limit:
             dropped["does not fit once the overlays resolve their parameters (memory model on the applied config)"] += 1
             continue
         v = report.validation
         shape, lay, st = P.from_config(work, world)
         fit = P.judge(b.footprint, limit, uncertainty(shape, lay, st, b), gaps(not_modelled(work)), b)
-        results.append({**row, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
+        # the cost of the applied config against the user's own (the overlays' resolved parameters included)
+        cost = K.price(mine_job, K.job_of(work, world, arch=arch), arch).as_dict()
+        results.append({**row, "cost": cost, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                         "total_bytes": int(b.footprint), "modelled_bytes": row["total_bytes"],
                         "saving_bytes": int(own - b.footprint), **fit.as_dict(),
-                        "validation": "our rules only" if v is None else v.verdict,
-                        "command": train_command(start, cand, world), "breakdown": b})
+                        "validation": ("our rules only" if v is None else v.verdict) if target is None else
+                        target.verdict(report),
+                        "command": train_command(start, cand, world) if target is None else
+                        target.command(start, cand, world, report), "breakdown": b,
+                        **({} if target is None else target.extra(report))})
     # What the user's own configuration sets that the plan does not model: with nothing found, whether any layout
     # could fit is unknown unless what is left out can only add memory (every layout was over the limit already).
     mine_gaps = gaps(not_modelled(mine))

@@ -89,12 +89,13 @@ def first_line(exc: OverlayError) -> str:
 
 
 def realize(cfg: Any, start: Start, cand: Candidate, world: int, *, catalog: Catalog,
-            validate: bool = True) -> tuple[Any, Any]:
+            validate: bool = True, env: dict[str, str] | None = None) -> tuple[Any, Any]:
     """(config, engine report) of ``cand`` on top of ``start``, built the way train.py builds it: the
     candidate's Bridge fields as overrides (locked, like the user's), then every overlay through the
     engine at once, then Bridge's own validation (``api.apply_overlay(validate=True)``).
 
-    ``cfg`` is the recipe with the user's overrides already written. Raises :class:`Rejected`."""
+    ``cfg`` is the recipe with the user's overrides already written; ``env`` the environment the overlays are
+    checked against (None: this process's, as at launch; a Megatron-LM job's own). Raises :class:`Rejected`."""
     from ..api import apply_overlay as api_apply_overlay
     from ..bridge.overrides import apply_overrides
     clash = sorted(set(cand.sets) & set(start.locked))
@@ -106,8 +107,8 @@ def realize(cfg: Any, start: Start, cand: Candidate, world: int, *, catalog: Cat
               if start.params.get(n) or cand.params.get(n)}
     try:
         locked = {**start.locked, **(apply_overrides(work, dict(cand.sets)) if cand.sets else {})}
-        report = api_apply_overlay(work, names, env=launch_env(), params=params, world_size=world, locked=locked,
-                                   validate=validate, catalog=catalog)
+        report = api_apply_overlay(work, names, env=launch_env() if env is None else dict(env), params=params,
+                                   world_size=world, locked=locked, validate=validate, catalog=catalog)
     except OverlayError as exc:  # our rules, or (engine >= ValidationRejected) Bridge's validation
         raise Rejected(first_line(exc), next(iter(getattr(exc, "problems", None) or []), None)) from None
     v = report.validation
@@ -221,8 +222,10 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
                    key=lambda n: LADDER.index(n) if n in LADDER else len(LADDER))
     apply_overlay(copy.deepcopy(cfg), names, env=launch_env(), params=params, world_size=world, locked=locked,
                   catalog=catalog)  # all at once
+    from . import cost as K
     inputs = [P.from_config(cfg, world, arch=arch, env=env)]   # each step's (shape, layout, settings)
     steps = [P.Step("baseline", P.estimate(*inputs[0]))]
+    previous = (*inputs[0], K.cost_inputs(cfg))   # the cost model's job before each step
     work = copy.deepcopy(cfg)
     applied: list[str] = []
     for name in names:
@@ -235,7 +238,9 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
         inputs.append((shape, lay, st))
         b = P.estimate(shape, lay, st)
         note = P.STEP_NOTES.get(name) or step_note(name, shape, lay, st, steps[-1].breakdown.total - b.total)
-        steps.append(P.Step(name, b, note))
+        job = (shape, lay, st, K.cost_inputs(work))
+        steps.append(P.Step(name, b, note, K.price(previous, job, arch).as_dict()))
+        previous = job
     shape, lay, st = P.from_config(work, world, arch=arch, env=env)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
@@ -272,6 +277,10 @@ def render_plan(plan: P.Plan, verbose: bool = False) -> str:
                      f"{gib(b.optimizer):>8}{gib(b.activations):>8}{gib(b.other):>8}{gib(b.total):>9}{delta:>8}  {fits}"
                      + (f"   ({s.note})" if s.note else ""))
         prev = s
+    priced = [s for s in plan.steps if s.cost]
+    if priced:
+        lines.append("what each step costs the job's step time (cost model, docs/cost-model.md):")
+        lines += [f"  + {s.name:<20} {s.cost['text']}" for s in priced]
     last = plan.steps[-1].breakdown
     lines.append(f"peak of the last step: pipeline rank {last.rank}, {last.phase}"
                  + "".join(f"; {name} {value / 2**30:.2f} GiB" for name, value in last.detail if value))

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import variants
+from .activations import latent_width
 from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
 from .optimizers import emerging_optimizer_bytes, muon_state
-from .pipeline import layer_kinds, rank_layers
+from .pipeline import blocks_of, layer_kinds, rank_layers, runs_bf16
 
 def _attention_params(s: Shape) -> float:
     if s.mla:
@@ -36,6 +37,18 @@ def _mamba_params(s: Shape) -> float:
     conv = (inner + bc) * (s.mamba_conv + 1)                          # weight and bias
     return in_proj + conv + 3 * s.mamba_heads + inner + inner * s.hidden
 
+def latent_projection_params(s: Shape) -> float:
+    """One latent-MoE layer's fc1_latent_proj (hidden -> latent) and fc2_latent_proj (latent -> hidden), with
+    their biases under add_bias_linear: TELinear with parallel_mode "duplicated" (moe_layer.py:264-296), so every
+    TP rank holds both whole, and they are dense parameters (is_expert=False: the dense DDP buffer and optimizer
+    shards, not the expert ones). The router reads the hidden states before fc1_latent_proj (router.py: its weight
+    stays experts x hidden), the shared experts too (mlp.py:218-220: only routed experts use the latent size)."""
+    width = latent_width(s)
+    if width == s.hidden:
+        return 0.0
+    return 2 * s.hidden * width + ((width + s.hidden) if s.linear_bias else 0)
+
+
 def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
     """(dense, expert) parameters of one block on one GPU; every block has its own norm."""
     if block == "attn":
@@ -50,7 +63,8 @@ def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
         router_and_shared = s.hidden * s.experts + _mlp_params(s.hidden, s.shared_ffn, s.gated) / lay.tp
         # moe_shared_expert_gate's (1, hidden) weight, whole on every TP rank (moe/shared_experts.py :131-138)
         router_and_shared += s.hidden if s.shared_gate else 0
-        return router_and_shared + s.hidden, s.experts * _mlp_params(s.hidden, s.moe_ffn, s.gated) / (lay.ep * lay.etp)
+        return (router_and_shared + latent_projection_params(s) + s.hidden,
+                s.experts * _mlp_params(latent_width(s), s.moe_ffn, s.gated) / (lay.ep * lay.etp))
     if block == "mamba":
         return _mamba_params(s) / lay.tp + s.hidden, 0.0
     raise ValueError(f"unknown layer block {block!r}")
@@ -62,7 +76,7 @@ def mtp_blocks(s: Shape) -> tuple[str, ...]:
     (GPT: the decoder's layer spec)."""
     if s.mtp_blocks:
         return s.mtp_blocks
-    return tuple((layer_kinds(s)[-1] if s.layers else "attn+mlp").split("+"))
+    return tuple(blocks_of(layer_kinds(s)[-1] if s.layers else "attn+mlp"))
 
 
 def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | None = None) -> tuple[float, float, float]:
@@ -71,7 +85,7 @@ def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | Non
     rank = (0 if first else lay.pp - 1) if rank is None else rank
     dense = expert = 0.0
     for kind, count in rank_layers(s, lay, rank).items():
-        for block in kind.split("+"):
+        for block in blocks_of(kind):
             d, e = _block_params(s, lay, block)
             dense += count * d
             expert += count * e
@@ -97,6 +111,24 @@ def stage_params(s: Shape, lay: Layout, first: bool, last: bool, rank: int | Non
     return dense, embed, expert
 
 
+def stage_bf16_params(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters on one GPU of pipeline rank ``rank`` that belong to an FP8 job's first/last layers
+    kept in bf16 (pipeline.BF16_LAYER); (0, 0) without FP8. Those layers are built outside fp8_model_init
+    (transformer_block.py:341-353 and hybrid_block.py:127-131: get_fp8_context(config, layer_number - 1,
+    is_init=True) is a nullcontext for them, fp8_utils.py:686, :792), so with fp8_param their weights are
+    params-dtype tensors, and they run outside fp8_autocast, so TE keeps no FP8 copy of a bf16 weight either."""
+    if not st.fp8:
+        return 0.0, 0.0
+    dense = expert = 0.0
+    for kind, count in rank_layers(s, lay, rank).items():
+        if runs_bf16(kind):
+            for block in blocks_of(kind):
+                d, e = _block_params(s, lay, block)
+                dense += count * d
+                expert += count * e
+    return dense, expert
+
+
 def lora_params(s: Shape, lay: Layout, st: Settings, rank: int = 0) -> float:
     if not st.lora_rank:
         return 0.0
@@ -105,12 +137,13 @@ def lora_params(s: Shape, lay: Layout, st: Settings, rank: int = 0) -> float:
                      "linear_proj": (s.heads * s.head_dim, s.hidden)},
             "mlp": {"linear_fc1": (s.hidden, (2 if s.gated else 1) * s.ffn), "linear_fc2": (s.ffn, s.hidden)},
             # expert adapters: one shared set per layer (LoRA share_expert_adapters, Bridge's default)
-            "moe": {"linear_fc1": (s.hidden, (2 if s.gated else 1) * s.moe_ffn), "linear_fc2": (s.moe_ffn, s.hidden)},
+            "moe": {"linear_fc1": (latent_width(s), (2 if s.gated else 1) * s.moe_ffn),
+                    "linear_fc2": (s.moe_ffn, latent_width(s))},
             "mamba": {"in_proj": (s.hidden, 2 * inner + 2 * s.mamba_groups * s.mamba_state + s.mamba_heads),
                       "out_proj": (inner, s.hidden)}}
     total = 0.0
     for kind, count in rank_layers(s, lay, rank).items():
-        for block in kind.split("+"):
+        for block in blocks_of(kind):
             total += count * sum(st.lora_rank * (i + o) / lay.tp
                                  for t, (i, o) in dims.get(block, {}).items() if t in st.lora_targets)
     return total
@@ -210,9 +243,12 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     trainable_dense = adapters if frozen else dense
     trainable_expert = 0.0 if frozen else expert
     (p_dense, p_expert), (g_dense, g_expert) = fsdp_shards(lay, st)
-    # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16.
+    # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16, and so do the
+    # layers an FP8 job keeps in bf16 (stage_bf16_params: params dtype, no FP8 copy).
     weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
-    params = (layer_params * weight_bytes + embed * st.dtype_bytes + adapters * st.dtype_bytes) / p_dense + expert * weight_bytes / p_expert
+    bf16_dense, bf16_expert = stage_bf16_params(s, lay, st, rank)
+    params = ((layer_params - bf16_dense) * weight_bytes + (bf16_dense + embed + adapters) * st.dtype_bytes) / p_dense \
+        + ((expert - bf16_expert) * weight_bytes + bf16_expert * st.dtype_bytes) / p_expert
     grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
     if st.embed_grad_bytes and not frozen and "fsdp_grad_dtypes" not in st.without:
         # Megatron FSDP keeps an FP8 weight's gradient in bf16 and every other parameter's in its own dtype
@@ -226,5 +262,5 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
 
 def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
     """Parameters of the largest layer pipeline rank ``rank`` holds, on one GPU (dense + its experts)."""
-    return max((sum(sum(_block_params(s, lay, block)) for block in kind.split("+"))
+    return max((sum(sum(_block_params(s, lay, block)) for block in blocks_of(kind))
                 for kind in rank_layers(s, lay, rank)), default=0.0)
