@@ -1,7 +1,8 @@
 """`mbmem doctor SNAPSHOT` speed and peak memory on a large snapshot (issue 24: a 100 MB snapshot with 100k
 trace entries is read and summarised in under 10 s with peak memory under 10x the file size).
 
-Usage: .venv/bin/python bench/snapshot_read.py [MB] [ENTRIES] [SEGMENTS]   (default: 100 100000 30000)
+Usage: .venv/bin/python bench/snapshot_read.py [--what-if] [MB] [ENTRIES] [SEGMENTS]   (default: 100 100000 30000;
+--what-if: only the what-if replays, the generated training trace and the hostile shapes of issue 39)
 
 The snapshot is generated to the documented schema with the shape of a real Bridge dump: 100,000 trace entries
 (Bridge's ring) of alloc / free_requested / free_completed over 1 GiB segments, each entry with its own frame
@@ -25,9 +26,11 @@ import sys
 import tempfile
 
 MiB, GiB = 1 << 20, 1 << 30
-target_mb = float(sys.argv[1]) if len(sys.argv) > 1 else 100.0
-entries = int(sys.argv[2]) if len(sys.argv) > 2 else 100_000
-expandable_segments = int(sys.argv[3]) if len(sys.argv) > 3 else 30_000
+WHAT_IF_ONLY = "--what-if" in sys.argv      # only the what-if replays (issue 34, issue 39 #15)
+_args = [a for a in sys.argv[1:] if a != "--what-if"]
+target_mb = float(_args[0]) if len(_args) > 0 else 100.0
+entries = int(_args[1]) if len(_args) > 1 else 100_000
+expandable_segments = int(_args[2]) if len(_args) > 2 else 30_000
 
 SITES = [("megatron/core/transformer/attention.py", 1012, "forward"), ("megatron/core/transformer/mlp.py", 150, "forward"),
          ("megatron/core/models/gpt/gpt_model.py", 480, "_postprocess"),
@@ -153,45 +156,46 @@ print(dt, peak, out.exit_code, p.get("kind"),
       (p.get("oom") or {}).get("allocated_bytes") or 0, len(json.dumps(p, allow_nan=False)))
 """
 
-with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "snapshot_oom_rank-0.pickle")
-    depth = 8
-    while True:  # deepen the stacks until the file reaches the target size
-        data = pickle.dumps(snapshot(entries, depth), protocol=4)
-        if len(data) >= target_mb * 1e6 or depth > 2000:
-            break
-        depth = int(depth * max(1.2, (target_mb * 1e6 / len(data)) ** 0.9))
-    with open(path, "wb") as f:
-        f.write(data)
-    size = len(data)
-    del data
-    print(f"snapshot: {size / 1e6:.1f} MB, {entries:,} trace entries, {depth} frames per stack")
-    print(f"{'case':>18} {'seconds':>8} {'peak RSS':>10} {'RSS / file':>10}  result")
-    for case, extra in (("summary (--json)", []), ("summary + --html", [os.path.join(tmp, "page.html")])):
-        out = subprocess.run([sys.executable, "-c", CHILD, path, *extra], capture_output=True, text=True, timeout=600)
-        if out.returncode:
-            print(f"{case:>18}  failed: {out.stderr[-800:]}")
-            continue
-        dt, rss, code, kind, alloc, _ = out.stdout.split()
-        ratio = int(rss) / size
-        print(f"{case:>18} {float(dt):8.2f} {int(rss) / 1e6:8.0f} MB {ratio:10.2f}  exit {code}, {kind}, "
-              f"allocated at the OOM {int(alloc) / GiB:.2f} GiB")
-    print("targets: under 10 s and under 10x the file size (issue 24)")
-    print()
-    print("hostile files (issue 33): each ends within seconds; peak RSS within 12x the pickle + 64 MiB + the interpreter")
-    print(f"{'case':>36} {'file':>10} {'seconds':>8} {'peak RSS':>10}  result")
-    for case, data in hostile_files():
-        path = os.path.join(tmp, "hostile.pickle")
+def read_bench() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "snapshot_oom_rank-0.pickle")
+        depth = 8
+        while True:  # deepen the stacks until the file reaches the target size
+            data = pickle.dumps(snapshot(entries, depth), protocol=4)
+            if len(data) >= target_mb * 1e6 or depth > 2000:
+                break
+            depth = int(depth * max(1.2, (target_mb * 1e6 / len(data)) ** 0.9))
         with open(path, "wb") as f:
             f.write(data)
-        out = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, timeout=600)
-        if out.returncode:
-            print(f"{case:>36}  failed (exit {out.returncode}): {out.stderr[-300:]}")
-            continue
-        dt, rss, code, kind, _, _ = out.stdout.split()
-        budget = 12 * len(data) + 64 * MiB
-        print(f"{case:>36} {len(data) / 1e6:8.1f}MB {float(dt):8.2f} {int(rss) / 1e6:8.0f} MB  exit {code}"
-              + (f", {kind}" if code == "0" else "") + f" (budget {budget / 1e6:,.0f} MB + the interpreter)")
+        size = len(data)
+        del data
+        print(f"snapshot: {size / 1e6:.1f} MB, {entries:,} trace entries, {depth} frames per stack")
+        print(f"{'case':>18} {'seconds':>8} {'peak RSS':>10} {'RSS / file':>10}  result")
+        for case, extra in (("summary (--json)", []), ("summary + --html", [os.path.join(tmp, "page.html")])):
+            out = subprocess.run([sys.executable, "-c", CHILD, path, *extra], capture_output=True, text=True, timeout=600)
+            if out.returncode:
+                print(f"{case:>18}  failed: {out.stderr[-800:]}")
+                continue
+            dt, rss, code, kind, alloc, _ = out.stdout.split()
+            ratio = int(rss) / size
+            print(f"{case:>18} {float(dt):8.2f} {int(rss) / 1e6:8.0f} MB {ratio:10.2f}  exit {code}, {kind}, "
+                  f"allocated at the OOM {int(alloc) / GiB:.2f} GiB")
+        print("targets: under 10 s and under 10x the file size (issue 24)")
+        print()
+        print("hostile files (issue 33): each ends within seconds; peak RSS within 12x the pickle + 64 MiB + the interpreter")
+        print(f"{'case':>36} {'file':>10} {'seconds':>8} {'peak RSS':>10}  result")
+        for case, data in hostile_files():
+            path = os.path.join(tmp, "hostile.pickle")
+            with open(path, "wb") as f:
+                f.write(data)
+            out = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, timeout=600)
+            if out.returncode:
+                print(f"{case:>36}  failed (exit {out.returncode}): {out.stderr[-300:]}")
+                continue
+            dt, rss, code, kind, _, _ = out.stdout.split()
+            budget = 12 * len(data) + 64 * MiB
+            print(f"{case:>36} {len(data) / 1e6:8.1f}MB {float(dt):8.2f} {int(rss) / 1e6:8.0f} MB  exit {code}"
+                  + (f", {kind}" if code == "0" else "") + f" (budget {budget / 1e6:,.0f} MB + the interpreter)")
 
 
 # -- issue 34: the trace replayed forward through the allocator model (doctor --what-if) -----------------------
@@ -245,4 +249,48 @@ def what_if_replay(sizes=(25_000, 50_000, 100_000)) -> None:
     print("target: a 100k-entry trace replays in under 10 s, linear in the trace (issue 34)")
 
 
+def what_if_hostile(n: int) -> None:
+    """The two shapes that made the replay quadratic (issue 39 #15), a quarter and the whole side by side: ``n``
+    expandable segments with one trace entry (the start state matched each mapped range against every segment),
+    and ``n`` segment_map + alloc pairs (each map searched every unmapped block). The start state, the proof and
+    one what-if scenario, timed in this process; linear time takes ~4x for the whole, the scans took ~16x."""
+    import time
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import snapshot_gen as G
+    from mbmem_overlays.doctor.snapshot import allocator as A
+    from mbmem_overlays.doctor.snapshot import whatif as W
+    from mbmem_overlays.doctor.snapshot.model import normalize
+    from mbmem_overlays.doctor.snapshot.replay import Replayer, Rounding
+
+    def one_entry(k: int) -> dict:
+        snap = G.expandable_snapshot(k)
+        snap["device_traces"] = [snap["device_traces"][0][-1:]]
+        return snap
+
+    print("\nwhat-if replay of hostile files (issue 39 #15): a quarter and the whole, side by side")
+    print(f"{'case':>36} {'start state s':>13} {'proof s':>8} {'what-if s':>9} {'total s':>8} {'x the quarter':>13}")
+    for label, make in (("expandable segments, 1 trace entry", one_entry),
+                        ("segment_map + alloc pairs", G.expandable_snapshot)):
+        quarter = None
+        for k in (n // 4, n):
+            snap = normalize(make(k))
+            trace, segments = snap.traces[0], snap.segments[0]
+            base, _ = W.settings_of_file(snap.allocator_settings, segments, trace)
+            t0 = time.perf_counter()
+            start = A.start_state(Replayer(segments, trace, Rounding.from_settings(snap.allocator_settings, False))
+                                  .state_at(0), segments, trace)
+            t1 = time.perf_counter()
+            A.prove(trace, start, base)
+            t2 = time.perf_counter()
+            W.replay(trace, start, W.parse_what_if("expandable_segments:False", base), 80 * GiB, None, "no es")
+            t3 = time.perf_counter()
+            quarter = quarter or (t3 - t0)
+            print(f"{f'{k:,} {label}':>36} {t1 - t0:>13.2f} {t2 - t1:>8.2f} {t3 - t2:>9.2f} {t3 - t0:>8.2f} "
+                  f"{(t3 - t0) / quarter:>13.1f}")
+    print("target: linear in the segments and maps (~4x for 4x)")
+
+
+if not WHAT_IF_ONLY:
+    read_bench()
 what_if_replay()
+what_if_hostile(expandable_segments)

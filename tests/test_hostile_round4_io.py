@@ -262,7 +262,7 @@ def test_deleted_working_directory_is_one_line(tmp_path):
     script = (f"mkdir -p {_q(str(gone))} && cd {_q(str(gone))} && rmdir {_q(str(gone))} && "
               f"PYTHONPATH={_q(str(ROOT / 'src'))} {_q(sys.executable)} -m mbmem_overlays.cli ")
     for args in ("slurm --recipe llama3_8b_pretrain --nodes 1 --gpus-per-node 8 --no-validate --output-log x/log.txt",
-                 "list", "doctor some.log"):
+                 "--overlay-dir some_overlays list", "doctor some.log"):
         done = subprocess.run(["bash", "-c", script + args], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip().count("\n") == 0 and "the working directory no longer exists" in done.stderr

@@ -41,19 +41,22 @@ import shlex
 import stat
 import sys
 import warnings
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from ..core import safeyaml
+from ..core.values import MAX_INT, MAX_PLAN_LAYERS, MAX_PLAN_PIPELINE, MAX_PLAN_SCHEDULE, ascii_int
 
 FORM_COMMAND = "command line"
 FORM_YAML = "MODEL_ARGS YAML"
 FORM_DUMP = "arguments dump"
 
 MAX_BYTES = 8 << 20        # a command line or YAML block is a few KiB; a log's dump is in its first lines
-MAX_WORDS = 20_000         # words of a command line (Megatron-LM has ~900 flags)
+MAX_WORDS = 4_096          # words of a job (Megatron-LM has ~900 flags; argparse's time grows with the square of
+                           # the options given: 20,000 words took half a minute)
 MAX_DUMP_LINES = 20_000    # lines between a dump's header and its end (one per argument, ~1,100 in 0.19.2)
 DUMP_HEADER = "------------------------ arguments ------------------------"   # arguments.py _print_args
 DUMP_END = "-------------------- end of arguments ---------------------"
@@ -164,19 +167,60 @@ class MegatronJob:
 
 
 # ----------------------------------------------------------------------------- 1. reading, bounded
+MAX_ENV_VALUE = 32 << 10   # one environment value (a path list, an allocator setting); Linux's MAX_ARG_STRLEN is 128 KiB
+
+
+def job_environment(env: Mapping[Any, Any]) -> dict[str, str]:
+    """The job's environment as ``os.environ`` can hold it, or MegatronArgsError naming the first variable it could
+    not: a name of letters, digits and ``_`` not starting with a digit (``A=B`` or an empty name cannot be a
+    variable: posix putenv splits at ``=``), a text value without a NUL byte that the file system encoding can
+    write, of at most MAX_ENV_VALUE characters. Every job environment passes here before validate_args sees it."""
+    from ..core.text import bounded, shown
+    out: dict[str, str] = {}
+    for key, value in env.items():
+        name = key if isinstance(key, str) else _yaml_text(key)
+        if not _ENV_NAME.fullmatch(name):
+            raise MegatronArgsError(f"the job's environment names {shown(bounded(name, 80))!r}, which is not an "
+                                    "environment variable name", "give variables as NAME=value (NAME: letters, "
+                                    "digits and _, not starting with a digit)")
+        text = value if isinstance(value, str) else _yaml_text(value)
+        why = ("holds a NUL byte" if "\x00" in text else
+               f"is {len(text):,} characters long (at most {MAX_ENV_VALUE:,})" if len(text) > MAX_ENV_VALUE else
+               None)
+        if why is None:
+            try:
+                os.fsencode(text)
+            except UnicodeError:
+                why = "holds a character the file system encoding cannot write (a lone surrogate)"
+        if why:
+            raise MegatronArgsError(f"the job's environment variable {name} {why}: no process can be given it",
+                                    f"give {name} a plain text value")
+        out[name] = text
+    return out
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def read_source(path: str, *, stdin: Any = None, limit: int = MAX_BYTES) -> str:
     """The text of ``path`` (``-``: standard input), at most ``limit`` bytes, gzip read through.
 
-    Only a regular file is opened (a fifo or a device could block or never end). A longer input keeps its
-    head: a log's arguments dump is printed before training starts; a command line or YAML that long is cut,
-    and parsing then says so."""
+    Only a regular file is opened (a fifo or a device could block or never end). An input longer than ``limit``
+    is read only when its head holds a whole arguments dump (a log: the dump is printed before training starts, and
+    the rest of the log is not the job's arguments); a longer command line or YAML is refused, never cut (the words
+    after the cut would be lost without a word)."""
     if path == "-":
-        raw = (stdin or sys.stdin.buffer).read(limit + 1)
-        return _decode(raw[:limit] if isinstance(raw, bytes) else raw.encode()[:limit])
+        source = stdin or getattr(sys.stdin, "buffer", sys.stdin)
+        try:
+            raw = source.read(limit + 1)     # None: no standard input at all (the shell closed it)
+        except (AttributeError, OSError, ValueError) as exc:
+            raise MegatronArgsError(f"standard input cannot be read ({type(exc).__name__})",
+                                    "pipe the job's arguments in, or give a file") from None
+        return _within(raw if isinstance(raw, bytes) else str(raw).encode(), limit, "standard input")
     try:
         st = os.stat(path)
-    except OSError as exc:
-        raise MegatronArgsError(f"cannot read {path!r}: {exc.strerror or exc}",
+    except (OSError, ValueError) as exc:    # ValueError: a NUL byte in the name
+        raise MegatronArgsError(f"cannot read {path!r}: {getattr(exc, 'strerror', None) or exc}",
                                 "give a file with the job's arguments (a command line, MODEL_ARGS YAML or a log)")
     if not stat.S_ISREG(st.st_mode):
         raise MegatronArgsError(f"{path!r} is not a regular file", "give a regular file, or - for standard input")
@@ -186,12 +230,27 @@ def read_source(path: str, *, stdin: Any = None, limit: int = MAX_BYTES) -> str:
             fh.seek(0)
             if head == b"\x1f\x8b":
                 with gzip.GzipFile(fileobj=fh) as gz:
-                    raw = gz.read(limit)
+                    raw = gz.read(limit + 1)
             else:
-                raw = fh.read(limit)
-    except (OSError, EOFError, ValueError) as exc:
-        raise MegatronArgsError(f"cannot read {path!r}: {exc}", "give a readable file")
-    return _decode(raw)
+                raw = fh.read(limit + 1)
+    except (OSError, EOFError, ValueError, zlib.error) as exc:   # zlib.error: a damaged gzip stream
+        from ..core.text import bounded
+        raise MegatronArgsError(f"cannot read {path!r}: {bounded(exc, 300)}", "give a readable file")
+    return _within(raw, limit, repr(path))
+
+
+def _within(raw: bytes, limit: int, name: str) -> str:
+    """The text of ``raw`` when it is within ``limit`` bytes, or when its first ``limit`` bytes hold a whole
+    arguments dump (header to end line); refused otherwise."""
+    if len(raw) <= limit:
+        return _decode(raw)
+    text = _decode(raw[:limit])
+    start = text.find(DUMP_HEADER)
+    if start >= 0 and text.find(DUMP_END, start) >= 0:
+        return text
+    raise MegatronArgsError(f"{name} is over {limit >> 20} MiB and its head holds no whole arguments dump: a command "
+                            "line or MODEL_ARGS YAML that long is not read (cutting it would drop the flags after the "
+                            "cut)", "give the job's own command line, MODEL_ARGS block or the head of its log")
 
 
 def _decode(raw: bytes) -> str:
@@ -276,15 +335,9 @@ def command_words(source: str | list[str]) -> JobWords:
     if isinstance(source, str):
         text = source.replace("\\\r\n", " ").replace("\\\n", " ")
         try:
-            lexer = shlex.shlex(text, posix=True, punctuation_chars=False)
-            lexer.whitespace_split = True
-            lexer.commenters = "#"
-            words = []
-            for w in lexer:
-                words.append(w)
-                if len(words) > MAX_WORDS:
-                    raise MegatronArgsError(f"the command line has more than {MAX_WORDS} words",
-                                            "give the job's own command line")
+            words = shell_words(text)
+        except MegatronArgsError:
+            raise
         except ValueError as exc:
             raise MegatronArgsError(f"the command line does not split into words: {exc}",
                                     "close the quote, or give the arguments as MODEL_ARGS YAML")
@@ -311,6 +364,42 @@ def command_words(source: str | list[str]) -> JobWords:
     return JobWords(FORM_COMMAND, tuple(words), MappingProxyType(env), world, launcher, script)
 
 
+# A word as bash reads it: unquoted characters, a backslash and the character it escapes, a single-quoted run,
+# a double-quoted run (where a backslash escapes only \\ " $ ` and a newline). Possessive, so matching is linear:
+# shlex builds each word a character at a time by string concatenation, quadratic in the word's length (one
+# 8 MB word took minutes).
+_SHELL_WORD = re.compile(r'(?:[^\s\'"\\]++|\\.|\'[^\']*+\'|"(?:[^"\\]++|\\.)*+")++', re.S)
+_SHELL_PIECE = re.compile(r'([^\'"\\]+)|\\(.)|\'([^\']*)\'|"((?:[^"\\]|\\.)*)"', re.S)
+_DOUBLE_QUOTED_ESCAPE = re.compile(r'\\([\\"$`\n])')
+
+
+def shell_words(text: str) -> list[str]:
+    """``text`` split into words as bash splits a simple command (no expansion: ``${...}`` stays as written), in
+    linear time: whitespace separates words, ``#`` at the start of a word comments out the rest of its line, and
+    quotes and backslashes as bash reads them. Raises ValueError for an unclosed quote or a trailing backslash,
+    MegatronArgsError past MAX_WORDS words."""
+    words: list[str] = []
+    i, n = 0, len(text)
+    while True:
+        while i < n and text[i].isspace():
+            i += 1
+        if i >= n:
+            return words
+        if text[i] == "#":
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        m = _SHELL_WORD.match(text, i)
+        if m is None or (m.end() < n and not text[m.end()].isspace()):
+            raise ValueError("No closing quotation" if text[m.end() if m else i] in "'\"" else "No escaped character")
+        words.append("".join(p[0] or p[1] or p[2] or _DOUBLE_QUOTED_ESCAPE.sub(r"\1", p[3])
+                             for p in _SHELL_PIECE.findall(m.group())))
+        if len(words) > MAX_WORDS:
+            raise MegatronArgsError(f"the command line has more than {MAX_WORDS:,} words (a Megatron-LM job has a few "
+                                    "hundred)", "give the job's own command line")
+        i = m.end()
+
+
 def _launcher_world(words: list[str]) -> tuple[int | None, str]:
     """GPUs the launcher starts: torchrun's --nproc-per-node x --nnodes (a fixed count; 'gpu', 'auto' or an
     elastic min:max range are not a number of processes we can know)."""
@@ -326,9 +415,10 @@ def _launcher_world(words: list[str]) -> tuple[int | None, str]:
     if ":" in nnodes:
         low, _, high = nnodes.partition(":")
         nnodes = low if low == high else ""
-    if not (nproc.isdigit() and nnodes.isdigit()) or int(nproc) < 1 or int(nnodes) < 1:
+    procs, nodes = ascii_int(nproc, 7), ascii_int(nnodes, 7)    # "gpu", "auto", "\u00b2": not a count we know
+    if not procs or not nodes:
         return None, ""
-    return int(nproc) * int(nnodes), f"--nproc-per-node {nproc} x --nnodes {nnodes}"
+    return procs * nodes, f"--nproc-per-node {procs} x --nnodes {nodes}"
 
 
 def dump_values(text: str) -> tuple[dict[str, str], int]:
@@ -360,10 +450,10 @@ def dump_values(text: str) -> tuple[dict[str, str], int]:
 def dump_words(text: str) -> JobWords:
     """The dump's values; they become words in :func:`load_job`, where the parser says which flag each is."""
     values, count = dump_values(text)
-    world = values.get("world_size")
+    world = ascii_int(values.get("world_size"), 7) or None
     notes = (f"the log holds {count} arguments dumps; the first is used",) if count > 1 else ()
-    return JobWords(FORM_DUMP, (), MappingProxyType({}), int(world) if world and world.isdigit() else None,
-                    "the dump's world_size" if world and world.isdigit() else "", "", MappingProxyType(values), notes)
+    return JobWords(FORM_DUMP, (), MappingProxyType({}), world, "the dump's world_size" if world else "", "",
+                    MappingProxyType(values), notes)
 
 
 # ----------------------------------------------------------------------------- 3. megatron-core's parser
@@ -371,11 +461,13 @@ class _Parser(argparse.ArgumentParser):
     """megatron-core's parser that raises instead of exiting (a bad value is the user's error, not an exit)."""
 
     def error(self, message):  # noqa: D401 - argparse's hook
-        raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {message}",
+        from ..core.text import bounded
+        raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {bounded(message, 400)}",
                                 "fix the flag named above (megatron-core 0.19.2's arguments.py)")
 
     def exit(self, status=0, message=None):
-        raise MegatronArgsError(f"Megatron-LM's parser stopped: {message or status}", "remove -h/--help")
+        from ..core.text import bounded
+        raise MegatronArgsError(f"Megatron-LM's parser stopped: {bounded(message or status, 400)}", "remove -h/--help")
 
 
 _PARSER: list[argparse.ArgumentParser] = []
@@ -390,7 +482,11 @@ def megatron_parser() -> argparse.ArgumentParser:
         parser = _Parser(description="Megatron-LM Arguments", allow_abbrev=False, exit_on_error=False,
                          add_help=False)
         with _quiet():
-            _PARSER.append(add_megatron_arguments(parser))
+            parser = add_megatron_arguments(parser)
+        for action in parser._actions:
+            if getattr(action.type, "__name__", "") in _PATTERN_TYPES:
+                action.type = _checked_pattern_type(flag_of(action), action.type)
+        _PARSER.append(parser)
     return _PARSER[0]
 
 
@@ -431,7 +527,16 @@ def flag_words(action: argparse.Action, value: Any) -> list[str] | None:
         return [flag, *(_word(v) for v in value)]
     if isinstance(value, (list, tuple)):     # a pattern the flag's type evaluates (moe_freq_type: no spaces)
         return [flag, "[" + ",".join(_word(v) for v in value) + "]"]
-    return [flag, _word(value)]
+    return [flag, _choice_word(action, value)]
+
+
+def _choice_word(action: argparse.Action, value: Any) -> str:
+    """``value`` as the word the parser takes: among its choices where it has them (a torch dtype, which
+    validate_args made of the choice, back to the choice: torch.bfloat16 -> bf16)."""
+    word = _word(value)
+    if action.choices and word not in action.choices and _DTYPE_CHOICE.get(word) in action.choices:
+        return _DTYPE_CHOICE[word]
+    return word
 
 
 def _word(value: Any) -> str:
@@ -452,12 +557,14 @@ def _dump_value(action: argparse.Action, text: str) -> Any:
     if text in ("True", "False"):
         return text == "True"
     if text.startswith(("[", "(")):
+        if len(text) > MAX_PATTERN_CHARS:
+            raise ValueError(text[:80])
         try:
             return ast.literal_eval(text)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
             if action.nargs in (None, "?"):
                 return text         # a pattern the flag's own type reads, e.g. moe_layer_freq "([1]*3+[0])"
-            raise
+            raise ValueError(text[:80]) from None
     if text in _DTYPE_CHOICE and action.choices and _DTYPE_CHOICE[text] in action.choices:
         return _DTYPE_CHOICE[text]      # validate_args turned the choice into a torch dtype (dtype_map)
     if "." in text and re.fullmatch(r"[A-Za-z_]\w*\.[A-Za-z_]\w*", text) and not text.startswith("torch."):
@@ -538,10 +645,13 @@ def validation_env(job_env: Mapping[str, str], arch: int, requirements: Mapping[
     """validate_args as on the job's GPUs: the job's own values of the variables it reads (ours removed), the
     launch scripts' requirements where the job is silent, the GPU's compute capability (it asks torch.cuda
     and get_device_arch_version) and Transformer Engine's version (it asks is_te_min_version: te_version, the
-    installed TE or the one Bridge pins). Everything is restored on exit, whatever happens."""
+    installed TE or the one Bridge pins). Everything is restored on exit, whatever happens; an environment
+    ``os.environ`` could not hold is refused before anything is written (job_environment). Yields the text
+    megatron-core printed meanwhile."""
     import torch
 
     import megatron.training.arguments as mlm_arguments
+    job_env = job_environment(job_env)
     saved = {k: os.environ.get(k) for k in set(JOB_ENV_KEYS) | set(job_env) | set(ENV_REQUIREMENTS)}
     patched = [(torch.cuda, "get_device_capability"), (mlm_arguments, "get_device_arch_version"),
                (mlm_arguments, "is_te_min_version")]
@@ -550,14 +660,14 @@ def validation_env(job_env: Mapping[str, str], arch: int, requirements: Mapping[
         for k in JOB_ENV_KEYS:
             os.environ.pop(k, None)
         for k, v in job_env.items():
-            os.environ[k] = str(v)
+            os.environ[k] = v
         for k, v in requirements.items():
             os.environ.setdefault(k, v)
         torch.cuda.get_device_capability = lambda device=None: (arch, 0)
         mlm_arguments.get_device_arch_version = lambda: arch
         mlm_arguments.is_te_min_version = _te_min_version(te_version()[0])
-        with _quiet():
-            yield
+        with _quiet() as sink:
+            yield sink
     finally:
         for obj, name, original in originals:
             setattr(obj, name, original)
@@ -568,28 +678,271 @@ def validation_env(job_env: Mapping[str, str], arch: int, requirements: Mapping[
                 os.environ[k] = v
 
 
+# ----------------------------------------------------------------------------- files the arguments name
+# megatron-core opens files named in the arguments while it parses, validates and builds the config: validate_args
+# reads --heterogeneous-layers-config-path (Path.read_text, arguments.py validate_model_config_args_from_heterogeneous_
+# config), core_transformer_config_from_args loads --te-precision-config-file (quantization/quant_config.py
+# RecipeConfig.from_yaml_file: open + yaml.load), and we count --vocab-file's entries. While megatron-core runs here,
+# every file opened for reading goes through read_named_file (a regular file, at most MAX_NAMED_FILE bytes, opened
+# without blocking, so a fifo or a device is refused at once) and every yaml.load through core/safeyaml.py (the
+# bounded reader of every user YAML: an alias bomb is refused while it is composed).
+MAX_NAMED_FILE = 16 << 20
+MAX_VOCAB_FILE = 64 << 20    # GPT-2's vocab.json is 1 MiB; the largest BPE vocabularies are a few MiB
+
+
+def read_named_file(path: Any, limit: int = MAX_NAMED_FILE) -> bytes:
+    """The bytes of the file ``path`` names, when it is a regular file of at most ``limit`` bytes; raises OSError
+    as open() would (a missing file) and _Refusal for a fifo, device, folder or a larger file."""
+    from ..core.text import bounded, shown
+    name = shown(bounded(os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path), 200))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))   # a fifo opens without a writer
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Refusal(MegatronArgsError(f"{name!r}, named in the arguments, is not a regular file (a fifo, device "
+                                             "or folder): it is not read", "name a regular file"))
+        if st.st_size > limit:
+            raise _Refusal(MegatronArgsError(f"{name!r}, named in the arguments, is {st.st_size:,} bytes (at most "
+                                             f"{limit:,} are read)", "name the job's own, smaller file"))
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:    # it grew after fstat
+            raise _Refusal(MegatronArgsError(f"{name!r}, named in the arguments, grows past {limit:,} bytes",
+                                             "name a file that is not being written"))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class _NamedBytes(io.BytesIO):
+    """A file's bytes read by read_named_file, with the file's name as open() gives it."""
+
+    def __init__(self, data: bytes, name: str):
+        super().__init__(data)
+        self.name = name
+
+
+def _bounded_open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None, closefd=True,
+                  opener=None):
+    """open() for reading while megatron-core runs here: the whole file read through read_named_file first."""
+    raw = _NamedBytes(read_named_file(file), os.fsdecode(file))
+    if "b" in mode:
+        return raw
+    return io.TextIOWrapper(raw, encoding=encoding or "utf-8", errors=errors, newline=newline)
+
+
+def _bounded_yaml(stream, *args, **kwargs):
+    """yaml.load (any Loader) while megatron-core runs here: plain data through core/safeyaml.py's bounds."""
+    name = getattr(stream, "name", "a YAML document")
+    text = stream if isinstance(stream, (str, bytes)) else stream.read()
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    try:
+        return safeyaml.load(text, duplicates="last")
+    except (safeyaml.YamlRefused, ValueError, RecursionError) as exc:
+        from ..core.text import bounded, shown
+        raise _Refusal(MegatronArgsError(f"{shown(bounded(name, 200))}, which megatron-core reads as YAML, is refused: "
+                                         f"{bounded(' '.join(str(exc).split()), 300)}",
+                                         "give a plain YAML file (no alias bombs, at most "
+                                         f"{safeyaml.MAX_NODES:,} nodes)")) from None
+
+
+@contextlib.contextmanager
+def _bounded_reads():
+    """Every open() for reading and every yaml.load of megatron-core's while it parses, validates and builds
+    the job's config here goes through read_named_file and core/safeyaml.py; restored on exit."""
+    import builtins
+
+    import yaml
+    real_open = builtins.open
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, int) or not isinstance(mode, str) or any(c in mode for c in "wax+"):
+            return real_open(file, mode, *args, **kwargs)
+        return _bounded_open(file, mode, *args, **kwargs)
+
+    loaders = {name: getattr(yaml, name) for name in ("load", "safe_load", "full_load", "unsafe_load")
+               if hasattr(yaml, name)}
+    saved_io_open = io.open
+    try:
+        builtins.open = io.open = guarded_open
+        for name in loaders:
+            setattr(yaml, name, _bounded_yaml)
+        yield
+    finally:
+        builtins.open = real_open
+        io.open = saved_io_open
+        for name, loader in loaders.items():
+            setattr(yaml, name, loader)
+
+
+# ----------------------------------------------------------------------------- numbers the plan reads
+# Integer arguments that are sizes or counts: megatron-core divides by them (world_size % (tp x pp x cp),
+# hidden_size % num_attention_heads, global_batch_size % (micro_batch_size x dp), the vocabulary padding) or the plan
+# multiplies them into memory, so given, each is at least 1 (a negative --num-layers was planned as a job that fits).
+POSITIVE = frozenset({
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "num_layers", "encoder_num_layers",
+    "decoder_num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "seq_length", "encoder_seq_length", "decoder_seq_length", "max_position_embeddings", "micro_batch_size",
+    "global_batch_size", "eval_micro_batch_size", "eval_global_batch_size", "vocab_size", "padded_vocab_size",
+    "make_vocab_size_divisible_by", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+    "moe_shared_expert_intermediate_size", "num_layers_per_virtual_pipeline_stage",
+    "num_virtual_stages_per_pipeline_rank", "microbatch_group_size_per_vp_stage", "mamba_state_dim",
+    "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "kv_lora_rank", "q_lora_rank", "linear_conv_kernel_dim", "num_distributed_optimizer_instances",
+    "moe_latent_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+})
+# Integer arguments that megatron-core reads with a negative meaning: their default (-1: none / off) or -1 as
+# 'automatic' (arguments.py validate_args, inference_dynamic_batching_num_cuda_graphs).
+SIGNED = frozenset({"rl_default_top_k", "null_tokenizer_pad_id", "inference_batch_times_seqlen_threshold",
+                    "inference_dynamic_batching_num_cuda_graphs"})
+
+
+def _number_problem(action: argparse.Action, value: Any, neutral: bool) -> str | None:
+    """Why a parsed value of ``action`` is refused, or None."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, int):
+            if v.bit_length() > 63:
+                return f"is an integer of {v.bit_length()} bits, out of range (at most {MAX_INT:,}, a 64-bit integer)"
+            if action.dest in POSITIVE and v < 1:
+                return f"is {v}: a size or count megatron-core divides by or the plan multiplies, at least 1"
+            if neutral:      # a negative logging interval or checkpoint count cannot change memory
+                continue
+            if v < 0 and action.dest not in SIGNED and not (isinstance(action.default, int) and action.default < 0):
+                return f"is {v}: megatron-core gives this argument no negative meaning"
+        elif isinstance(v, float) and not math.isfinite(v):
+            return f"is {v}, not a finite number"
+    return None
+
+
+def _check_numbers(args: argparse.Namespace, dests: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    """The numbers the words gave, checked before validate_args divides by them (every problem at once)."""
+    from ..core.text import bounded
+    actions, groups = actions_by_dest(parser), group_of(parser)
+    problems = []
+    for dest in dests:
+        action = actions.get(dest)
+        if action is None or action.nargs == 0:
+            continue
+        why = _number_problem(action, getattr(args, dest, None), groups.get(dest) in NEUTRAL_GROUPS)
+        if why:
+            problems.append(f"{flag_of(action)} {why}")
+    if problems:
+        raise MegatronArgsError("; ".join(bounded(p, 300) for p in problems[:10])
+                                + (f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""),
+                                "give each flag named a value in range: a finite number, and for sizes and counts "
+                                "a whole number of at least 1")
+
+
+def _check_plan_sizes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The validated namespace (validate_args derives sizes: ffn_hidden_size, kv_channels, ...) within what the plan
+    reads: every size at least 1, the layers and pipeline ranks within the plan's limits."""
+    actions = actions_by_dest(parser)
+    problems = []
+    for dest in sorted(POSITIVE):
+        value = getattr(args, dest, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1 and dest in actions:
+            problems.append(f"{flag_of(actions[dest])} is {value} after megatron-core's validation (at least 1)")
+    layers = getattr(args, "num_layers", None)
+    if isinstance(layers, int) and layers > MAX_PLAN_LAYERS:
+        problems.append(f"--num-layers {layers:,} is past the plan's limit of {MAX_PLAN_LAYERS:,} layers (it "
+                        "plans each layer)")
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    if isinstance(pp, int) and pp > MAX_PLAN_PIPELINE:
+        problems.append(f"--pipeline-model-parallel-size {pp:,} is past the plan's limit of {MAX_PLAN_PIPELINE:,} "
+                        "pipeline stages (it plans each stage)")
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    if isinstance(pp, int) and 1 < pp <= MAX_PLAN_PIPELINE and vpp > 1:
+        dp = max(1, args.world_size // (pp * args.tensor_model_parallel_size * args.context_parallel_size))
+        microbatches = max(1, (args.global_batch_size or 1) // ((args.micro_batch_size or 1) * dp))
+        group = max(pp, min(args.microbatch_group_size_per_vp_stage or pp, max(pp, microbatches)))
+        if pp * group * vpp > MAX_PLAN_SCHEDULE:   # memory/pipeline.py vp_group, and the replay it bounds
+            problems.append(f"the interleaved schedule the plan replays per stage (pipeline {pp} x microbatch group "
+                            f"{group} x virtual stages {vpp} = {pp * group * vpp:,} steps) is past its limit of "
+                            f"{MAX_PLAN_SCHEDULE:,}")
+    if problems:
+        raise MegatronArgsError("; ".join(problems), "plan a job within these limits")
+
+
+# ----------------------------------------------------------------------------- parse and validate
+def _exc_text(exc: BaseException, printed: str = "") -> str:
+    """One bounded line for an exception megatron-core raised (its message, or where it was raised)."""
+    from ..core.text import bounded
+    if isinstance(exc, SystemExit):
+        lines = [line.strip() for line in printed.splitlines() if line.strip()]
+        said = lines[-1] if lines else f"exit code {exc.code}"
+        return bounded(f"it calls exit() ({' '.join(said.split())})", 400)
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:  # noqa: BLE001 - a message that cannot be shown
+        text = ""
+    if not text:
+        text = _where(exc)
+    elif not isinstance(exc, AssertionError):   # validate_args' asserts say what is wrong; other errors say less
+        text = f"{type(exc).__name__}: {text}"
+    return bounded(text, 400)
+
+
 def parse_and_validate(argv: Sequence[str], world: int, env: Mapping[str, str], arch: int,
                        parser: argparse.ArgumentParser | None = None) -> tuple[argparse.Namespace, list[str], list[str]]:
     """(validated namespace, unknown words, notes) exactly as Megatron-LM's parse_args + validate_args, with the rank and
-    world size it would read from the launcher's environment."""
+    world size it would read from the launcher's environment.
+
+    Every failure is a MegatronArgsError: the parser's (an unknown choice, a converter's KeyError: a usage error),
+    a number out of range (before validate_args divides by it), a file it names that cannot be read here, and
+    validate_args' own refusal whatever it raises, its exit() included (``rejected``: exit 1)."""
     parser = parser or megatron_parser()
+    if len(argv) > MAX_WORDS:
+        raise MegatronArgsError(f"the job has {len(argv):,} words, more than {MAX_WORDS:,} (a Megatron-LM job has a "
+                                "few hundred)", "give the job's own arguments")
     argv, placeholders = _placeholders(argv, parser)
-    with validation_env(env, arch, env_requirements(argv)):
+    with validation_env(env, arch, env_requirements(argv)) as printed, _bounded_reads():
         try:
             args, unknown = parser.parse_known_args(list(argv))
+        except _Refusal as exc:
+            raise exc.error from None
+        except MegatronArgsError:
+            raise
         except argparse.ArgumentError as exc:
-            raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {exc}",
+            raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {_exc_text(exc)}",
                                     "fix the flag named above (megatron-core 0.19.2's arguments.py)") from None
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a converter's own error (KeyError, ...)
+            raise MegatronArgsError(f"Megatron-LM's parser refuses the arguments: {_exc_text(exc, printed.getvalue())}",
+                                    "fix the flag named above (megatron-core 0.19.2's arguments.py)") from None
+        _check_numbers(args, _given_dests(argv, parser), parser)
+        # parse_and_validate_args (arguments.py) before validate_args: the checkpoint's arguments need a directory
+        if args.use_checkpoint_args and args.load is None and args.pretrained_checkpoint is None:
+            raise MegatronArgsError("--use-checkpoint-args requires --load or --pretrained-checkpoint argument "
+                                    "(Megatron-LM's parse_and_validate_args)", "add --load DIR, or drop "
+                                    "--use-checkpoint-args", rejected=True)
         args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
         args.rank, args.world_size = 0, world
         from megatron.training.arguments import validate_args
         try:
             validate_args(args, dict(PRETRAIN_DEFAULTS))
-        except (AssertionError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-            text = " ".join(str(exc).split()) or _where(exc)
-            raise MegatronArgsError(f"Megatron-LM's validate_args rejects the job at world size {world}: {text}",
+        except _Refusal as exc:
+            raise exc.error from None
+        except MegatronArgsError:
+            raise
+        except OSError as exc:   # a file the arguments name, missing here
+            raise MegatronArgsError(f"megatron-core's validate_args cannot read a file the arguments name: "
+                                    f"{_exc_text(exc)}", "plan where the file is, or give its path here") from None
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - whatever validate_args raises is its refusal
+            raise MegatronArgsError(f"Megatron-LM's validate_args rejects the job at world size {world}: "
+                                    f"{_exc_text(exc, printed.getvalue())}",
                                     "fix the arguments (or the world size) as the message says",
                                     rejected=True) from None
+        _check_plan_sizes(args, parser)
     return args, unknown, placeholders
 
 
@@ -627,49 +980,114 @@ def _placeholders(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple
                 continue
             raise MegatronArgsError(f"{w} {words[k + 1]}: a placeholder where a value is needed; ${{...}} is never "
                                     "interpolated", f"write the value of {w} itself")
-        if action is not None and getattr(action.type, "__name__", "") in _PATTERN_TYPES and k + 1 < len(words):
-            _check_pattern(w, words[k + 1])
-        elif "=" in w and getattr(by_option.get(w.split("=", 1)[0]), "type", None) is not None and \
-                getattr(by_option[w.split("=", 1)[0]].type, "__name__", "") in _PATTERN_TYPES:
-            _check_pattern(w.split("=", 1)[0], w.split("=", 1)[1])
         out.append(w)
         k += 1
     return out, notes
 
 
-# Flag types that eval() a list expression (arguments.py _eval_pattern: digits, brackets, commas, + and *):
-# "[0]*10**10" passes its character check and would allocate without bound, so the length is measured first.
+# Flag types that eval() a list expression (arguments.py _eval_pattern: digits, brackets, parentheses, commas, + and *,
+# so ** too): "[0]*10**10" passes its character check and would allocate without bound. megatron_parser wraps each
+# such type with _check_pattern, so every way a value reaches it (a word, --flag=value, a YAML list, a dump's value)
+# is measured before megatron-core evaluates it.
 _PATTERN_TYPES = ("moe_freq_type", "la_freq_type", "no_rope_freq_type")
-MAX_PATTERN = 1_000_000   # list entries (one per layer)
+MAX_PATTERN = 1_000_000    # list entries (one per layer)
+MAX_PATTERN_CHARS = 100_000
 
 
-def _check_pattern(flag: str, text: str) -> None:
-    import ast as _ast
+class _Unbounded(Exception):
+    """A pattern whose size cannot be known before evaluating it."""
 
-    def length(node) -> int | None:
-        if isinstance(node, _ast.List):
-            return len(node.elts)
-        if isinstance(node, _ast.BinOp) and isinstance(node.op, _ast.Add):
-            a, b = length(node.left), length(node.right)
-            return None if a is None or b is None else a + b
-        if isinstance(node, _ast.BinOp) and isinstance(node.op, _ast.Mult):
-            for seq, times in ((node.left, node.right), (node.right, node.left)):
-                n = length(seq)
-                if n is not None and isinstance(times, _ast.Constant) and type(times.value) is int:
-                    return n * max(times.value, 0)
-            return None if not isinstance(node.left, _ast.Constant) else 0
-        return None
 
-    if "[" not in text:
+def _pattern_size(node: ast.AST, depth: int = 0) -> tuple[str, int]:
+    """("list", entries counted through nested lists) or ("int", value) of a pattern expression, computed from
+    its syntax tree without building anything; raises MegatronArgsError past the bounds and _Unbounded for a form
+    that is not a list expression of integers (megatron-core's own type then says what is wrong)."""
+    if depth > 100:
+        raise _Unbounded
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return "int", node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        total = 0
+        for elt in node.elts:
+            kind, n = _pattern_size(elt, depth + 1)
+            total += n if kind == "list" else 1
+        return "list", total
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult, ast.Pow)):
+        (ka, a), (kb, b) = _pattern_size(node.left, depth + 1), _pattern_size(node.right, depth + 1)
+        if isinstance(node.op, ast.Add):
+            if ka != kb:
+                raise _Unbounded          # list + int: a TypeError megatron-core's type reports
+            out = a + b
+        elif isinstance(node.op, ast.Pow):
+            if ka != "int" or kb != "int":
+                raise _Unbounded
+            # |a| ** b stays within 64 bits only for small exponents: bounded by bit length before computing
+            if b > 0 and abs(a) > 1 and b * (abs(a).bit_length() - 1) > 63:
+                raise _TooLarge(f"an integer past 64 bits ({a}**{b})")
+            out = a ** b if b >= 0 else 0
+        elif ka == kb == "list":
+            raise _Unbounded
+        else:
+            out = a * b if ka == kb else max(a, 0) * max(b, 0)
+            kind = "list" if "list" in (ka, kb) else "int"
+            if abs(out) > (MAX_PATTERN if kind == "list" else MAX_INT):
+                raise _TooLarge(f"{out:,} entries" if kind == "list" else "an integer past 64 bits")
+            return kind, out
+        if abs(out) > (MAX_PATTERN if ka == "list" else MAX_INT):
+            raise _TooLarge(f"{out:,} entries" if ka == "list" else "an integer past 64 bits")
+        return ka, out
+    raise _Unbounded
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _check_pattern(flag: str, text: Any) -> None:
+    """Refuse, before megatron-core's eval(), a layer pattern that would build more than MAX_PATTERN entries (or
+    compute an integer past 64 bits, or whose size cannot be known from its syntax)."""
+    from ..core.text import bounded, shown
+    if not isinstance(text, str) or "[" not in text:
         return
+    if len(text) > MAX_PATTERN_CHARS:
+        raise MegatronArgsError(f"{flag} is a pattern of {len(text):,} characters (at most {MAX_PATTERN_CHARS:,})",
+                                f"give {flag} one entry per layer, e.g. ([1]*3+[0])*4")
+    if re.search(r"[^,\d\[\]()+*\s]", text):
+        return          # megatron-core's own character check refuses it, before any eval
     try:
-        tree = _ast.parse(text.strip(), mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return          # megatron-core's own type reports the bad pattern
-    n = length(tree)
-    if n is not None and n > MAX_PATTERN:
-        raise MegatronArgsError(f"{flag} {text[:60]} expands to {n:,} entries (one per layer)",
+        kind, n = _pattern_size(ast.parse(text.strip(), mode="eval").body)
+    except _TooLarge as exc:
+        raise MegatronArgsError(f"{flag} {shown(bounded(text, 60))} expands to {exc} (at most {MAX_PATTERN:,} entries, "
+                                "one per layer)", f"give {flag} one entry per layer") from None
+    except (SyntaxError, ValueError, RecursionError, MemoryError, _Unbounded):
+        raise MegatronArgsError(f"{flag} {shown(bounded(text, 60))} is not a list expression of integers whose size "
+                                "can be read before evaluating it", f"give {flag} a list such as ([1]*3+[0])*4 or "
+                                "[0,1,1,1]") from None
+    if kind == "list" and n > MAX_PATTERN:
+        raise MegatronArgsError(f"{flag} {shown(bounded(text, 60))} expands to {n:,} entries (one per layer)",
                                 f"give {flag} one entry per layer")
+
+
+def _checked_pattern_type(flag: str, convert):
+    """``convert`` (megatron-core's pattern type) measuring its text first (_check_pattern)."""
+    import functools
+
+    @functools.wraps(convert)
+    def checked(text):
+        try:
+            _check_pattern(flag, text)
+        except MegatronArgsError as exc:
+            raise _Refusal(exc) from None    # not a ValueError: argparse would put its own words in its place
+        return convert(text)
+    return checked
+
+
+class _Refusal(Exception):
+    """Our refusal raised inside megatron-core's parser or validate_args, carried out unchanged."""
+
+    def __init__(self, error: MegatronArgsError):
+        super().__init__(error.message)
+        self.error = error
 
 
 # ----------------------------------------------------------------------------- the mapping
@@ -731,25 +1149,44 @@ def tokenizer_vocab(args: argparse.Namespace, given: int | None = None) -> tuple
         "the tokenizer", "give the tokenizer's vocabulary size (mbmem plan --tokenizer-vocab N)")
 
 
-def _json_keys(path: Any, limit: int = 64 << 20) -> int:
-    """Entries of a GPT-2 style vocab.json, 0 when it is not a readable regular file (``${...}`` is a name)."""
+def _json_keys(path: Any, limit: int = MAX_VOCAB_FILE) -> int:
+    """Entries of a GPT-2 style vocab.json, 0 when it is not here (a path on the cluster; ``${...}`` is a name).
+    A file that is here must be the job's vocabulary: a fifo, a device, a file over ``limit`` or one that is not a
+    JSON object (or nests past Python's recursion limit) is refused, as the tokenizer would fail on it."""
     if not isinstance(path, str) or "$" in path:
         return 0
+    from ..core.text import bounded, shown
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode) or os.path.getsize(path) > limit:
-            return 0
-        import json
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read(limit))
-        return len(data) if isinstance(data, dict) else 0
-    except (OSError, ValueError):
+        data = read_named_file(path, limit)
+    except FileNotFoundError:
         return 0
+    except _Refusal as exc:
+        raise exc.error from None
+    except OSError as exc:
+        raise MegatronArgsError(f"--vocab-file {shown(bounded(path, 200))!r} cannot be read: {exc.strerror or exc}",
+                                "give the tokenizer's vocab.json, or its size with --tokenizer-vocab N") from None
+    import json
+    try:
+        entries = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise MegatronArgsError(f"--vocab-file {shown(bounded(path, 200))!r} is not a JSON vocabulary: "
+                                f"{bounded(type(exc).__name__ + ': ' + ' '.join(str(exc).split()), 200)}",
+                                "give the tokenizer's vocab.json, or its size with --tokenizer-vocab N") from None
+    if not isinstance(entries, dict):
+        raise MegatronArgsError(f"--vocab-file {shown(bounded(path, 200))!r} is JSON but not an object of tokens",
+                                "give the tokenizer's vocab.json, or its size with --tokenizer-vocab N")
+    return len(entries)
 
 
 def padded_vocab(vocab: int, args: argparse.Namespace) -> int:
-    """build_tokenizer.py vocab_size_with_padding: up to a multiple of make_vocab_size_divisible_by x TP."""
+    """build_tokenizer.py vocab_size_with_padding: up to a multiple of make_vocab_size_divisible_by x TP (in whole
+    numbers: a float quotient overflows past 1e308)."""
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return int(math.ceil(vocab / multiple) * multiple)
+    if multiple < 1 or vocab < 1:
+        raise MegatronArgsError(f"the vocabulary ({vocab}) or its padding multiple ({multiple}: "
+                                "--make-vocab-size-divisible-by x TP) is not positive",
+                                "give --vocab-size and --make-vocab-size-divisible-by of at least 1")
+    return -(-vocab // multiple) * multiple
 
 
 def model_family(args: argparse.Namespace, script: str = "") -> str:
@@ -825,6 +1262,24 @@ def config_from_args(args: argparse.Namespace, family: str, vocab: int) -> tuple
     return cfg, used
 
 
+def _mapped(args: argparse.Namespace, family: str, vocab: int) -> tuple[Any, set[str]]:
+    """config_from_args, whatever megatron-core's config classes raise on a namespace validate_args passed (their
+    own __post_init__ checks) as one MegatronArgsError (exit 1), files they read bounded (_bounded_reads)."""
+    try:
+        with _bounded_reads():
+            return config_from_args(args, family, vocab)
+    except _Refusal as exc:
+        raise exc.error from None
+    except MegatronArgsError:
+        raise
+    except OSError as exc:
+        raise MegatronArgsError(f"megatron-core cannot read a file the arguments name while it builds the job's "
+                                f"config: {_exc_text(exc)}", "plan where the file is, or give its path here") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - megatron-core's config refuses the job
+        raise MegatronArgsError(f"megatron-core's configuration refuses the job: {_exc_text(exc)}",
+                                "fix the arguments as the message says", rejected=True) from None
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return " ".join(_word(v) for v in value)
@@ -841,9 +1296,25 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
     ``world_size`` wins over the launcher's and the dump's; without any the job is refused (Megatron-LM reads
     it from the launcher). ``env`` adds to the job's own environment (ENV_VARS, leading VAR=value words).
     ``arch``: the compute capability major validate_args is asked about (9: H100, 10: GB200). ``vocab``: the
-    tokenizer's vocabulary when it cannot be read from the arguments."""
+    tokenizer's vocabulary when it cannot be read from the arguments.
+
+    Raises MegatronArgsError, and nothing else: whatever an input makes fail on the way (megatron-core's parser,
+    validate_args, its config classes, our reading and mapping) is one line (``rejected``: megatron-core refused a
+    job it could read, exit 1; else a usage error, exit 2)."""
+    try:
+        return _load_job(source, world_size=world_size, env=env, arch=arch, vocab=vocab, script=script)
+    except _Refusal as exc:
+        raise exc.error from None
+    except MegatronArgsError:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - an input no check above foresaw: one line, not a traceback
+        raise MegatronArgsError(f"the job's arguments cannot be read: {_exc_text(exc)}",
+                                "check the arguments file (a command line, MODEL_ARGS YAML or a log's dump)") from None
+
+
+def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     words = source if isinstance(source, JobWords) else job_words(source)
-    job_env = {**words.env, **(env or {})}
+    job_env = job_environment({**words.env, **(env or {})})
     if world_size is not None:
         world, world_from = int(world_size), "given"
     elif words.launcher_world:
@@ -871,7 +1342,7 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
     family = model_family(args, script or words.script)
     size, how = tokenizer_vocab(args, vocab)
     padded = padded_vocab(size, args)
-    cfg, used = config_from_args(args, family, padded)
+    cfg, used = _mapped(args, family, padded)
     groups = group_of(parser)
     actions = actions_by_dest(parser)
     given = _given_dests(argv, parser)
@@ -934,9 +1405,10 @@ def _unknown_notes(unknown: Sequence[str], form: str, dump: Mapping[str, str] | 
             notes.append([w])
         else:
             notes[-1].append(w)
+    from ..core.text import bounded
     if form == FORM_DUMP:
-        return tuple(FlagNote(n[0], str((dump or {}).get(n[0], "")), why) for n in notes)
-    return tuple(FlagNote(n[0], " ".join(n[1:]), why) for n in notes)
+        return tuple(FlagNote(bounded(n[0], 200), bounded(str((dump or {}).get(n[0], "")), 200), why) for n in notes)
+    return tuple(FlagNote(bounded(n[0], 200), bounded(" ".join(n[1:]), 200), why) for n in notes)
 
 
 # ----------------------------------------------------------------------------- overlays as Megatron-LM flags
@@ -983,42 +1455,74 @@ def dest_for_field(path: str, parser: argparse.ArgumentParser | None = None) -> 
     return dest if dest in actions else None
 
 
+# What Megatron-LM's validate_args requires of a job beyond what Bridge checks, as (dest, value) -> the flags it then
+# needs: Bridge asserts the checkpoint format only when the job saves or loads, Megatron-LM always ("Megatron-FSDP
+# requires the `fsdp_dtensor` checkpointing format.", arguments.py validate_args); Megatron-LM's hybrid CPU optimizer
+# reuses the precision-aware optimizer's path ("The optimizer cpu offload must be used in conjunction with
+# `--use-precision-aware-optimizer`", arguments.py validate_args), which Bridge's optimizer config does not ask.
+MEGATRON_LM_REQUIRES: tuple[tuple[tuple[str, Any], tuple[tuple[str, Any], ...]], ...] = (
+    (("use_megatron_fsdp", True), (("ckpt_format", "fsdp_dtensor"),)),
+    (("optimizer_cpu_offload", True), (("use_precision_aware_optimizer", True),)),
+)
+
+
 def overlay_flags(changes: Sequence[tuple[str, Any]], job_args: Mapping[str, Any]) -> OverlayFlags:
     """The Megatron-LM flags that make the same changes as an overlay's (``[(field or $VAR, new value)]``, from
     the engine's report) on a job whose validated arguments are ``job_args``. A value the job already has adds
-    nothing; a switch the change turns off that the job turned on is listed to remove."""
+    nothing; a switch the change turns off that the job turned on is listed to remove. Each parser argument is
+    written once (two config fields of one flag, ddp. and optimizer.use_distributed_optimizer, are one flag; the
+    last change wins), a config ``env_vars`` entry is an environment variable, a dtype is written as the parser's
+    choice (bf16, not torch.bfloat16), and what Megatron-LM's validate_args requires beyond Bridge
+    (MEGATRON_LM_REQUIRES) is added. tests/test_hostile_round5.py parses and validates every overlay's set."""
     parser = megatron_parser()
     actions = actions_by_dest(parser)
-    words: list[str] = []
+    by_dest: dict[str, list[str]] = {}
+    values: dict[str, Any] = {}
     env: dict[str, str] = {}
     remove: list[str] = []
     no_flag: list[tuple[str, str]] = []
+
+    def add(target: str, dest: str, value: Any) -> None:
+        action = actions[dest]
+        current = job_args.get(dest)
+        values[dest] = value
+        by_dest.pop(dest, None)
+        if _same(current, value, action):
+            return
+        flag = flag_words(action, value)
+        if flag is None or (flag == [] and action.nargs == 0):
+            if action.nargs == 0 and current == action.const:
+                if flag_of(action) not in remove:
+                    remove.append(flag_of(action))
+            else:
+                no_flag.append((target, _shown(value)))
+            return
+        by_dest[dest] = flag
+
     for target, value in changes:
-        if target.startswith("$"):
-            env[target[1:]] = value if isinstance(value, str) else _env_text(value)
+        if target.startswith("$") or target.startswith("env_vars."):
+            name = target[1:] if target.startswith("$") else target.split(".", 1)[1]
+            env[name] = value if isinstance(value, str) else _env_text(value)
             continue
         dest = dest_for_field(target, parser)
         if dest is None:
             no_flag.append((target, _shown(value)))
             continue
-        action = actions[dest]
-        current = job_args.get(dest)
-        if _same(current, value):
-            continue
-        flag = flag_words(action, value)
-        if flag is None or (flag == [] and action.nargs == 0):
-            if action.nargs == 0 and current == action.const:
-                remove.append(flag_of(action))
-            else:
-                no_flag.append((target, _shown(value)))
-            continue
-        words += flag
+        add(target, dest, value)
+    for (dest, value), needs in MEGATRON_LM_REQUIRES:
+        if _same(values.get(dest, job_args.get(dest)), value):
+            for need, wanted in needs:
+                if need in actions and not _same(values.get(need, job_args.get(need)), wanted, actions[need]):
+                    add(need, need, wanted)
+    words = [w for flag in by_dest.values() for w in flag]
     return OverlayFlags(tuple(words), MappingProxyType(env), tuple(remove), tuple(no_flag))
 
 
-def _same(current: Any, value: Any) -> bool:
+def _same(current: Any, value: Any, action: argparse.Action | None = None) -> bool:
     if isinstance(value, (list, tuple)) and isinstance(current, (list, tuple)):
         return [_word(v) for v in current] == [_word(v) for v in value]
+    if action is not None and action.choices and current is not None and value is not None:
+        return _choice_word(action, current) == _choice_word(action, value)
     return current == value or (current is not None and _word(current) == _word(value) and not isinstance(value, bool))
 
 

@@ -17,7 +17,7 @@ from ..core.errors import OverlayError
 from ..core.sizes import SizeError
 from ..core.text import shown
 from . import apply, args, check_stack, doctor, explain, list_overlays, plan, recommend, slurm
-from .common import EXIT_REJECTED, EXIT_USAGE, UsageError
+from .common import EXIT_REJECTED, EXIT_USAGE, UsageError, needs_cwd
 
 COMMANDS = (list_overlays, explain, apply, args, doctor, slurm, plan, recommend, check_stack)
 
@@ -75,10 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     parser = build_parser()
     as_json = "--json" in argv
-    gone = console.cwd_problem()
-    if gone is not None:  # every relative path would fail somewhere else, as a traceback or a "bug" (issue 33 #14)
-        return _fail(UsageError([gone]), EXIT_USAGE, "mbmem", as_json, one_line=f"mbmem: {console.CWD_GONE}; "
-                     f"{console.CWD_FIX}")
     try:
         args = parser.parse_args(argv)
     except CommandLineError as exc:
@@ -87,6 +83,12 @@ def _main(argv: list[str]) -> int:
     except SystemExit as exc:  # --help: printed; main's flush decides between 0 and 74
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     as_json = bool(getattr(args, "json", False))
+    gone = console.cwd_problem()
+    if gone is not None and needs_cwd(args):
+        # every relative path would fail somewhere else, as a traceback or a "bug" (issue 33 #14); a command of
+        # absolute paths only still works (issue 39: mbmem list, mbmem doctor /abs/file)
+        return _fail(UsageError([gone]), EXIT_USAGE, "mbmem", as_json, one_line=f"mbmem: {console.CWD_GONE}; "
+                     f"{console.CWD_FIX}")
     prefix = f"mbmem {args.command}"
     try:
         return args.fn(args)

@@ -14,7 +14,6 @@ forms live in ``launch/nemo_run.py`` (importable without NeMo-Run) so the plugin
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -70,7 +69,7 @@ def run(args) -> int:
     from ..api import apply_overlay
     from ..bridge.recipes import world_size_for
     from ..core.errors import OverlayError, ValidationRejected
-    from ..core.report import exit_code, to_dict, validation_lines
+    from ..core.report import exit_code, json_text, to_dict, validation_lines
     from ..launch.nemo_run import env_words, launcher_overrides
     catalog, names, user_overrides, params = read_request(args)
     early = ranks_all_problem(catalog, names, params, args.world_size)
@@ -91,7 +90,7 @@ def run(args) -> int:
     v = report.validation
     if code == EXIT_REJECTED:
         if args.json:
-            print(json.dumps(to_dict(report, recipe=args.recipe), indent=2, default=repr))
+            print(json_text(to_dict(report, recipe=args.recipe)))
         print("\n".join(["mbmem args: nothing printed for the launcher:", *validation_lines(v)]), file=sys.stderr)
         return code
     if v.launch_requirements:  # a placeholder stood in during validation; the job has none (as mbmem slurm)
@@ -107,9 +106,8 @@ def run(args) -> int:
     words = {"env": env_words(env), "overrides": overrides}
     argv = words[args.only] if args.only else [*words["env"], *overrides]
     if args.json:
-        print(json.dumps(to_dict(report, recipe=args.recipe, world_size=world,
-                                 launcher={"env": env, "overrides": overrides, "argv": argv}),
-                         indent=2, default=repr))
+        print(json_text(to_dict(report, recipe=args.recipe, world_size=world,
+                                launcher={"env": env, "overrides": overrides, "argv": argv})))
     else:
         print(" ".join(shlex.quote(w) for w in argv))
     print(f"# validated for world size {world}: {v.verdict}", file=sys.stderr)

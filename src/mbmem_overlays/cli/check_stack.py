@@ -10,14 +10,13 @@ one disagreement or unexplained Bridge rejection, 3 no case could be decided her
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from collections import Counter
 from typing import Any
 
-from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, SCHEMA_VERSION
+from ..core.report import EXIT_INCOMPLETE, EXIT_OK, EXIT_REJECTED, SCHEMA_VERSION, json_text
 from ..core.text import shown
 from ..core.values import parse_count
 from .common import count_arg
@@ -137,7 +136,7 @@ def run(args) -> int:
         "enforced_rules_not_triggered": s["never_triggered_enforced"],
     }
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json_text(result))
         return code
     status = "a supported pair" if stack.supported else f"outside the pairs the rules were checked against ({checked_against()})"
     lines = [f"stack: {stack.describe()} (torch {stack.torch or 'version unknown'}): {status}",

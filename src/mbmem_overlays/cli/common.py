@@ -20,6 +20,30 @@ class UsageError(OverlayError):
     """The command line itself is wrong (found before anything was built): exit code 2."""
 
 
+# Commands that read and write only the paths they are given: without a working directory they still work when each
+# of those paths is absolute (issue 39: `mbmem list` and `mbmem doctor /abs/file.pickle` refused a deleted one).
+# Every other command builds a Bridge config (whose default folders are relative) or renders a script of the
+# folder it runs in.
+CWD_FREE_COMMANDS = ("list", "explain", "doctor")
+_PATH_OPTIONS = ("plot", "html", "against")
+
+
+def needs_cwd(args: argparse.Namespace) -> bool:
+    """Whether the parsed command needs the working directory: a command outside CWD_FREE_COMMANDS, ``doctor
+    --plan`` (it builds the job's config), or a relative path among what it reads or writes (its inputs, --plot,
+    --html, --against, the user overlay folders of --overlay-dir and MBMEM_OVERLAY_DIRS)."""
+    import os
+
+    from ..core.catalog import USER_DIRS_ENV
+    if getattr(args, "command", None) not in CWD_FREE_COMMANDS or getattr(args, "plan", False):
+        return True
+    paths = list(getattr(args, "overlay_dir", None) or [])
+    paths += [p for p in os.environ.get(USER_DIRS_ENV, "").split(os.pathsep) if p]
+    paths += [p for p in getattr(args, "logs", None) or [] if p != "-"]
+    paths += [getattr(args, name, None) for name in _PATH_OPTIONS]
+    return any(isinstance(p, str) and p and not os.path.isabs(os.path.expanduser(p)) for p in paths)
+
+
 def positive_int(text: str, maximum: int = MAX_WORLD_SIZE) -> int:
     """argparse type of --world-size (and, through ``count_arg``, of every count): a whole number from 1 to
     ``maximum``, read without ever calling int() on thousands of digits (issue 22 #3)."""

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 
 from ..core import rules
 from ..core.catalog import USER_DIRS_ENV, OverlaySpec
 from ..core.errors import OverlayError
-from ..core.report import SCHEMA_VERSION
+from ..core.report import SCHEMA_VERSION, json_text
 from ..core.text import quoted_word, shown
 from ..core.values import hydra_text
 from .common import UsageError, catalog_for
@@ -49,7 +48,7 @@ def run(args) -> int:
     except OverlayError as exc:  # an unknown name is a usage error (exit 2), with the close matches
         raise UsageError(exc.problems) from None
     if getattr(args, "json", False):
-        print(json.dumps(as_dict(spec), indent=2, default=str))
+        print(json_text(as_dict(spec), default=str))
         return 0
     # A user overlay's texts (summary, help, values, sources, file name) are shown escaped, each on its line.
     for line in describe(spec):

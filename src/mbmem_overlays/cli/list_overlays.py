@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
-from ..core.report import SCHEMA_VERSION
+from ..core.report import SCHEMA_VERSION, json_text
 from ..core.text import shown
 from .common import catalog_for
 
@@ -19,10 +18,10 @@ def register(sub) -> None:
 def run(args) -> int:
     cat = catalog_for(args.overlay_dir)
     if args.json:
-        print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": 0, "overlays": [
+        print(json_text({"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": 0, "overlays": [
             {"name": name, "summary": cat.specs[name].summary, "aliases": list(cat.specs[name].aliases),
              "builtin": cat.specs[name].builtin, "path": str(cat.specs[name].path)} for name in cat.names()],
-            "problems": [p.render() for p in cat.problems]}, indent=2, default=str))
+            "problems": [p.render() for p in cat.problems]}, default=str))
         return 0
     for problem in cat.problems:  # broken user overlay files: listed, never fatal for the others
         print(f"mbmem list: warning: {problem.render()}", file=sys.stderr)

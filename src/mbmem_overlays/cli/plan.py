@@ -8,7 +8,6 @@ envelope (``schema_version``, and an ``error`` object instead of an empty stdout
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -130,17 +129,16 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- output
 def emit(args, payload: dict[str, Any]) -> None:
     """The JSON object (with schema_version) on stdout."""
-    from ..core.report import SCHEMA_VERSION
-    print(json.dumps({"schema_version": SCHEMA_VERSION, "subcommand": args.command, **payload}, indent=2, default=repr))
+    from ..core.report import SCHEMA_VERSION, json_text
+    print(json_text({"schema_version": SCHEMA_VERSION, "subcommand": args.command, **payload}))
 
 
 def fail(args, exc: BaseException, code: int) -> int:
     """A usage error or a rejection: the error object under --json (never an empty stdout), else stderr."""
     if args.json:
-        from ..core.report import error_dict
+        from ..core.report import error_dict, json_text
         problems = getattr(exc, "problems", [])
-        print(json.dumps({**error_dict(str(exc), code, problems=problems), "subcommand": args.command},
-                         indent=2, default=repr))
+        print(json_text({**error_dict(str(exc), code, problems=problems), "subcommand": args.command}))
     else:
         print(shown(f"mbmem {args.command}: {exc}", one_line=False), file=sys.stderr)
     return code
@@ -355,6 +353,12 @@ def run_megatron(args) -> int:
         flags_check = megatron_flags_check(job, overlays, checked) if flags is not None else None
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
+    except Exception as exc:  # noqa: BLE001 - a job megatron-core accepted that the memory model cannot plan
+        from ..core.text import bounded
+        return fail(args, OverlayError([_problem("--megatron-args", args.megatron_args, "the memory model cannot "
+                                                 f"plan this job: {type(exc).__name__}: {bounded(exc, 300)}",
+                                                 "plan it with fewer unusual settings, or report the arguments")]),
+                    EXIT_REJECTED)
     try:
         if args.plot:
             write_plot(args, lambda: plan_figure(plan))
@@ -477,6 +481,9 @@ def megatron_verdict(plan, job) -> str:
     return "no capacity given"
 
 
+MAX_NOTES_SHOWN = 40   # flags listed per section in the text (a job of thousands of unknown words is not a screenful)
+
+
 def megatron_job_lines(job) -> list[str]:
     """What the job is and which of its flags the plan does not follow (not modelled, unknown, unsupported)."""
     lines = [f"Megatron-LM job: {job.form}, {job.family}, world size {job.world_size} ({job.world_from}), "
@@ -487,7 +494,9 @@ def megatron_job_lines(job) -> list[str]:
     for title, notes in sections:
         if notes:
             lines.append(f"{title}:")
-            lines += [f"  - {shown(n.text())}" for n in notes]
+            lines += [f"  - {shown(n.text())}" for n in notes[:MAX_NOTES_SHOWN]]
+            if len(notes) > MAX_NOTES_SHOWN:
+                lines.append(f"  ... and {len(notes) - MAX_NOTES_SHOWN:,} more (--json lists them all)")
     if job.ignored:
         lines.append(f"ignored (no effect on memory): {len(job.ignored)} flags ({', '.join(job.ignored[:6])}"
                      + (", ..." if len(job.ignored) > 6 else "") + ")")

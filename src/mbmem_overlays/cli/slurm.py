@@ -60,9 +60,8 @@ def _refuse(args, message: str, code: int, problems=()) -> int:
     """Say why nothing was written: on stderr, and as the JSON object under --json."""
     print(shown(f"mbmem slurm: not written: {message}", one_line=False), file=sys.stderr)
     if args.json:
-        import json
-        from ..core.report import error_dict
-        print(json.dumps(error_dict(message, code, problems=problems), indent=2, default=repr))
+        from ..core.report import error_dict, json_text
+        print(json_text(error_dict(message, code, problems=problems)))
     return code
 
 
@@ -141,11 +140,10 @@ def run(args) -> int:
     except OverlayError as exc:
         return _refuse(args, str(exc), EXIT_USAGE, exc.problems)
     if args.json:
-        import json
-        from ..core.report import SCHEMA_VERSION
-        print(json.dumps({"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": code, "verdict": verdict,
-                          "path": args.o, "script": None if args.o else text, "job_log": output_log,
-                          "environment": env}, indent=2, default=str))
+        from ..core.report import SCHEMA_VERSION, json_text
+        print(json_text({"schema_version": SCHEMA_VERSION, "ok": True, "exit_code": code, "verdict": verdict,
+                         "path": args.o, "script": None if args.o else text, "job_log": output_log,
+                         "environment": env}))
         return code
     if args.o:
         print(f"wrote {shown(args.o)} ({verdict})", file=sys.stderr)

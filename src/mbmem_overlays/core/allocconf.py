@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 
 from .errors import short_repr
+from .text import MAX_MESSAGE_CHARS, bounded
 
 # Megatron-Core's checks read only PYTORCH_CUDA_ALLOC_CONF (bridge-config-surface.md §1.1);
 # newer torch also reads PYTORCH_ALLOC_CONF, ROCm builds PYTORCH_HIP_ALLOC_CONF
@@ -47,7 +48,12 @@ _FIXES = {
 
 
 class AllocConfError(ValueError):
-    """A malformed allocator setting string."""
+    """A malformed allocator setting string. Every value it echoes is bounded where it is put in the message
+    (errors.short_repr, text.bounded: a 100,000-digit value was printed whole, issue 39 #16), and the whole
+    message once more here."""
+
+    def __init__(self, message: str):
+        super().__init__(bounded(message, 4 * MAX_MESSAGE_CHARS))
 
 
 def _entries(var: str, text: str) -> list[str]:
@@ -112,12 +118,15 @@ def parse(var: str, text: str) -> dict[str, str]:
                 f"{var}={short_repr(text)}: entry {short_repr(item)} is not key:value (or key:[a,b,...]). "
                 f"Write it as comma-separated key:value pairs, e.g. {var}=expandable_segments:True")
         if key in out:
+            said = bounded(key, 60)
             raise AllocConfError(
-                f"{var}={short_repr(text)}: key {key!r} appears twice ({key}:{out[key]} and {key}:{value}); "
-                "the allocator would silently use one of them. Keep exactly one.")
+                f"{var}={short_repr(text)}: key {short_repr(key)} appears twice ({said}:{bounded(out[key], 60)} and "
+                f"{said}:{bounded(value, 60)}); the allocator would silently use one of them. Keep exactly one.")
         why = torch_value_problem(key, value, out)
         if why is not None:
-            raise AllocConfError(f"{var}={short_repr(text)}: {key} {why}. {_FIXES.get(key, _FIX_OTHER).format(var=var, key=key)}")
+            said = bounded(key, 60)
+            raise AllocConfError(f"{var}={short_repr(text)}: {said} {why}. "
+                                 f"{_FIXES.get(key, _FIX_OTHER).format(var=var, key=said)}")
         out[key] = value
     return out
 
@@ -218,18 +227,18 @@ def _roundup_problem(value: str) -> str | None:
     if items is None:
         n = _stoull(value)
         return None if n is not None and _power_of_two(n) else \
-            f"must be a power of two (e.g. 4) or a list like [256:1,512:2,>:8], not {value!r}"
+            f"must be a power of two (e.g. 4) or a list like [256:1,512:2,>:8], not {short_repr(value)}"
     for item in items:
         if not item:
             continue  # torch skips an empty trailing entry ("[256:1,]")
         interval, sep, divisions = item.partition(":")
         n = _stoull(divisions) if sep else None
         if n is None or not (n == 0 or _power_of_two(n)):
-            return f"list entry {item!r}: the divisions after ':' must be a power of two or 0"
+            return f"list entry {short_repr(item)}: the divisions after ':' must be a power of two or 0"
         if interval != ">":
             size = _stoull(interval)
             if size is None or not _power_of_two(size):
-                return f"list entry {item!r}: the interval before ':' must be a power of two (MB) or '>'"
+                return f"list entry {short_repr(item)}: the interval before ':' must be a power of two (MB) or '>'"
     return None
 
 
@@ -248,30 +257,30 @@ def torch_value_problem(key: str, value: str, earlier: dict[str, str] | None = N
     if is_list:
         return "takes one value, not a [list]"
     if key in BOOL_KEYS:
-        return None if value in ("True", "False") else f"must be {_BOOL}, not {value!r}"
+        return None if value in ("True", "False") else f"must be {_BOOL}, not {short_repr(value)}"
     if key == "backend":
-        return None if value in BACKENDS else f"must be one of {', '.join(BACKENDS)}, not {value!r}"
+        return None if value in BACKENDS else f"must be one of {', '.join(BACKENDS)}, not {short_repr(value)}"
     if key in ("garbage_collection_threshold", "per_process_memory_fraction"):
         number = _stod(value)
         if number is None:
-            return f"must be a number, not {value!r}"
+            return f"must be a number, not {short_repr(value)}"
         if key == "garbage_collection_threshold" and not 0 < number < 1:
-            return f"must be strictly between 0 and 1 (e.g. 0.8), not {value}"
+            return f"must be strictly between 0 and 1 (e.g. 0.8), not {bounded(value, 60)}"
         if key == "per_process_memory_fraction" and not 0 <= number <= 1:
-            return f"must be between 0 and 1 (e.g. 0.9), not {value}"
+            return f"must be between 0 and 1 (e.g. 0.9), not {bounded(value, 60)}"
         return None
     number = _stoull(value)
     if number is None:
-        return f"must be a whole number, not {value!r}"
+        return f"must be a whole number, not {short_repr(value)}"
     if key == "large_segment_size_mb" and number <= 10:
-        return f"must be more than 10 (MB), not {value}"
+        return f"must be more than 10 (MB), not {bounded(value, 60)}"
     if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
         floor = _stoull((earlier or {}).get("large_segment_size_mb", "")) or _LARGE_BUFFER_MB
         if number < floor:
             return (f"must be at least {floor} (MB, the large segment size"
-                    f"{'' if floor == _LARGE_BUFFER_MB else ' set by large_segment_size_mb'}), not {value}")
+                    f"{'' if floor == _LARGE_BUFFER_MB else ' set by large_segment_size_mb'}), not {bounded(value, 60)}")
     if key == "pinned_num_register_threads" and not (_power_of_two(number) and number <= _PINNED_MAX_REGISTER_THREADS):
-        return f"must be a power of two up to {_PINNED_MAX_REGISTER_THREADS}, not {value}"
+        return f"must be a power of two up to {_PINNED_MAX_REGISTER_THREADS}, not {bounded(value, 60)}"
     if key == "pinned_reserve_segment_size_mb" and number == 0:
         return "must be more than 0"
     return None

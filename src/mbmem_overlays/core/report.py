@@ -7,6 +7,7 @@ Kept apart from the engine, which returns data. The exit codes live here (the lo
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -141,8 +142,36 @@ def to_dict(report: Report, *, user_changes: Iterable[tuple[str, Any, Any]] = ()
     return out
 
 
+MAX_JSON_INT = 1 << 64
+
+
+def json_safe(value: Any, depth: int = 0) -> Any:
+    """``value`` as strict JSON holds it: a NaN or an infinity becomes null, an integer past 64 bits its bounded
+    text (json.dumps of a many-thousand-digit integer raises), tuples lists, keys text; what is not plain data is
+    left to ``default=repr``. Nothing a user gave reaches stdout as ``NaN`` (issue 39 #10)."""
+    t = type(value)
+    if t is float:
+        return value if math.isfinite(value) else None
+    if t is int:
+        return value if -MAX_JSON_INT < value < MAX_JSON_INT else short_repr(value)
+    if depth > 200:
+        return short_repr(value)
+    if t is dict:
+        return {k if type(k) is str else bounded(short_repr(k) if type(k) is int else k):
+                json_safe(v, depth + 1) for k, v in value.items()}
+    if t in (list, tuple):
+        return [json_safe(v, depth + 1) for v in value]
+    return value
+
+
+def json_text(obj: Any, default=repr) -> str:
+    """The one way mbmem writes a JSON object to stdout: strict JSON (``allow_nan=False``) of ``json_safe(obj)``;
+    a value that is not plain data is ``default(value)`` (its repr; ``str`` for paths)."""
+    return json.dumps(json_safe(obj), indent=2, default=lambda o: json_safe(default(o)), allow_nan=False)
+
+
 def render_json(report: Report, **extra: Any) -> str:
-    return json.dumps(to_dict(report, **extra), indent=2, default=repr)
+    return json_text(to_dict(report, **extra))
 
 
 def error_dict(message: str, code: int, *, problems: Iterable[Any] = (), **extra: Any) -> dict[str, Any]:
@@ -167,4 +196,4 @@ def render_error_json(exc: BaseException, code: int, **extra: Any) -> str:
     report = getattr(exc, "report", None)
     if isinstance(report, Report):  # ValidationRejected: what the overlays would have changed, and the verdict
         extra["report"] = to_dict(report)
-    return json.dumps(error_dict(str(exc), code, problems=problems, **extra), indent=2, default=repr)
+    return json_text(error_dict(str(exc), code, problems=problems, **extra))

@@ -119,7 +119,24 @@ def _excerpt(text: str) -> str:
 # larger number is a typo, and an absurd one (10^21) used to pass the cheap checks and fail after the Bridge
 # import with a nonsense fix (issue 22 #3).
 MAX_WORLD_SIZE = 1 << 20
+# The memory plan's work grows with the layers (one entry per layer), the pipeline ranks (each planned) and the
+# steps of the pipeline schedule it replays per rank (at most 2 x microbatch group x virtual stages, whatever the
+# microbatches: memory/pipeline.py alive_chunk_microbatches). A job past these is refused with the limit rather than
+# planned for minutes (issue 39 #6): the deepest models trained have a few hundred layers and a few dozen stages.
+MAX_PLAN_LAYERS = 100_000
+MAX_PLAN_PIPELINE = 4_096
+MAX_PLAN_SCHEDULE = 1 << 20    # pipeline ranks x microbatch group x virtual stages (about a second of replay)
 _MAX_COUNT_DIGITS = 19  # never int() more digits than an int64 holds (and never hit Python's 4,300-digit limit)
+
+
+def ascii_int(text: Any, max_digits: int = _MAX_COUNT_DIGITS) -> int | None:
+    """The whole number ``text`` spells in ASCII digits (at most ``max_digits`` of them, no sign, no spaces), else
+    None: the one rule for every count read from a user's text (a world size, a launcher's --nproc-per-node, a log's
+    value). ``str.isdigit()`` also takes superscripts (``"\u00b2"``, which ``int()`` then refuses) and ``int()`` takes
+    other scripts' digits (``"\u0668"``), ``"1_0"`` and ``" 8 "``: none of them is a number a user typed here."""
+    if not isinstance(text, str) or not text or len(text) > max_digits or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
 
 
 def parse_count(value: Any, *, maximum: int, minimum: int = 1) -> tuple[int | None, str | None]:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core.text import shown
+from ..core.values import ascii_int
 from . import command as C
 from . import patterns as P
 from . import run_report as RR
@@ -258,7 +259,7 @@ def _flag(f: Findings, key: str) -> bool | None:
 
 def _int(f: Findings, key: str) -> int | None:
     seen = f.config.get(key)
-    return int(seen.value) if seen is not None and str(seen.value).isdigit() and len(str(seen.value)) < 9 else None
+    return ascii_int(str(seen.value), 8) if seen is not None else None
 
 
 def config_notes(f: Findings, ctx: Context) -> list[str]:

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.values import ascii_int
 from . import memlines as ML
 from . import patterns as P
 from . import read
@@ -345,7 +346,8 @@ def _torch_oom(body: str, where: str, rank: int | None, f: Findings, after: byte
             if sum(v is not None for v in more.values()) > sum(v is not None for v in fields.values()):
                 fields, wrapped = more, True
                 path, _, lineno = where.rpartition(":")
-                where = f"{path}:{lineno}-{int(lineno) + joined[1]}" if lineno.isdigit() else where
+                first = ascii_int(lineno)
+                where = f"{path}:{lineno}-{first + joined[1]}" if first is not None else where
     oom = OOM(rank, where, fields["requested"], fields.get("capacity"), fields.get("free"), fields.get("allocated"),
               fields.get("reserved_unallocated"), fields.get("private_pools"), fields["allowed"],
               fields["self_in_use"], fields["processes"], fields["device"], fields["format"], fields.get("gpu"),
@@ -447,8 +449,8 @@ def _task_ranks(text: str, limit: int = 4096) -> list[int]:
     out: list[int] = []
     for part in text.split(","):
         lo, _, hi = part.partition("-")
-        if lo.isdigit() and (not hi or hi.isdigit()):
-            a, b = int(lo), int(hi or lo)
+        a, b = ascii_int(lo, 7), ascii_int(hi or lo, 7)
+        if a is not None and b is not None:
             out += range(a, min(b, a + limit) + 1)
         if len(out) >= limit:
             break
@@ -586,7 +588,7 @@ _LAYOUT_KEYS = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_siz
 
 
 def _layout(body: str, where: str, f: Findings, values: list[tuple[str, str]]) -> None:
-    found = [(_LAYOUT_KEYS[k], int(v)) for k, v in values if k in _LAYOUT_KEYS and v.isdigit() and len(v) < 7]
+    found = [(_LAYOUT_KEYS[k], ascii_int(v, 6)) for k, v in values if k in _LAYOUT_KEYS and ascii_int(v, 6) is not None]
     found += [(m.group(1)[0].lower() + "p", int(m.group(2))) for m in P.MEGATRON_LM_SIZES.finditer(body)]
     found += [(m.group(1).lower(), int(m.group(2))) for m in P.LAYOUT_SHORT.finditer(body)]
     for short, value in found:

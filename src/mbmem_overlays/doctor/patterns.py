@@ -201,21 +201,23 @@ RANK_TAG = re.compile(r"\[(?:rank|default)(\d{1,6})\]:")       # anywhere in a l
 RANK_PREFIXES = re.compile(rb"\[(?:rank|default)(\d{1,6})\]:")
 TORCHRUN_RANK = re.compile(r"^\s{0,8}rank\s{0,8}:\s{0,4}(\d{1,6})")
 TORCHRUN_EXIT = re.compile(r"^\s{0,8}exitcode\s{0,8}:\s{0,4}(-?\d{1,4})")
+# The counts below are read in ASCII digits only ((?a): `\d` also takes other scripts' digits, which int() reads):
+# one rule for every world size and layout a log states (core/values.py ascii_int, issue 39 #2).
 WORLD = [  # (pattern, how to read the world size), first match of the highest-priority kind wins
-    ("launcher", re.compile(r"\b(?:WORLD_SIZE|world[_ ]size|using world size)\s{0,4}[=:]?\s{0,4}(\d{1,7})\b")),
-    ("launcher", re.compile(r"\bworld_size\s{1,4}\.{2,80}\s{1,4}(\d{1,7})\b")),      # Megatron-LM's arguments dump
-    ("torchrun", re.compile(r"--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b[^\n]{0,400}?--nnodes[= ]{1,3}(\d{1,6})\b")),
-    ("torchrun", re.compile(r"--nnodes[= ]{1,3}(\d{1,6})\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
-    ("torchrun", re.compile(r"(?:torchrun|distributed\.run)\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
-    ("slurm", re.compile(r"\bSLURM_(?:NTASKS|NPROCS)\s{0,2}[=:]\s{0,2}(\d{1,7})\b")),
-    ("slurm", re.compile(r"(?:--ntasks|(?<![\w-])-n)[= ](\d{1,7})\b")),
-    ("slurm", re.compile(r"(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b[^\n]{0,400}?--ntasks-per-node[= ](\d{1,4})\b")),
-    ("slurm", re.compile(r"--ntasks-per-node[= ](\d{1,4})\b[^\n]{0,400}?(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b")),
+    ("launcher", re.compile(r"(?a)\b(?:WORLD_SIZE|world[_ ]size|using world size)\s{0,4}[=:]?\s{0,4}(\d{1,7})\b")),
+    ("launcher", re.compile(r"(?a)\bworld_size\s{1,4}\.{2,80}\s{1,4}(\d{1,7})\b")),      # Megatron-LM's arguments dump
+    ("torchrun", re.compile(r"(?a)--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b[^\n]{0,400}?--nnodes[= ]{1,3}(\d{1,6})\b")),
+    ("torchrun", re.compile(r"(?a)--nnodes[= ]{1,3}(\d{1,6})\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
+    ("torchrun", re.compile(r"(?a)(?:torchrun|distributed\.run)\b[^\n]{0,400}?--nproc[_-]per[_-]node[= ]{1,3}(\d{1,4})\b")),
+    ("slurm", re.compile(r"(?a)\bSLURM_(?:NTASKS|NPROCS)\s{0,2}[=:]\s{0,2}(\d{1,7})\b")),
+    ("slurm", re.compile(r"(?a)(?:--ntasks|(?<![\w-])-n)[= ](\d{1,7})\b")),
+    ("slurm", re.compile(r"(?a)(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b[^\n]{0,400}?--ntasks-per-node[= ](\d{1,4})\b")),
+    ("slurm", re.compile(r"(?a)--ntasks-per-node[= ](\d{1,4})\b[^\n]{0,400}?(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b")),
 ]
-SLURM_NODES = re.compile(r"(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b")
-SLURM_TASKS_PER_NODE = re.compile(r"--ntasks-per-node[= ](\d{1,4})\b")
+SLURM_NODES = re.compile(r"(?a)(?:--nodes|(?<![\w-])-N)[= ](\d{1,6})\b")
+SLURM_TASKS_PER_NODE = re.compile(r"(?a)--ntasks-per-node[= ](\d{1,4})\b")
 # srun's summary of tasks that ended: "srun: error: node-7: tasks 0-2,4-7: Terminated"
-SRUN_TASKS = re.compile(r"tasks? ([\d,-]{1,200}): (Terminated|Killed|Exited with exit code \d{1,3})")
+SRUN_TASKS = re.compile(r"(?a)tasks? ([\d,-]{1,200}): (Terminated|Killed|Exited with exit code \d{1,3})")
 # Config values printed in the log: Bridge/Megatron-core dataclass dumps (``key: value``), Megatron-LM's
 # argument table (``key ........ value``), Hydra overrides (``model.key=value``). Names: megatron-core's
 # TransformerConfig / DDP / optimizer fields (bridge-config-surface.md §1), inference-engine knobs.
@@ -226,15 +228,15 @@ CONFIG_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vi
                "use_distributed_optimizer", "nccl_ub", "sequence_parallel", "optimizer_cpu_offload",
                "optimizer_offload_fraction", "num_layers", "gpu_memory_utilization", "mem_fraction_static",
                "enable_sleep_mode", "cuda_graph_impl", "use_te_rng_tracker", "num_workers", "use_tp_pp_dp_mapping")
-CONFIG_VALUE = re.compile(r"(?<![\w])(" + "|".join(CONFIG_KEYS) + r")(?![\w])"
+CONFIG_VALUE = re.compile(r"(?a)(?<![\w])(" + "|".join(CONFIG_KEYS) + r")(?![\w])"
                           r"(?:\s{0,4}[=:]\s{0,4}|\s{1,4}\.{2,80}\s{1,4}|\s{1,4})"
                           r"(\[[^\]\n]{0,200}\]|'[^'\n]{0,60}'|\"[^\"\n]{0,60}\"|[\w.+-]{1,40})")
 # The header of the arguments dump Megatron-LM prints before training (arguments.py _print_args, since 2021; the
 # one bridge/megatron_args.py reads): the job's whole configuration is in the log (doctor --plan reads it). The
 # shorter header of 2020's Megatron-LM is GPT-NeoX's too, and says nothing about which framework ran.
 MEGATRON_ARGS_DUMP = re.compile(r"(?<!-)-{24} arguments -{24}(?!-)")
-MEGATRON_LM_SIZES = re.compile(r"(?<![\w-])(tensor|pipeline|data|context|expert)-(?:model-)?parallel size: (\d{1,6})")
-LAYOUT_SHORT = re.compile(r"(?<![\w])(TP|PP|VPP|CP|EP|DP)\s{0,2}[=:]\s{0,2}(\d{1,6})\b")
+MEGATRON_LM_SIZES = re.compile(r"(?a)(?<![\w-])(tensor|pipeline|data|context|expert)-(?:model-)?parallel size: (\d{1,6})")
+LAYOUT_SHORT = re.compile(r"(?a)(?<![\w])(TP|PP|VPP|CP|EP|DP)\s{0,2}[=:]\s{0,2}(\d{1,6})\b")
 # "export PYTORCH_CUDA_ALLOC_CONF=a:b", "PYTORCH_CUDA_ALLOC_CONF: a:b", and a printed dict
 # "{'PYTORCH_CUDA_ALLOC_CONF': 'a:b'}" (Bridge's cfg.env_vars).
 ALLOC_SET = re.compile(r"(?:^|[\s'\"{])(?:export\s{1,4})?(PYTORCH_(?:CUDA_|HIP_)?ALLOC_CONF)['\"]?\s{0,2}[=:]\s{0,2}['\"]?"

@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from ..core.values import ascii_int
 from . import command as C
 
 GiB = 1 << 30
@@ -82,9 +83,9 @@ def _log_value(text: str) -> Any:
         return None
     if low in ("true", "false"):
         return low == "true"
-    if t.isdigit() and len(t) <= 7:
-        return int(t)
-    if t.replace(".", "", 1).isdigit() and len(t) <= 8:
+    if ascii_int(t, 7) is not None:
+        return ascii_int(t, 7)
+    if ascii_int(t.replace(".", "", 1), 7) is not None and len(t) <= 8:
         return float(t)
     if t.isidentifier() and t.isascii() and len(t) <= 24:
         return t
@@ -250,7 +251,9 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
             if found is not None:   # a Megatron-LM job: its own arguments are its configuration
                 try:
                     return _plan_megatron(rep, found, world_size, margin, arch)
-                except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+                    # (SystemExit: Megatron-LM's validate_args calls exit(); bridge/megatron_args.py turns it into
+                    # its refusal, and nothing else may end the doctor silently with exit 0)
                     rep.plan_status = f"not planned: {' '.join(str(exc).split())[:400]}"
                     return None
             if why:
@@ -266,7 +269,7 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
             shown != world_size else ""
         try:
             planned = _plan(rep, ctx, f, name, world, list(sets), overlay_dirs or [], margin, arch)
-        except Exception as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 — any failure to plan is reported, never raised
             rep.plan_status = f"not planned: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             planned = None
         if overridden:

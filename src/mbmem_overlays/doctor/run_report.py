@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
 from typing import Any
 
+from ..core.values import ascii_int
 from . import memlines as ML
 
 GiB = 1 << 30
@@ -166,7 +167,7 @@ def fmt_size(nbytes: float | None, unit: str) -> str:
 def _int(f, key: str) -> int | None:
     seen = f.config.get(key)
     text = str(seen.value) if seen is not None else ""
-    return int(text) if text.isdigit() and len(text) < 8 else None
+    return ascii_int(text, 7)
 
 
 def stage_map(f) -> StageMap:

@@ -54,7 +54,19 @@ STANDARD_ENV = {
 
 
 FSDP_FIELDS = ("ddp.use_megatron_fsdp", "dist.use_megatron_fsdp")
-FSDP_SET = re.compile(r"\+{0,2}(ddp|dist)\.use_megatron_fsdp=(true|True)")
+
+
+def sets_true(text: object, fields: Iterable[str]) -> bool:
+    """Whether the override ``text`` (``[+|++]field=value``) sets one of ``fields`` to true as train.py reads it:
+    the value through Hydra's own override grammar (core/values.py parse_value), so ``TRUE``, ``True`` and
+    ``true`` alike (a regex of two spellings missed the rest, issue 39 #14)."""
+    if not isinstance(text, str) or "=" not in text:
+        return False
+    key, _, raw = text.strip().partition("=")
+    if key.lstrip("+") not in fields:
+        return False
+    from ..core.values import parse_value
+    return parse_value(raw) is True
 
 
 def standard_env(cfg=None, *, overlays: Iterable[str] = (), sets: Iterable[str] = (),
@@ -75,7 +87,7 @@ def standard_env(cfg=None, *, overlays: Iterable[str] = (), sets: Iterable[str] 
             except OverlayError:
                 continue  # an unknown name is reported by option_problems
         fsdp = any(spec.set.get(path) is True for spec in specs for path in FSDP_FIELDS) \
-            or any(FSDP_SET.fullmatch(s.strip()) for s in sets if isinstance(s, str))
+            or any(sets_true(s, FSDP_FIELDS) for s in sets)
     if fsdp:
         env.pop("CUDA_DEVICE_MAX_CONNECTIONS")
     return env

@@ -214,13 +214,16 @@ MEMORY_NEUTRAL: tuple[MemoryNeutral, ...] = (
 
 @dataclass(frozen=True)
 class UnmodelledFlag:
-    """A Megatron-LM flag that changes GPU memory and has no configuration field to read it from: not a flag of
-    megatron-core 0.19.2's parser (a training script adds it), so a job that gives it lists it as unknown
-    (bridge/megatron_args.py); ``with_coverage`` names it as not modelled instead, where its value is set."""
+    """A Megatron-LM flag that changes GPU memory and has no configuration field to read it from: either not a flag
+    of megatron-core 0.19.2's parser (a training script adds it), so a job that gives it lists it as unknown
+    (bridge/megatron_args.py), or a flag of the parser that the mapping cannot carry into any field (``applies``:
+    whether the job's validated arguments, a name -> value mapping, set it). ``with_coverage`` names it as not
+    modelled, where it is set."""
     flag: str
     reason: str
     moves: str = EITHER        # as Unmodelled.moves / .bound
     bound: Callable[[Any], float] | None = None
+    applies: Callable[[Any], bool] | None = None
 
 
 # Megatron-LM's ModelOpt flags (megatron/post_training/arguments.py add_modelopt_args, which pretrain_gpt.py passes
@@ -239,6 +242,27 @@ NOT_MODELLED_FLAGS: tuple[UnmodelledFlag, ...] = (
     UnmodelledFlag("--export-kd-cfg",
                    f"{DISTILLATION}; this file names the teacher's and student's outputs kept for the distillation "
                    "loss (logits, intermediate layers)", moves=UP),
+)
+
+
+# --use-checkpoint-args (with --load or --pretrained-checkpoint): Megatron-LM's parse_and_validate_args
+# (megatron/training/arguments.py) calls load_args_from_checkpoint (training/checkpointing.py) before validate_args,
+# which overwrites num_layers, hidden_size, ffn_hidden_size, seq_length, num_attention_heads, num_query_groups,
+# kv_channels, num_experts, the vocabulary padding and more with the checkpoint's values: the arguments given are
+# not the model that trains, and the checkpoint is not read here.
+NOT_MODELLED_FLAGS += (
+    UnmodelledFlag("--use-checkpoint-args",
+                   "the checkpoint's arguments replace the model's (Megatron-LM's load_args_from_checkpoint sets "
+                   "num_layers, hidden_size, ffn_hidden_size, seq_length, the attention heads, the experts and more "
+                   "from the checkpoint before validation): the plan of the arguments given is not the job's plan",
+                   lambda args: bool(args.get("use_checkpoint_args"))
+                   and bool(args.get("load") or args.get("pretrained_checkpoint"))),
+    # --yaml-cfg: Megatron-LM's parse_args (arguments.py) replaces the whole namespace with load_yaml(args.yaml_cfg)
+    # (training/yaml_arguments.py), and validates that one (validate_yaml): the flags given are not the job's
+    UnmodelledFlag("--yaml-cfg",
+                   "Megatron-LM's parse_args replaces every argument with the YAML file's (load_yaml, the experimental "
+                   "YAML config): the plan of the arguments given is not the job's plan",
+                   lambda args: bool(args.get("yaml_cfg"))),
 )
 
 
@@ -383,8 +407,13 @@ def with_coverage(job: Any) -> Any:
     for path, value, reason in unmodelled_fields(job.config):
         flag = "--" + path.rsplit(".", 1)[-1].replace("_", "-")
         notes.setdefault(flag, FlagNote(flag, value, f"{reason} ({path}); the plan does not follow it"))
+    # flags of megatron-core's parser that no field carries: named from the job's validated arguments
+    for u in NOT_MODELLED_FLAGS:
+        if u.applies is not None and u.applies(getattr(job, "args", None) or {}):
+            notes.setdefault(u.flag, FlagNote(u.flag, "", f"{u.reason}; the plan does not follow it"))
+    ignored = tuple(f for f in getattr(job, "ignored", ()) if f not in notes)
     # flags outside megatron-core's parser: named here (with the value the job gives) rather than as unknown
-    by_name = {_flag_name(u.flag): u for u in NOT_MODELLED_FLAGS}
+    by_name = {_flag_name(u.flag): u for u in NOT_MODELLED_FLAGS if u.applies is None}
     unknown = []
     for note in job.unknown:
         u = by_name.get(_flag_name(note.flag))
@@ -395,4 +424,4 @@ def with_coverage(job: Any) -> Any:
         notes.setdefault(u.flag, FlagNote(u.flag, value, f"{u.reason} (a ModelOpt flag of Megatron-LM's "
                                                           "pretrain_gpt.py, not of megatron-core 0.19.2's parser); "
                                                           "the plan does not follow it"))
-    return replace(job, not_modelled=tuple(notes.values()), unknown=tuple(unknown))
+    return replace(job, not_modelled=tuple(notes.values()), unknown=tuple(unknown), ignored=ignored)

@@ -56,7 +56,8 @@ def recompute_modules(m: Any, impl_scopes: tuple[str, ...]) -> tuple[str, ...]:
     """The selective-recompute labels that take effect. "layernorm" on MoE layers is switched off under a TE
     moe_router graph unless moe_preprocess is graphed with the alltoall dispatcher (or a latent MoE) and the
     shared expert does not overlap (transformer_layer.py can_recompute_pre_mlp_layernorm_for_cudagraph)."""
-    modules = tuple(m.recompute_modules if m.recompute_modules is not None else ["core_attn"])
+    # membership is all megatron-core asks of the list (transformer_layer.py `"core_attn" in recompute_modules`)
+    modules = tuple(dict.fromkeys(m.recompute_modules if m.recompute_modules is not None else ["core_attn"]))
     if "layernorm" not in modules or "moe_router" not in impl_scopes:
         return modules
     if str(getattr(m, "cuda_graph_impl", "none")) == "local":
@@ -359,6 +360,55 @@ def _env_int(env: dict[str, str] | None, cfg: Any, name: str) -> int:
         return max(0, int(value)) if value is not None else 0
     except (TypeError, ValueError):
         return 0
+def _refuse(path: str, value: Any, why: str, fix: str):
+    from ..core.errors import OverlayError, Problem
+    from ..core.text import bounded
+    return OverlayError([Problem(("plan",), path, bounded(value, 60), why, fix)])
+
+
+def plan_limits(m: Any) -> None:
+    """The model's layers within what the plan computes (core/values.py MAX_PLAN_LAYERS), checked before one entry
+    per layer is built: 10^8 layers were minutes and gigabytes (issue 39 #6)."""
+    from ..core.values import MAX_PLAN_LAYERS
+    layers = m.num_layers
+    pattern = getattr(m, "hybrid_override_pattern", None) or getattr(m, "hybrid_layer_pattern", None)
+    freq = getattr(m, "moe_layer_freq", 1)
+    for path, n in (("model.num_layers", layers), ("model.hybrid_layer_pattern", len(pattern) if isinstance(
+            pattern, str) else 0), ("model.moe_layer_freq", len(freq) if isinstance(freq, (list, tuple)) else 0)):
+        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_PLAN_LAYERS:
+            raise _refuse(path, n, f"{path} gives {n:,} layers, past the plan's limit of {MAX_PLAN_LAYERS:,} (it "
+                          "plans each layer)", "plan a model within the limit")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise _refuse("model.num_layers", layers, f"model.num_layers is {layers!r}: a model has at least one layer",
+                      "give model.num_layers a whole number of at least 1")
+
+
+def layout_limits(shape: Shape, lay: Layout) -> None:
+    """Every size the plan multiplies or divides by at least 1 (a negative size was planned as a job that fits,
+    issue 39 #9), and the pipeline within what the plan replays (core/values.py)."""
+    from ..core.values import MAX_PLAN_PIPELINE, MAX_PLAN_SCHEDULE
+    sizes = {"model.hidden_size": shape.hidden, "model.ffn_hidden_size": shape.ffn,
+             "model.num_attention_heads": shape.heads, "model.num_query_groups": shape.groups,
+             "model.kv_channels": shape.head_dim, "model.vocab_size": shape.vocab, "model.seq_length": lay.seq,
+             "train.micro_batch_size": lay.mbs, "train.global_batch_size": lay.gbs,
+             "model.tensor_model_parallel_size": lay.tp, "model.pipeline_model_parallel_size": lay.pp,
+             "model.virtual_pipeline_model_parallel_size": lay.vpp, "model.context_parallel_size": lay.cp,
+             "model.expert_model_parallel_size": lay.ep, "model.expert_tensor_parallel_size": lay.etp}
+    may_be_zero = ("model.vocab_size", "model.kv_channels")   # 0: not known here (vocab_size says so)
+    for path, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if path in may_be_zero else 1):
+            raise _refuse(path, value, f"{path} is {value!r}: the plan needs a whole number of at least 1",
+                          f"give {path} a whole number of at least 1")
+    if lay.pp > MAX_PLAN_PIPELINE:
+        raise _refuse("model.pipeline_model_parallel_size", lay.pp, f"{lay.pp:,} pipeline stages are past the "
+                      f"plan's limit of {MAX_PLAN_PIPELINE:,} (it plans each stage)", "plan a job within the limit")
+    from .pipeline import vp_group
+    work = lay.pp * vp_group(lay) * lay.vpp if lay.pp > 1 and lay.vpp > 1 else 0
+    if work > MAX_PLAN_SCHEDULE:
+        raise _refuse("model.microbatch_group_size_per_vp_stage", vp_group(lay),
+                      f"the interleaved schedule the plan replays per stage (pipeline {lay.pp} x microbatch group "
+                      f"{vp_group(lay)} x virtual stages {lay.vpp} = {work:,} steps) is past its limit of "
+                      f"{MAX_PLAN_SCHEDULE:,}", "plan a job with fewer stages or a smaller group")
 
 
 def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None
@@ -371,6 +421,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     from ..core.rules import mixed_precision_config, regather_fallbacks
     m = cfg.model
     layers = m.num_layers
+    plan_limits(m)
     freq = getattr(m, "moe_layer_freq", 1)
     experts = getattr(m, "num_moe_experts", None) or 0
     pattern = getattr(m, "hybrid_override_pattern", None) or getattr(m, "hybrid_layer_pattern", None)
@@ -451,6 +502,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
                  chunk_layers=chunks,
                  # model_parallel_config.py:431-445 (None: the pipeline size, set in __post_init__ :567-568)
                  vp_group=int(getattr(m, "microbatch_group_size_per_vp_stage", None) or 0))
+    layout_limits(shape, lay)
     grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
     if grad_fp32 is None:
         grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))

@@ -39,6 +39,13 @@ class FineGrainedOffload:
     graph_modules: tuple[str, ...] = ()        # model.cuda_graph_modules (as TransformerLayer reads them)
     delta_bytes: int = 0                       # model.delta_offload_bytes_across_pp_ranks (kept per PP rank)
 
+    def __post_init__(self):
+        # megatron-core only asks whether a module is in offload_modules (transformer_layer.py _set_offload_modules:
+        # `"core_attn" in self.config.offload_modules`): a module named twice offloads once (issue 39 #13). Every
+        # way the plan builds this (a config, the ladder, the search) passes here.
+        object.__setattr__(self, "modules", tuple(dict.fromkeys(str(m) for m in self.modules)))
+        object.__setattr__(self, "graph_modules", tuple(dict.fromkeys(str(m) for m in self.graph_modules)))
+
 
 # offload_modules label -> the activation terms (model.layer_activation_terms) whose saved tensors its
 # saved-tensor hooks move to pinned host memory (pipeline_parallel/fine_grained_activation_offload.py

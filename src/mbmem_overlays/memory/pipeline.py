@@ -4,6 +4,7 @@ most loaded (Megatron's pipeline schedules)."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 from .inputs import Layout, Shape
 
@@ -52,29 +53,52 @@ def rank_chunks(s: Shape, lay: Layout, rank: int) -> tuple[tuple[str, ...], ...]
     return _rank_chunks(layer_kinds(s), lay.pp, lay.vpp, rank, lay.chunk_layers)
 
 
-@functools.lru_cache(maxsize=4096)
+# The per-rank splits are asked for every pipeline rank, several times each: keyed by the identity of the layer
+# kinds and chunk sizes (the Shape's and Layout's own tuples), not their contents, which an lru_cache would hash
+# whole on every call (one entry per layer: the plan was O(pp x layers), minutes at a few thousand stages). Each
+# entry keeps its tuples alive, so an id is never reused while its entry exists.
+_SPLITS: dict[tuple, tuple] = {}
+_SPLITS_MAX = 8192
+
+
+def _cached(kind: str, kinds: tuple, pp: int, vpp: int, rank: int, sizes: tuple, build):
+    key = (kind, id(kinds), id(sizes), pp, vpp, rank)
+    hit = _SPLITS.get(key)
+    if hit is not None and hit[0] is kinds and hit[1] is sizes:
+        return hit[2]
+    value = build()
+    if len(_SPLITS) >= _SPLITS_MAX:
+        _SPLITS.clear()
+    _SPLITS[key] = (kinds, sizes, value)
+    return value
+
+
 def _rank_chunks(kinds: tuple[str, ...], pp: int, vpp: int, rank: int,
                  sizes: tuple[int, ...] = ()) -> tuple[tuple[str, ...], ...]:
     """The layers of each model chunk pipeline rank ``rank`` holds, in order (chunk c sits on rank c % pp).
 
     ``sizes``: the decoder layers of each chunk in chunk order (Layout.chunk_layers, from a pipeline layout or an
-    uneven split); empty: the even split (transformer_block.py get_num_layers_to_build)."""
-    chunks = pp * vpp
-    if sizes and len(sizes) == chunks:
-        bounds = [sum(sizes[:c]) for c in range(chunks + 1)]
-    else:
-        bounds = [round(c * len(kinds) / chunks) for c in range(chunks + 1)]
-    return tuple(kinds[bounds[c]:bounds[c + 1]] for c in range(rank, chunks, pp))
+    uneven split); empty: the even split (transformer_block.py get_num_layers_to_build). Only this rank's chunk
+    bounds are computed (the whole list of pp x vpp bounds per rank made the plan quadratic in the stages)."""
+    def build():
+        chunks = pp * vpp
+        if sizes and len(sizes) == chunks:
+            starts = _cached("starts", (), 0, 0, 0, sizes, lambda: tuple(itertools.accumulate(sizes, initial=0)))
+            return tuple(kinds[starts[c]:starts[c + 1]] for c in range(rank, chunks, pp))
+        n = len(kinds)
+        return tuple(kinds[round(c * n / chunks):round((c + 1) * n / chunks)] for c in range(rank, chunks, pp))
+    return _cached("chunks", kinds, pp, vpp, rank, sizes, build)
 
 
-@functools.lru_cache(maxsize=4096)
 def _rank_layers(kinds: tuple[str, ...], pp: int, vpp: int, rank: int,
                  sizes: tuple[int, ...] = ()) -> tuple[tuple[str, int], ...]:
-    counts: dict[str, int] = {}
-    for chunk in _rank_chunks(kinds, pp, vpp, rank, sizes):
-        for kind in chunk:
-            counts[kind] = counts.get(kind, 0) + 1
-    return tuple(counts.items())
+    def build():
+        counts: dict[str, int] = {}
+        for chunk in _rank_chunks(kinds, pp, vpp, rank, sizes):
+            for kind in chunk:
+                counts[kind] = counts.get(kind, 0) + 1
+        return tuple(counts.items())
+    return _cached("layers", kinds, pp, vpp, rank, sizes, build)
 
 
 def vp_group(lay: Layout) -> int:
@@ -106,22 +130,43 @@ def alive_chunk_microbatches(pp: int, vpp: int, rank: int, microbatches: int,
         return ((min(pp - rank, m),),)
     total = m * vpp
     warmup = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
-    table = []   # model chunk of each virtual microbatch, get_schedule_table
-    for start in range(0, m, group):
-        end = m if start + group >= m else start + group
-        table += [chunk for chunk in range(vpp) for _ in range(start, end)]
-    alive = [0] * vpp
-    for k in range(warmup):
-        alive[table[k]] += 1
+    # get_schedule_table: the whole groups of `group` microbatches, each run through chunks 0..vpp-1 (a period of
+    # group x vpp virtual microbatches), then the last group of `rem` microbatches; computed per index, not built
+    period, whole = group * vpp, (m // group) * group * vpp
+    rem = m - (m // group) * group
+
+    def chunk(i: int) -> int:
+        return (i % period) // group if i < whole else (i - whole) // rem
+
+    def forwards(n: int) -> list[int]:
+        """Per chunk: the forwards among the first n virtual microbatches."""
+        q, r = divmod(min(n, whole), period)
+        out = [q * group + min(group, max(0, r - c * group)) for c in range(vpp)]
+        if n > whole:
+            out = [x + min(rem, max(0, n - whole - c * rem)) for c, x in enumerate(out)]
+        return out
+
+    alive = forwards(warmup)
     if warmup == total:   # everything in warm-up: all forwards, then all backwards
         return (tuple(alive),)
     # In warm-up the counts only grow, so the first steady-state one covers them all; every steady step runs one
-    # forward and one backward, so its counts all sum to warmup + 1 and none covers another.
+    # forward and one backward, so its counts all sum to warmup + 1 and none covers another. While step k's forward
+    # is inside the whole groups, step k + period repeats step k's counts (each chunk gains `group` forwards and
+    # loses `group` backwards in between): only the first period and the steps from the last whole group on are
+    # walked, so the work is at most 2 x group x vpp steps whatever the number of microbatches.
+    steps = total - warmup
+    repeats_until = max(0, whole - warmup)          # steps k < this have their forward inside the whole groups
     seen: dict[tuple[int, ...], None] = {}
-    for k in range(total - warmup):
-        alive[table[warmup + k]] += 1
-        seen.setdefault(tuple(alive))
-        alive[vpp - 1 - table[k]] -= 1
+    for first, last in ((0, min(steps, period)), (max(period, repeats_until), steps)):
+        if first >= last:
+            continue
+        if first > 0:   # the counts before step `first`: its forwards less the first `first` backwards
+            done = forwards(first)
+            alive = [f - done[vpp - 1 - c] for c, f in enumerate(forwards(warmup + first))]
+        for k in range(first, last):
+            alive[chunk(warmup + k)] += 1
+            seen.setdefault(tuple(alive))
+            alive[vpp - 1 - chunk(k)] -= 1
     return tuple(seen)
 
 

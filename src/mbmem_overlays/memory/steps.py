@@ -216,11 +216,14 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
                capacity: float | None = None, margin: float = 0.05, locked: dict | None = None,
                catalog: Any = None, arch: int = 9, env: dict[str, str] | None = None) -> P.Plan:
     """Baseline, then one step per overlay (in ladder order), each validated by the engine; ``arch`` and ``env``:
-    the GPUs' compute capability and the job's environment, as from_config reads them."""
+    the GPUs' compute capability and the job's environment, as from_config reads them. A job given with its own
+    environment (``env``: a Megatron-LM job's exported variables, its YAML's ENV_VARS) is also the environment the
+    overlay rules check; without one, this process's (launch_env)."""
     catalog = catalog or Catalog()
     names = sorted({catalog.resolve(n).name for n in overlays},
                    key=lambda n: LADDER.index(n) if n in LADDER else len(LADDER))
-    apply_overlay(copy.deepcopy(cfg), names, env=launch_env(), params=params, world_size=world, locked=locked,
+    rules_env = launch_env() if env is None else dict(env)
+    apply_overlay(copy.deepcopy(cfg), names, env=rules_env, params=params, world_size=world, locked=locked,
                   catalog=catalog)  # all at once
     from . import cost as K
     inputs = [P.from_config(cfg, world, arch=arch, env=env)]   # each step's (shape, layout, settings)
@@ -231,7 +234,7 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
     for name in names:
         applied.append(name)
         work = copy.deepcopy(cfg)
-        apply_overlay(work, applied, env=launch_env(), params={k: v for k, v in (params or {}).items()
+        apply_overlay(work, applied, env=rules_env, params={k: v for k, v in (params or {}).items()
                                                      if k.split(".")[0] in applied or k in applied}, world_size=world,
                       locked=locked, catalog=catalog)
         shape, lay, st = P.from_config(work, world, arch=arch, env=env)

@@ -22,6 +22,7 @@ Two kinds of device sit under the model (``Device``):
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from .replay import rounded_size
@@ -165,6 +166,7 @@ class Pool:
         self.blocks: dict[tuple[int, int, int], Block] = {}
         self.unmapped_keys: list[tuple[int, int]] = []
         self.unmapped: dict[tuple[int, int], Block] = {}
+        self.unmapped_addresses: list[tuple[int, int]] = []   # (ptr, stream), sorted: the block holding an address
         self.get_free_blocks_call_count = 0
 
     def insert(self, b: Block) -> None:
@@ -184,12 +186,30 @@ class Pool:
     def insert_unmapped(self, b: Block) -> None:
         key = (b.stream, b.ptr)
         bisect.insort(self.unmapped_keys, key)
+        bisect.insort(self.unmapped_addresses, (b.ptr, b.stream))
         self.unmapped[key] = b
 
     def erase_unmapped(self, b: Block) -> None:
         key = (b.stream, b.ptr)
         if self.unmapped.pop(key, None) is not None:
             del self.unmapped_keys[bisect.bisect_left(self.unmapped_keys, key)]
+            del self.unmapped_addresses[bisect.bisect_left(self.unmapped_addresses, (b.ptr, b.stream))]
+
+    def unmapped_holding(self, address: int, besides: Block | None = None) -> Block | None:
+        """The unmapped block (any stream) whose range holds ``address``, other than ``besides``: by bisection over
+        the blocks sorted by address (a scan of every unmapped block per segment_map entry made the replay
+        quadratic, issue 39 #15). Unmapped ranges do not overlap; where a file's do, the nearest one below the
+        address is the one asked."""
+        i = bisect.bisect_right(self.unmapped_addresses, (address, float("inf"))) - 1
+        for j in (i, i - 1):
+            if j < 0:
+                break
+            ptr, stream = self.unmapped_addresses[j]
+            b = self.unmapped[(stream, ptr)]
+            if b is besides:
+                continue
+            return b if b.ptr <= address < b.ptr + b.size else None
+        return None
 
 
 class ExpandableSegment:
@@ -683,7 +703,23 @@ def start_state(state, dump_segments, trace) -> StartState:
     else from the size (a 2 MiB cudaMalloc is a small-pool segment: get_allocation_size gives large requests
     20 MiB or more); an expandable range is small when the dump says so or a small block lies in it."""
     kinds = {s.address: s.kind for s in dump_segments}
-    exp_kinds = [(s.address, s.total_size, s.kind) for s in dump_segments if s.expandable]
+    # the dump's expandable segments by address, each with its place in the dump (the first one that overlaps a
+    # mapped range names its kind) and the furthest end up to it: an overlap is found by bisection, not by a scan
+    # of every segment per mapped range (quadratic: 28,000 segments took over 30 s, issue 39 #15)
+    exp = sorted((s.address, n, s.total_size, s.kind) for n, s in enumerate(dump_segments) if s.expandable)
+    exp_starts = [a for a, *_ in exp]
+    exp_reach = list(itertools.accumulate((a + size for a, _, size, _ in exp), max))
+
+    def expandable_kind(start: int, size: int) -> str | None:
+        j = bisect.bisect_left(exp_starts, start + size) - 1
+        found = None
+        stop = max(-1, j - 64)   # torch's segments never overlap; a file's that do are looked at 64 deep, no more
+        while j > stop and exp_reach[j] > start:    # only segments reaching past start can overlap
+            a, n, sz, k = exp[j]
+            if a + sz > start and (found is None or n < found[0]):
+                found = (n, k)
+            j -= 1
+        return None if found is None else found[1]
     plain = {}
     for addr, (size, stream, pool) in state.segments.items():
         kind = kinds.get(addr)
@@ -693,7 +729,7 @@ def start_state(state, dump_segments, trace) -> StartState:
     mapped = []
     small_sizes = sorted(a for a, (size, *_rest) in blocks.items() if size <= K_SMALL_SIZE)
     for start, size, stream in state.mapped.ranges():
-        kind = next((k for a, sz, k in exp_kinds if a < start + size and start < a + sz), None)
+        kind = expandable_kind(start, size)
         if kind is None:
             j = bisect.bisect_left(small_sizes, start)
             small = j < len(small_sizes) and small_sizes[j] < start + size
@@ -973,10 +1009,7 @@ def _free_block_at(alloc: Allocator, address: int) -> Block | None:
 
 
 def _unmapped_containing(alloc: Allocator, pool: Pool, address: int) -> Block | None:
-    for b in pool.unmapped.values():
-        if b.ptr <= address < b.ptr + b.size:
-            return b
-    return None
+    return pool.unmapped_holding(address)
 
 
 def _apply_maps(alloc: Allocator, pool: Pool, maps, stream: int, size: int, proof: Proof | None) -> Block | None:
@@ -1005,8 +1038,7 @@ def _apply_maps(alloc: Allocator, pool: Pool, maps, stream: int, size: int, proo
         if proof is not None:
             ok = (predicted == address) if n == 0 else True
             if predicted is None and n == 0:
-                ok = not any(b.ptr <= address < b.ptr + b.size for b in pool.unmapped.values() if b is not u) \
-                    and u.ptr == address
+                ok = pool.unmapped_holding(address, besides=u) is None and u.ptr == address
             proof.segments.as_recorded += ok
             proof.segments.differed += not ok
         if address > u.ptr:     # split the unmapped block at the recorded address

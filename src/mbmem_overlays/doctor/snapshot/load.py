@@ -161,8 +161,9 @@ def load(path: str, limit: int | None = None) -> Loaded:
             if len(raw) > limit:   # a plain file that grew since its size was checked
                 raise SnapshotError(too_large(path, len(raw), limit))
             budget = BUILD_RATIO * len(raw) + BUILD_FLOOR
-            built = scan(raw, budget)
-            data = _NoClasses(io.BytesIO(raw)).load()
+            wide: list[tuple[int, int, int]] = []
+            built = scan(raw, budget, wide)
+            data = _NoClasses(io.BytesIO(_unread_integers(raw, wide) if wide else raw)).load()
         except RefusedPickle as exc:
             raise SnapshotError(f"{shown(path)} was refused: {exc}. A memory snapshot holds only dicts, lists, "
                                 "strings and numbers; nothing from the file was run") from None
@@ -236,7 +237,25 @@ def _run_end(data: bytes, start: int, op: int, width: int) -> int:
         step = min(step * 4, _RUN_CHUNK)
 
 
-def scan(data: bytes, budget: int) -> int:
+# An integer past MAX_INT_BYTES is never built: it is read as this text of the same length in the pickle (so no
+# frame length changes), and the model names the value it stood for as unreadable (model.py unread_integer), so one
+# such value (a 5,000-digit allocator setting) leaves the rest of the file readable (issue 39, a regression of #20).
+UNREAD_INTEGER = "<mbmem: an integer of "
+
+
+def _unread_integers(raw: bytes, wide: list[tuple[int, int, int]]) -> bytes:
+    """``raw`` with each integer ``scan`` found too wide, (opcode position, payload position, payload length),
+    rewritten as a text opcode of the same length: LONG4 as BINUNICODE (its length field is kept), a text INT/LONG
+    as UNICODE (a line)."""
+    out = bytearray(raw)
+    for at, start, length in wide:
+        text = f"{UNREAD_INTEGER}{length:,} bytes>"[:length].ljust(length, ".").encode("ascii")
+        out[at] = 0x58 if raw[at] == 0x8B else 0x56   # X (BINUNICODE) / V (UNICODE)
+        out[start:start + length] = text
+    return bytes(out)
+
+
+def scan(data: bytes, budget: int, wide: list[tuple[int, int, int]] | None = None) -> int:
     """One pass over the pickle's opcodes before anything is built (the opcodes of pickletools, protocols 0-5),
     simulating the unpickler's stack; the estimated bytes it will build, or RefusedPickle.
 
@@ -302,9 +321,13 @@ def scan(data: bytes, budget: int) -> int:
             elif k == K_LONG1 or k == K_LONG4:
                 width = 1 if k == K_LONG1 else 4
                 size = int.from_bytes(data[pos:pos + width], "little", signed=k == K_LONG4)
-                if not 0 <= size <= MAX_INT_BYTES:
+                if size < 0 or (size > MAX_INT_BYTES and wide is None):
                     raise RefusedPickle(f"it holds an integer of {size:,} bytes; a snapshot's integers fit in 8 (at "
                                         f"most {MAX_INT_BYTES:,} are read)")
+                if size > MAX_INT_BYTES:     # never built: read as text naming it (_unread_integers)
+                    if pos + width + size > len(data):
+                        raise IndexError
+                    wide.append((pos - 1, pos + width, size))
                 pos += width + size
                 push(0)
                 cost += _INT + size + _REF
@@ -387,8 +410,10 @@ def scan(data: bytes, budget: int) -> int:
                         cost += _REF
                     continue
                 if op in (0x49, 0x4C) and len(arg) > 3 * MAX_INT_BYTES:
-                    raise RefusedPickle(f"it holds an integer of {len(arg):,} digits; a snapshot's integers have "
-                                        "at most 19")
+                    if wide is None:
+                        raise RefusedPickle(f"it holds an integer of {len(arg):,} digits; a snapshot's integers "
+                                            "have at most 19")
+                    wide.append((pos - len(arg) - 2, pos - len(arg) - 1, len(arg)))   # never built (as above)
                 push(0)
                 cost += _STR + 4 * len(arg) + _REF
             elif k == K_CLASS:

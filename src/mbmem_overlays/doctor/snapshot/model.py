@@ -295,8 +295,20 @@ _SETTING_TYPES = {"PYTORCH_CUDA_ALLOC_CONF": (str,), "max_split_size": (int,), "
 _TYPE_WORDS = {str: "text", int: "an integer", float: "a number", bool: "true/false", dict: "a table"}
 
 
+def unread_integer(value: Any) -> str | None:
+    """What an integer the loader never built stands for (load.py UNREAD_INTEGER: one too wide to read, left as
+    text of the same length in the pickle), or None for any other value."""
+    from .load import UNREAD_INTEGER
+    if type(value) is str and value.startswith(UNREAD_INTEGER):
+        return value[len("<mbmem: "):].split(">", 1)[0]
+    return None
+
+
 def _setting_problem(value: Any) -> str | None:
     """Why a scalar from allocator_settings cannot be kept (reported, then left out), or None."""
+    wide = unread_integer(value)
+    if wide is not None:
+        return f"{wide}, past any allocator setting's range: unreadable"
     t = type(value)
     if t is int and not -MAX_INT <= value < MAX_UINT:
         return f"an integer of {value.bit_length():,} bits, outside any allocator setting's range"
@@ -323,6 +335,9 @@ def _settings(raw: Any, problems: list[str]) -> dict[str, Any]:
             continue
         where = f"allocator_settings.{shown(key)}"
         wanted = _SETTING_TYPES.get(key)
+        if unread_integer(value) is not None:
+            problems.append(f"{where} is {_setting_problem(value)} (left out)")
+            continue
         if wanted is not None and type(value) not in wanted:
             problems.append(f"{where} is {shown_value(value, 40)}, not {' or '.join(_TYPE_WORDS[w] for w in wanted)} "
                             "as torch writes it: left out")
@@ -331,9 +346,11 @@ def _settings(raw: Any, problems: list[str]) -> dict[str, Any]:
             table: dict[str, Any] = {}
             for k, v in islice(value.items(), 64):
                 why = "a key that is not text" if type(k) is not str or len(k) > MAX_KEY else (
+                    _setting_problem(v) if unread_integer(v) is not None else
                     "not a number" if type(v) not in (int, float) else _setting_problem(v))
                 if why:
-                    problems.append(f"{where}[{shown_value(k, 40)}] is {shown_value(v, 40)}: {why}; left out")
+                    problems.append(f"{where}[{shown_value(k, 40)}] is " + (
+                        f"{why}; left out" if unread_integer(v) is not None else f"{shown_value(v, 40)}: {why}; left out"))
                 else:
                     table[k] = v
             out[key] = table

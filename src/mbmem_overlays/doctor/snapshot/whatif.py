@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...core import allocconf
+from ...core.errors import short_repr
 from . import allocator as A
 from . import model as M
 from .analyze import gib
@@ -77,7 +78,11 @@ def settings_of_file(raw: dict, segments: list[M.Segment], trace: M.Trace | None
 
 
 def parse_what_if(text: str, base: A.Settings) -> A.Settings:
-    """One --what-if value (PYTORCH_CUDA_ALLOC_CONF syntax, parsed by core/allocconf.py) applied over ``base``."""
+    """One --what-if value (PYTORCH_CUDA_ALLOC_CONF syntax, parsed by core/allocconf.py) applied over ``base``.
+
+    Every refusal shows the value through one bounded formatter (core/errors.py short_repr, as allocconf.py's own
+    messages do): a 100,000-digit number was echoed whole (issue 39 #16)."""
+    said = short_repr(text)
     try:
         pairs = allocconf.parse("--what-if", text)
     except allocconf.AllocConfError as exc:
@@ -92,7 +97,7 @@ def parse_what_if(text: str, base: A.Settings) -> A.Settings:
             elif key == "max_split_size_mb":
                 mb = int(value)
                 if mb <= A.K_LARGE_BUFFER // MB:   # CUDAAllocatorConfig::parseMaxSplitSize: must be > 20
-                    raise WhatIfError(f"--what-if {text!r}: max_split_size_mb must be above 20 (torch refuses "
+                    raise WhatIfError(f"--what-if {said}: max_split_size_mb must be above 20 (torch refuses "
                                       "smaller), e.g. max_split_size_mb:512")
                 s = replace(s, max_split_size=mb * MB)
             elif key == "max_non_split_rounding_mb":
@@ -100,30 +105,31 @@ def parse_what_if(text: str, base: A.Settings) -> A.Settings:
             elif key == "garbage_collection_threshold":
                 v = float(value)
                 if not 0 < v < 1:
-                    raise WhatIfError(f"--what-if {text!r}: garbage_collection_threshold must be in (0, 1), "
+                    raise WhatIfError(f"--what-if {said}: garbage_collection_threshold must be in (0, 1), "
                                       "e.g. garbage_collection_threshold:0.8")
                 s = replace(s, garbage_collection_threshold=v)
             elif key == "per_process_memory_fraction":
                 v = float(value)
                 if not 0 < v <= 1:
-                    raise WhatIfError(f"--what-if {text!r}: per_process_memory_fraction must be in (0, 1]")
+                    raise WhatIfError(f"--what-if {said}: per_process_memory_fraction must be in (0, 1]")
                 s = replace(s, memory_fraction=v)
             elif key == "roundup_power2_divisions":
                 if value.startswith("["):
-                    raise WhatIfError(f"--what-if {text!r}: the per-size list form of roundup_power2_divisions is "
+                    raise WhatIfError(f"--what-if {said}: the per-size list form of roundup_power2_divisions is "
                                       "not modelled; give one number, e.g. roundup_power2_divisions:4")
                 v = int(value)
                 if v != 0 and (v < 2 or v & (v - 1)):
-                    raise WhatIfError(f"--what-if {text!r}: roundup_power2_divisions must be a power of 2 "
+                    raise WhatIfError(f"--what-if {said}: roundup_power2_divisions must be a power of 2 "
                                       "(torch's check), e.g. roundup_power2_divisions:4")
                 s = replace(s, roundup_power2_divisions=(v,) * 16 if v else ())
             else:
-                raise WhatIfError(f"--what-if {text!r}: {key!r} is not a setting the model replays; known: "
+                raise WhatIfError(f"--what-if {said}: {short_repr(key)} is not a setting the model replays; known: "
                                   + ", ".join(WHAT_IF_KEYS) + " (or --what-if all)")
         except ValueError as exc:
             if isinstance(exc, WhatIfError):
                 raise
-            raise WhatIfError(f"--what-if {text!r}: {key}:{value} is not a number where one is needed") from None
+            raise WhatIfError(f"--what-if {said}: {short_repr(key)}:{short_repr(value)} is not a number where "
+                              "one is needed") from None
     return s
 
 
