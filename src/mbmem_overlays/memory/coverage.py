@@ -255,14 +255,14 @@ NOT_MODELLED_FLAGS += (
                    "the checkpoint's arguments replace the model's (Megatron-LM's load_args_from_checkpoint sets "
                    "num_layers, hidden_size, ffn_hidden_size, seq_length, the attention heads, the experts and more "
                    "from the checkpoint before validation): the plan of the arguments given is not the job's plan",
-                   lambda args: bool(args.get("use_checkpoint_args"))
+                   applies=lambda args: bool(args.get("use_checkpoint_args"))
                    and bool(args.get("load") or args.get("pretrained_checkpoint"))),
     # --yaml-cfg: Megatron-LM's parse_args (arguments.py) replaces the whole namespace with load_yaml(args.yaml_cfg)
     # (training/yaml_arguments.py), and validates that one (validate_yaml): the flags given are not the job's
     UnmodelledFlag("--yaml-cfg",
                    "Megatron-LM's parse_args replaces every argument with the YAML file's (load_yaml, the experimental "
                    "YAML config): the plan of the arguments given is not the job's plan",
-                   lambda args: bool(args.get("yaml_cfg"))),
+                   applies=lambda args: bool(args.get("yaml_cfg"))),
 )
 
 
