@@ -174,7 +174,7 @@ def non_fused(**settings):
     lay = P.Layout(world=8, tp=2, pp=2, ep=2, sp=True, seq=4096, mbs=1, gbs=8)
     st = P.Settings(recompute="selective", modules=("layernorm", "mla_up_proj", "moe_act"), dist_optimizer=True,
                     attention_scores="fused_softmax",
-                    fine_grained_offload=L.FineGrainedOffload(ALL_MODULES, separate_input_norm=True))
+                    fine_grained_offload=L.FineGrainedOffload(ALL_MODULES))
     return NON_FUSED, lay, replace(st, **settings)
 
 

@@ -25,10 +25,12 @@ from mbmem_overlays.memory.from_config import attention_blocks, hybrid_pattern, 
 GDN = P.Shape(layers=4, hidden=512, ffn=1024, heads=8, groups=2, head_dim=64, vocab=1024,
               layer_kinds=("gdn+mlp", "gdn+mlp", "gdn+mlp", "attn+mlp"),
               gdn_key_heads=4, gdn_value_heads=8, gdn_key_dim=64, gdn_value_dim=64, gdn_conv=4)
-# a small GLM-5-like DSA shape: 8 heads, MLA latents, an indexer of 4 heads of 32, top-k 256
+# a small GLM-5-like DSA shape: 8 heads, MLA latents (FlashMLA's 512-wide latent value), q and kv norms
+# (qk_layernorm in a GPT model), an indexer of 4 heads of 32, top-k 256
 DSA = P.Shape(layers=2, hidden=512, ffn=1024, heads=8, groups=8, head_dim=64, vocab=1024, mla=True,
-              qk_head_dim=48, qk_pos_dim=16, v_head_dim=32, kv_lora_rank=128, q_lora_rank=96, qk_norm=True,
-              layer_kinds=("dsa+mlp", "dsa_shared+mlp"), dsa_heads=4, dsa_head_dim=32, dsa_topk=256)
+              qk_head_dim=48, qk_pos_dim=16, v_head_dim=32, kv_lora_rank=512, q_lora_rank=96, qk_norm=True,
+              layer_kinds=("dsa+mlp", "dsa_shared+mlp"), dsa_heads=4, dsa_head_dim=32, dsa_topk=256,
+              dsa_qkv_norms=True)
 ALL = lambda target: True  # noqa: E731
 
 
@@ -127,7 +129,7 @@ def test_flash_mla_head_padding_is_megatron_cores(arch, monkeypatch):
 
 def test_dsa_parameters_are_mla_plus_an_indexer_on_computing_layers():
     lay = P.Layout(world=1)
-    mla = P._attention_params(DSA) + 512 + 96 + 128      # + the input norm and the q / kv norms
+    mla = P._attention_params(DSA) + 512 + 96 + 512      # + the input norm and the q / kv norms
     indexer = 96 * 4 * 32 + 512 * 32 + 2 * 32 + 512 * 4  # wq_b (from q_lora), wk, k_norm (LayerNorm), weights_proj
     assert V.block_params(DSA, lay, "dsa") == mla + indexer
     assert V.block_params(DSA, lay, "dsa_shared") == mla
@@ -140,13 +142,14 @@ def test_dsa_cudnn_layer_keeps_query_key_topk_latent_output_and_the_indexer_grad
     lay = P.Layout(world=1, seq=1024)
     st = P.Settings(dsa_backend="cudnn", dsa_loss=True)
     terms = V.dsa_activation_terms(DSA, lay, st, ln_out=2, computes_topk=True)
-    latent = 128 + 16
+    latent = 512 + 16
     assert terms["dsa_query"] == 2 * 8 * latent and terms["dsa_key"] == 2 * latent
     assert terms["dsa_q_up_output"] == 2 * 8 * (48 + 16)        # kept by the absorbing einsum
     assert terms["dsa_topk_indices"] == 4 * 256                  # int32 global indices
-    assert terms["dsa_latent_output"] == 2 * 64 * 128            # FlashMLA pads 8 heads to 64 on Hopper
+    assert terms["dsa_latent_output"] == 2 * 64 * 512            # FlashMLA pads 8 heads to 64 on Hopper
     assert terms["dsa_softmax_stats"] == 4 * 64
-    assert terms["dsa_up_v_weight"] == 2 * 8 * 32 * 128 / 1024   # one weight-sized copy per layer-microbatch
+    assert terms["dsa_up_v_weight"] == 2 * 8 * 32 * 512 / 1024   # one weight-sized copy per layer-microbatch
+    assert "dsa_loss_topk_indices" not in terms                  # the joint kernel's precomputed gradients
     assert terms["dsa_indexer"] == 2 * 32 + 8 + 2 * 4 * 32 + 4 * 32 + 2 * 4
     assert terms["attention_output"] == 2 * 8 * 32
     assert "dsa_scores" not in terms
@@ -154,15 +157,16 @@ def test_dsa_cudnn_layer_keeps_query_key_topk_latent_output_and_the_indexer_grad
     shared = V.dsa_activation_terms(DSA, lay, st, ln_out=2, computes_topk=False)
     assert "dsa_indexer" not in shared and shared["dsa_topk_indices"] == terms["dsa_topk_indices"]
     assert "dsa_indexer" not in V.dsa_activation_terms(DSA, lay, replace(st, dsa_loss=False), 2, True)
-    # 192 heads: a multiple of 64 on Hopper, padded to 256 nowhere (FlashMLA declines it on Blackwell)
-    assert V.dsa_activation_terms(replace(DSA, heads=192), lay, st, 2, True)["dsa_latent_output"] == 2 * 192 * 128
+    # 192 heads: a multiple of 64 on Hopper; FlashMLA declines it on Blackwell, where the unfused path runs
+    assert V.dsa_activation_terms(replace(DSA, heads=192), lay, st, 2, True)["dsa_latent_output"] == 2 * 192 * 512
+    assert "dsa_scores" in V.dsa_activation_terms(replace(DSA, heads=192), lay, replace(st, gpu_arch=10), 2, True)
 
 
 def test_dsa_unfused_path_materializes_the_scores_over_every_key():
     lay = P.Layout(world=1, seq=1024)
     terms = V.dsa_activation_terms(DSA, lay, P.Settings(dsa_backend="none", dsa_loss=True), 2, True)
     assert terms["dsa_scores"] == 13 * 8 * 1024                  # 3 bool masks, 2 fp32, 1 bf16 per score
-    assert terms["dsa_fp32_query_key"] == 4 * 8 * 144 + 4 * 144
+    assert terms["dsa_fp32_query_key"] == 4 * 8 * 528 + 4 * 528
     assert terms["dsa_topk_indices"] == 8 * 256                  # the reference loss saves int64 indices
     # the unfused attention backend turns the fused kernels off (dsa_kernels.py use_fused_dsa_kernels)
     from mbmem_overlays.memory.from_config import dsa_backend
@@ -179,7 +183,214 @@ def test_dsa_recompute_labels_drop_what_their_checkpoints_free():
                                       "dsa_up_v_weight", "dsa_indexer"}
     up = _selected_terms(DSA, lay, replace(st, recompute="selective", modules=("mla_up_proj",)), "dsa")
     assert set(eager) - set(up) == {"dsa_q_up_output", "dsa_query", "dsa_key"}
-    assert up["dsa_up_proj_checkpoint_inputs"] == 2 * 128 + 2 * (128 + 16)
+    assert up["dsa_up_proj_checkpoint_inputs"] == 2 * 512 + 2 * (512 + 16)
+
+
+# ----------------------------------------------------------------------------- which DSA path runs
+@pytest.mark.parametrize("arch", [8, 9, 10])
+def test_the_fused_dsa_path_runs_where_flash_mla_takes_the_layout(arch, monkeypatch):
+    """dsa_fused follows megatron-core's own checks: FlashMLA's 512-wide latent value and its head padding (none
+    before SM90); every cuDNN hook declines the rest, and the unfused path runs (its scores over every key)."""
+    from megatron.core.transformer.experimental_attention_variant import dsa_cudnn_kernels as k
+    monkeypatch.setattr(k, "_current_sm", lambda: (arch, 0))
+    st = P.Settings(dsa_backend="cudnn", gpu_arch=arch)
+    for rank, pos in ((512, 64), (512, 16), (128, 64), (256, 512)):
+        for heads in (4, 8, 48, 64, 128, 192):
+            s = replace(DSA, kv_lora_rank=rank, qk_pos_dim=pos, heads=heads)
+            expected = (k._supports_flash_mla_value_layout(rank + pos, rank)
+                        and k._flash_mla_head_padding(heads) is not None)
+            assert V.dsa_fused(s, P.Layout(world=1), st) == expected, (rank, pos, heads)
+            terms = V.dsa_activation_terms(s, P.Layout(world=1, seq=1024), st, 2, True)
+            assert ("dsa_scores" in terms) == (not expected)
+    assert not V.dsa_fused(DSA, P.Layout(world=1), P.Settings(dsa_backend="none", gpu_arch=arch))
+
+
+def _joint_kernel_runs(monkeypatch, cp: int, loss: float, sparse: bool, packed: bool) -> bool:
+    """Whether megatron-core's run_fused_dsa_attention takes the joint kernel (FusedIndexerSparseAttnFunc) for the
+    mask DSAttention builds (dsa_masking.build_dsattention_forward_mask), on CPU tensors: the kernel is replaced by
+    a sentinel, what it declines returns None before any CUDA call."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.experimental_attention_variant import dsa_cudnn_kernels as k, dsa_masking
+
+    class Joint(Exception):
+        pass
+
+    def joint(*args, **kwargs):
+        raise Joint
+
+    monkeypatch.setattr(k, "fused_indexer_sparse_attn", joint)
+    sq, heads = 8, 4
+    skv = sq * cp
+    params = None
+    if packed:
+        cu = torch.tensor([0, skv // 2, skv], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=skv,
+                                 max_seqlen_kv=skv)
+    _, bounds, plain = dsa_masking.build_dsattention_forward_mask(
+        sq=sq, skv=skv, b=1, device=torch.device("cpu"), cp_size=cp, cp_rank=0, cp_comm_type="allgather",
+        cp_group=None, attn_mask_type=AttnMaskType.causal, attention_mask=None, position_ids=None,
+        packed_seq_params=params)
+    starts, ends, positions = bounds
+    try:
+        out = k.run_fused_dsa_attention(
+            config=SimpleNamespace(kv_lora_rank=512), query=torch.zeros(sq, 1, heads, 576),
+            key=torch.zeros(skv, 1, 1, 576), value=None, up_v_weight=torch.zeros(heads, 32, 512),
+            q_indexer=torch.zeros(sq, 1, 2, 32), k_indexer=torch.zeros(skv, 1, 32), indexer_weights=torch.zeros(sq, 1, 2),
+            indexer_topk=4, softmax_scale=1.0, loss_coeff=loss, sparse_loss=sparse, calculate_per_token_loss=False,
+            absorbed_mla=True, cp_size=cp, attn_mask_type=AttnMaskType.causal, packed_seq_params=params,
+            varlen_starts=starts, varlen_ends=ends, key_positions=positions, query_valid_rows=None,
+            varlen_is_plain_causal=plain, use_relu=True,
+            # dsa.py DSAttention.forward :1927-1934
+            use_local_indexer_varlen=packed and cp > 1 and positions is None)
+    except Joint:
+        return True
+    assert out is None
+    return False
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_reference_indexer_loss_runs_where_the_joint_kernel_declines(cp, packed, monkeypatch):
+    """With context parallelism (or packed sequences) the joint kernel declines only the dense indexer loss, and the
+    split path keeps the fused sparse attention with the reference loss (int64 top-k, bf16 indexer q, weights, k);
+    the sparse loss and no loss take the joint kernel; index sharing never tries it."""
+    lay = P.Layout(world=cp, cp=cp, seq=1024)
+    for loss in (0.0, 0.1):
+        for sparse in (False, True):
+            st = P.Settings(dsa_backend="cudnn", dsa_loss=loss > 0, dsa_sparse_loss=sparse, packed_sequences=packed)
+            joint = _joint_kernel_runs(monkeypatch, cp, loss, sparse, packed)
+            assert V.dsa_reference_loss(DSA, lay, st) == (loss > 0 and not joint), (loss, sparse)
+            terms = V.dsa_activation_terms(DSA, lay, st, 2, True)
+            assert "dsa_scores" not in terms                          # the sparse attention stays fused
+            if loss > 0 and not joint:
+                assert terms["dsa_loss_topk_indices"] == 8 * 256
+                assert terms["dsa_indexer"] == 2 * 32 + 8 + 2 * 4 * 32 + 2 * 4 + 2 * 32 * cp
+            else:
+                assert "dsa_loss_topk_indices" not in terms
+    # index sharing: the split path, the sparse loss kept fused, the dense one on the reference path
+    shared = replace(DSA, dsa_topk_freq=2)
+    assert V.dsa_reference_loss(shared, P.Layout(world=1), P.Settings(dsa_backend="cudnn", dsa_loss=True))
+    assert not V.dsa_reference_loss(shared, P.Layout(world=1), P.Settings(dsa_backend="cudnn", dsa_loss=True,
+                                                                           dsa_sparse_loss=True))
+
+
+@pytest.mark.bridge
+def test_packed_sequences_are_bridges_packed_batches(bridge):
+    from megatron.bridge.training.gpt_step import _uses_packed_sequence_metadata
+
+    from mbmem_overlays.memory.from_config import packed_sequences
+    for dataset in (None, SimpleNamespace(), SimpleNamespace(enable_in_batch_packing=True),
+                    SimpleNamespace(enable_offline_packing=True, offline_packing_specs=None),
+                    SimpleNamespace(enable_offline_packing=True,
+                                    offline_packing_specs=SimpleNamespace(packed_sequence_size=-1)),
+                    SimpleNamespace(enable_offline_packing=True,
+                                    offline_packing_specs=SimpleNamespace(packed_sequence_size=4096))):
+        cfg = SimpleNamespace(dataset=dataset)
+        assert packed_sequences(cfg) == bool(_uses_packed_sequence_metadata(cfg)), dataset
+
+
+# ----------------------------------------------------------------------------- a hybrid stack's D
+def test_a_hybrid_d_layer_has_no_q_or_kv_norm():
+    """hybrid_layer_specs.py builds the D layer's q and kv norms as IdentityOp: no weights, no saved inputs, and
+    without SP the up-projection checkpoint's kv_compressed is a view of kv_down's output."""
+    hybrid = replace(DSA, mla=False, layer_kinds=("dsa", "moe"), dsa_qkv_norms=False)
+    lay = P.Layout(world=1, seq=1024)
+    assert V.block_params(DSA, lay, "dsa") - V.block_params(hybrid, lay, "dsa") == 96 + 512
+    st = P.Settings(dsa_backend="cudnn")
+    gpt, d = (V.dsa_activation_terms(x, lay, st, 2, True) for x in (DSA, hybrid))
+    assert set(gpt) - set(d) == {"dsa_q_norm_input", "dsa_kv_norm_input"}
+    up = P.Settings(recompute="selective", modules=("mla_up_proj",))
+    assert _selected_terms(hybrid, lay, up, "dsa")["dsa_up_proj_checkpoint_inputs"] == 2 * (512 + 16)
+    sp = P.Layout(world=2, tp=2, sp=True, seq=1024)
+    assert (_selected_terms(hybrid, sp, up, "dsa")["dsa_up_proj_checkpoint_inputs"]
+            == _selected_terms(DSA, sp, up, "dsa")["dsa_up_proj_checkpoint_inputs"])
+
+
+DSA_ARGS = ["--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "512", "--max-position-embeddings",
+            "512", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "10", "--vocab-size", "1024",
+            "--tokenizer-type", "NullTokenizer", "--bf16", "--position-embedding-type", "none",
+            "--multi-latent-attention", "--kv-lora-rank", "512", "--q-lora-rank", "64", "--qk-head-dim", "32",
+            "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32", "--qk-layernorm",
+            "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "2", "--dsa-indexer-head-dim", "32",
+            "--dsa-indexer-topk", "64"]
+
+
+@pytest.mark.bridge
+def test_a_megatron_lm_dsa_job_has_q_and_kv_norms_in_a_gpt_model_only(bridge):
+    """--qk-layernorm builds DSA's q and kv norms in a GPT model; the hybrid stack's D builds IdentityOp whatever it
+    says."""
+    pytest.importorskip("mbmem_overlays.bridge.megatron_args", reason="needs the Megatron-LM arguments input")
+    from mbmem_overlays.bridge.megatron_args import load_job
+    hybrid = load_job(DSA_ARGS + ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
+                                  "--hybrid-layer-pattern", "D-D-"], world_size=1, script="pretrain_hybrid.py")
+    gpt = load_job(DSA_ARGS + ["--num-layers", "2"], world_size=1, script="pretrain_gpt.py")
+    (h, _, _), (g, _, _) = P.from_config(hybrid.config, 1), P.from_config(gpt.config, 1)
+    assert P.layer_kinds(h) == ("dsa", "mlp", "dsa", "mlp") and P.layer_kinds(g) == ("dsa+mlp", "dsa+mlp")
+    assert g.dsa_qkv_norms and not h.dsa_qkv_norms
+
+
+# ----------------------------------------------------------------------------- fine-grained offloading
+def _offload(*modules: str, **settings) -> P.Settings:
+    from mbmem_overlays.memory.levers import FineGrainedOffload
+    return P.Settings(fine_grained_offload=FineGrainedOffload(modules, min_elements=0), **settings)
+
+
+ATTENTION_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj")
+
+
+def test_offload_contexts_are_entered_by_softmax_attention_and_mla_only():
+    """The qkv_linear / core_attn / attn_proj contexts are in Attention.forward and MultiLatentAttention.forward;
+    GatedDeltaNet, absorbed MLA and DSAttention enter none."""
+    import inspect
+
+    from megatron.core.ssm.gated_delta_net import common, gdn
+    from megatron.core.transformer import attention, multi_latent_attention
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla, dsa
+    for forward in (attention.Attention.forward, multi_latent_attention.MultiLatentAttention.forward):
+        source = inspect.getsource(forward)
+        assert all(f'"{m}")' in source or f'"{m}"' in source for m in ("qkv_linear", "attn_proj"))
+    for module in (gdn, common, absorbed_mla, dsa):
+        assert "off_interface" not in inspect.getsource(module) and "offload" not in inspect.getsource(module)
+
+
+def test_offloading_a_gated_delta_net_layer_moves_only_its_moe_part():
+    s = replace(GDN, experts=4, moe_ffn=256, topk=2, moe_layers=4,
+                layer_kinds=("gdn+moe", "gdn+moe", "gdn+moe", "attn+moe"))
+    lay = P.Layout(world=1, seq=1024)
+    from mbmem_overlays.memory.levers import layer_offload, no_saving_reason, unhooked_layers_text
+    st = _offload(*ATTENTION_MODULES, "mlp_norm", "expert_fc1")
+    moved = layer_offload(s, lay, st, "gdn+moe").gpu
+    assert moved and set(moved) <= {"moe_layernorm_input", "moe_permuted_input"}
+    assert "attention_qkv" in layer_offload(s, lay, st, "attn+moe").gpu       # the softmax layer's are taken
+    text = unhooked_layers_text(s, st)
+    assert text.startswith("qkv_linear, core_attn, attn_proj: the 3 gated delta net layers of 4 keep")
+    attention_only = _offload("qkv_linear", "core_attn", "attn_proj")
+    assert not layer_offload(s, lay, attention_only, "gdn+moe").host
+    gdn_only = replace(s, layer_kinds=("gdn+moe",) * 4)
+    assert "gated delta nets or DSA" in no_saving_reason("fine_grained_offload", gdn_only, lay, attention_only)
+
+
+@pytest.mark.parametrize("kind, norm_input", [("dsa+mlp", "dsa_layernorm_input"),
+                                              ("dsa_shared+mlp", "dsa_shared_layernorm_input"),
+                                              ("dsa", "dsa_layernorm_input"), ("mla", "mla_layernorm_input")])
+def test_offloading_a_dsa_or_hybrid_mla_layer_takes_its_separate_norms_input(kind, norm_input):
+    """DSA's input norm is a module of its own (GPT and hybrid specs), and so is a hybrid "+" layer's: attn_norm
+    moves the layer input it saves. DSA's projections, kernel and linear_proj keep theirs (absorbed MLA enters no
+    offload context); a hybrid "+" is MultiLatentAttention, whose contexts take its q, k, v."""
+    from mbmem_overlays.memory.levers import layer_offload
+    lay = P.Layout(world=1, seq=1024)
+    one = layer_offload(DSA, lay, _offload(*ATTENTION_MODULES, dsa_backend="cudnn"), kind)
+    terms = P.layer_activation_terms(DSA, lay, P.Settings(dsa_backend="cudnn"), kind)
+    assert one.gpu[norm_input] == terms[norm_input] == 2 * 512
+    if kind.startswith("dsa"):
+        assert set(one.gpu) == {norm_input}
+    else:
+        assert {"attention_qkv", "attention_layernorm_output"} <= set(one.gpu)
+    graphed = _offload(*ATTENTION_MODULES, dsa_backend="cudnn", graph_scopes=("attn",))
+    graphed = replace(graphed, fine_grained_offload=replace(graphed.fine_grained_offload, graph_modules=("attn",)))
+    assert norm_input not in layer_offload(DSA, lay, graphed, kind).gpu
 
 
 # ----------------------------------------------------------------------------- softmax attention's output gate
@@ -195,6 +406,27 @@ def test_the_output_gate_widens_qkv_and_keeps_the_gate_and_the_kernel_output():
     # core_attn recompute cannot drop the kernel output the gate's product holds
     core = P.Settings(recompute="selective", modules=("core_attn",))
     assert "attention_gate_input" in _selected_terms(gated, lay, core, "attn")
+
+
+# ----------------------------------------------------------------------------- the shared expert's gate (Qwen3-Next)
+def test_the_shared_expert_gate_adds_its_weight_and_keeps_the_shared_output_and_the_gate():
+    """moe_shared_expert_gate: a (1, hidden) weight whole on every TP rank; output * sigmoid(x @ w) keeps the shared
+    expert's output and the gate per token (sequence-local under SP); the shared-experts checkpoint drops both."""
+    from mbmem_overlays.memory.optimizers import block_tensors
+    s = P.Shape(layers=1, hidden=512, ffn=1024, heads=8, groups=8, head_dim=64, vocab=1024, experts=4, moe_ffn=256,
+                topk=2, shared_ffn=256, moe_layers=1, layer_kinds=("attn+moe",))
+    gated = replace(s, shared_gate=True)
+    for lay in (P.Layout(world=1), P.Layout(world=2, tp=2, sp=True)):
+        assert P._block_params(gated, lay, "moe")[0] - P._block_params(s, lay, "moe")[0] == 512
+        assert len(block_tensors(gated, lay, "moe")[0]) == len(block_tensors(s, lay, "moe")[0]) + 1
+        plain = P.layer_activation_terms(s, replace(lay, seq=1024), P.Settings(), "attn+moe")
+        terms = P.layer_activation_terms(gated, replace(lay, seq=1024), P.Settings(), "attn+moe")
+        assert set(terms) - set(plain) == {"shared_expert_gate"}
+        assert terms["shared_expert_gate"] == 2 * (512 + 1) / lay.tp
+    lay = P.Layout(world=1, seq=1024)
+    for label in ("shared_experts", "moe"):
+        st = P.Settings(recompute="selective", modules=(label,))
+        assert "shared_expert_gate" not in _selected_terms(gated, lay, st, "attn+moe")
 
 
 # ----------------------------------------------------------------------------- the cited code is there
@@ -224,6 +456,34 @@ CITED = [
     ("megatron/core/transformer/multi_latent_attention.py", 324, '"cache_mla_latents conflicts with training."'),
     ("megatron/core/transformer/transformer_config.py", 1778,
      "invalid_modules = set(self.recompute_modules) - allowed_modules"),
+    # which DSA path runs
+    ("megatron/core/transformer/experimental_attention_variant/dsa_cudnn_kernels.py", 138,
+     "_FLASH_MLA_REQUIRED_VALUE_DIM = 512"),
+    ("megatron/core/transformer/experimental_attention_variant/dsa_cudnn_kernels.py", 244,
+     "if loss_coeff > 0 and not sparse_loss:"),
+    ("megatron/core/transformer/experimental_attention_variant/dsa.py", 2037,
+     "if use_fused_kernels and not self.index_share:"),
+    ("megatron/core/transformer/experimental_attention_variant/dsa.py", 2124,
+     "if sparse_indexer_loss and fused_bounds is not None:"),
+    ("megatron/core/transformer/experimental_attention_variant/dsa.py", 2156,
+     "topk_indices, indexer_loss = compute_indexer_loss_with_reference_path()"),
+    # the q / kv norms: the GPT spec's follow qk_layernorm, the hybrid D's are IdentityOp
+    ("megatron/core/models/gpt/experimental_attention_variant_module_specs.py", 110,
+     "backend.layer_norm(rms_norm=rms_norm, for_qk=True) if config.qk_layernorm else IdentityOp"),
+    ("megatron/core/models/hybrid/hybrid_layer_specs.py", 165, "q_layernorm=IdentityOp,"),
+    ("megatron/core/models/hybrid/hybrid_layer_specs.py", 166, "kv_layernorm=IdentityOp,"),
+    # the offload hooks: a separate input norm only, which the gated delta net's spec fuses and DSA's keeps
+    ("megatron/core/transformer/transformer_layer.py", 1442,
+     'self.offload_attn_norm = "attn_norm" in self.config.offload_modules and not isinstance('),
+    ("megatron/core/models/gpt/experimental_attention_variant_module_specs.py", 76,
+     'metainfo={"fuse_input_layernorm": True},'),
+    ("megatron/core/models/gpt/experimental_attention_variant_module_specs.py", 127,
+     'metainfo={"fuse_input_layernorm": False},'),
+    ("megatron/core/models/hybrid/hybrid_layer_specs.py", 140, "input_layernorm=TENorm,"),
+    # the shared expert's gate
+    ("megatron/core/transformer/moe/shared_experts.py", 134,
+     "self.gate_weight = torch.nn.Parameter(torch.empty((1, self.config.hidden_size)))"),
+    ("megatron/core/transformer/moe/shared_experts.py", 201, "output = output * gate_score"),
 ]
 
 
@@ -243,8 +503,8 @@ def test_coverage_names_what_megatron_core_0_19_2_cannot_run_and_not_what_is_mod
         ["model.recompute_modules"]
     assert named(recompute_granularity="selective", recompute_modules=["moe_act"]) == []
     assert named(experimental_attention_variant="dsa", dsa_kernel_backend="tilelang") == ["model.dsa_kernel_backend"]
-    assert named(experimental_attention_variant="dsa", dsa_kernel_backend="cudnn", context_parallel_size=2) == \
-        ["model.context_parallel_size"]
+    # DSA with CP under a fused backend is modelled (variants.dsa_reference_loss)
+    assert named(experimental_attention_variant="dsa", dsa_kernel_backend="cudnn", context_parallel_size=2) == []
     assert named(context_parallel_size=2) == []
     assert named(experimental_attention_variant="gated_delta_net", deterministic_mode=True) == \
         ["model.deterministic_mode"]
@@ -315,6 +575,7 @@ def test_qwen3_next_recipe_is_planned_with_gated_delta_net_layers(variant_recipe
     assert (shape.gdn_key_heads, shape.gdn_value_heads, shape.gdn_key_dim, shape.gdn_value_dim) == \
         (m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim)
     assert shape.attn_gate and m.attention_output_gate
+    assert shape.shared_gate == bool(m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size)
     assert not [n for n in not_modelled(cfg) if "attention_variant" in n]
     # a GDN layer's parameters and activations are its block's, not softmax attention's
     gdn_layer = P.layer_activation(shape, lay, st, "gdn+moe")
@@ -333,6 +594,7 @@ def test_glm5_recipe_is_planned_with_dsa_layers_and_the_cudnn_kernels(variant_re
     assert (shape.dsa_heads, shape.dsa_head_dim, shape.dsa_topk) == \
         (m.dsa_indexer_n_heads, m.dsa_indexer_head_dim, m.dsa_indexer_topk)
     assert st.dsa_backend == "cudnn" and st.dsa_loss            # the recipe's backend, the bridge's loss coeff
+    assert st.dsa_sparse_loss == m.dsa_indexer_use_sparse_loss and shape.dsa_qkv_norms == bool(m.qk_layernorm)
     assert not [n for n in not_modelled(cfg) if "attention_variant" in n]
     # full recompute: the working layer is a DSA layer's, with its indexer
     indexer = sum(n for n, _ in V.dsa_indexer_tensors(shape))

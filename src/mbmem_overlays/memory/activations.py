@@ -278,6 +278,12 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         if s.shared_ffn:
             terms["shared_expert"] = (D * (2 if s.gated else 1) + gemm_in) * s.shared_ffn / t
             lora_gathered("linear_fc1")  # the shared expert's adapter is an ordinary column-parallel one
+            if s.shared_gate:
+                # moe_shared_expert_gate: output * sigmoid(linear(x, gate_weight)) (moe/shared_experts.py forward
+                # :196-202; with the overlap pre_forward_comm :238-240 and get_output :355-357) keeps the shared
+                # expert's output (linear_fc2's, sequence-local under SP) and the gate (sigmoid saves its output,
+                # the product the same tensor); linear's input is the pre-MLP norm's output, kept already
+                terms["shared_expert_gate"] = D * (s.hidden + 1) / sp_div
     if "mamba" in blocks:
         terms.update(mamba_activation_terms(s, lay, st, ln_out, gemm_in, keeps_input))
         lora_gathered("in_proj")
@@ -316,8 +322,10 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
     # so the latent projections' inputs and the dispatcher's handle go with it.
     "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
             "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
-            "shared_expert", "moe_latent_fc1_input_fp8", "moe_latent_fc2_input", "moe_dispatch_handle"),
-    "shared_experts": ("shared_expert",),
+            "shared_expert", "moe_latent_fc1_input_fp8", "moe_latent_fc2_input", "moe_dispatch_handle",
+            "shared_expert_gate"),
+    # the checkpoint wraps the whole SharedExpertMLP forward, gate included (moe_layer.py:510-522)
+    "shared_experts": ("shared_expert", "shared_expert_gate"),
     "mla_up_proj": ("attention_qkv", *variants.RECOMPUTE_DROPS["mla_up_proj"]),
     "gdn_norm_out": variants.RECOMPUTE_DROPS["gdn_norm_out"],
 }

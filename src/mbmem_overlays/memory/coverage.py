@@ -74,6 +74,10 @@ MODEL_READS = frozenset({
     "model.dsa_indexer_n_heads", "model.dsa_indexer_head_dim", "model.dsa_indexer_topk",
     "model.dsa_indexer_topk_freq", "model.dsa_indexer_skip_topk_offset", "model.dsa_indexer_loss_coeff",
     "model.dsa_kernel_backend", "model.attention_output_gate", "model.qk_l2_norm",
+    # which DSA indexer loss runs (variants.dsa_reference_loss): the sparse loss, and packed batches' varlen bounds
+    # (from_config.packed_sequences); the shared expert's gate
+    "model.dsa_indexer_use_sparse_loss", "dataset.enable_offline_packing", "dataset.offline_packing_specs",
+    "dataset.enable_in_batch_packing", "model.moe_shared_expert_gate",
     # latent MoE, FP8's first/last bf16 layers, the flex dispatcher (from_config bf16_layer_span, moe_dispatcher)
     "model.first_last_layers_bf16", "model.num_layers_at_start_in_bf16", "model.num_layers_at_end_in_bf16",
     "model.moe_enable_deepep", "model.moe_flex_dispatcher_backend", "model.moe_flex_dispatcher_num_sms",
@@ -152,12 +156,9 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     # --- the attention variants (memory/variants.py models GDN and DSA): what stays outside the model
     Unmodelled("model.dsa_kernel_backend", "DSA's TileLang kernels (dsa_tilelang_kernels.py) keep tensors the plan "
                "does not model (it follows the cuDNN/FlashMLA and the unfused paths)", lambda v: v == "tilelang"),
-    Unmodelled("model.context_parallel_size", "DSA with context parallelism: the cuDNN kernel declines non-packed "
-               "CP and some packed layouts (dsa_cudnn_kernels.py run_fused_dsa_attention :218-259) and DSAttention "
-               "then runs the unfused path over the gathered keys, which the plan does not choose between",
-               lambda v: int(v or 1) > 1,
-               when=lambda cfg: _read(cfg, "model.experimental_attention_variant") == "dsa"
-               and str(_read(cfg, "model.dsa_kernel_backend") or "none") != "none"),
+    # DSA with context parallelism under a fused backend is modelled: the joint cuDNN kernel declines only the dense
+    # indexer loss over CP's varlen bounds, and the split path that runs instead keeps the fused sparse attention
+    # (memory/variants.py dsa_reference_loss); layouts FlashMLA cannot run take the unfused path (dsa_fused)
     Unmodelled("model.deterministic_mode", "the gated delta net's deterministic mode runs torch's reference chunk "
                "rule and conv1d (gated_delta_net/gdn.py :59-62, :197-209), which keep more than fla's kernels",
                lambda v: bool(v), moves=UP,
@@ -206,9 +207,6 @@ MEMORY_NEUTRAL: tuple[MemoryNeutral, ...] = (
                   "asserts it off, absorbed_mla.py:191)"),
     MemoryNeutral("model.layernorm_zero_centered_gamma", "a reparametrized norm weight (w + 1): the same weight "
                   "and saved input"),
-    MemoryNeutral("model.dsa_indexer_use_sparse_loss", "the sparse and the dense indexer loss save the same "
-                  "precomputed indexer gradients (dsa_cudnn_kernels.py FusedIndexerSparseAttnFunc.forward "
-                  ":2202-2274); the dense loss's scores are transient"),
     MemoryNeutral("model.dsa_indexer_rotate_activation", "the Hadamard rotation (dsa.py rotate_activation "
                   ":253-270) is its own inverse and saves nothing for backward"),
 )

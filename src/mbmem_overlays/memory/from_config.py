@@ -209,6 +209,17 @@ def dsa_backend(m: Any) -> str:
     return "none" if backend == "unfused" else str(getattr(m, "dsa_kernel_backend", "none") or "none")
 
 
+def packed_sequences(cfg: Any) -> bool:
+    """Whether the job's batches carry packed-sequence metadata, so the model gets packed_seq_params (THD): Bridge's
+    own test (training/gpt_step.py _uses_packed_sequence_metadata :109-117): offline packing with a positive (or
+    unset) packed_sequence_size, or in-batch packing."""
+    dataset = getattr(cfg, "dataset", None)
+    if getattr(dataset, "enable_offline_packing", False):
+        size = getattr(getattr(dataset, "offline_packing_specs", None), "packed_sequence_size", None)
+        return size is None or size > 0
+    return bool(getattr(dataset, "enable_in_batch_packing", False))
+
+
 def chunk_layers(m: Any, layers: int) -> tuple[int, ...]:
     """Decoder layers of each model chunk in chunk order (chunk c = virtual stage c // pp on pipeline rank c % pp),
     when megatron-core does not split them evenly; () for the even split.
@@ -471,8 +482,13 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         **(dict(dsa_heads=int(getattr(m, "dsa_indexer_n_heads", 0) or 0),
                 dsa_head_dim=int(getattr(m, "dsa_indexer_head_dim", 0) or 0),
                 dsa_topk=int(getattr(m, "dsa_indexer_topk", 0) or 0),
-                dsa_topk_freq=int(getattr(m, "dsa_indexer_topk_freq", 1) or 1))
+                dsa_topk_freq=int(getattr(m, "dsa_indexer_topk_freq", 1) or 1),
+                # a hybrid "D" builds no q / kv norm whatever qk_layernorm says (Shape.dsa_qkv_norms)
+                dsa_qkv_norms=bool(getattr(m, "qk_layernorm", False)) and not hybrid)
            if blocks & {DSA, DSA_SHARED} else {}),
+        # moe/moe_layer.py:338-342 passes moe_shared_expert_gate to the shared experts (only with a shared expert)
+        shared_gate=bool(getattr(m, "moe_shared_expert_gate", False)) and bool(
+            getattr(m, "moe_shared_expert_intermediate_size", 0)) and bool(experts),
         moe_latent=int(getattr(m, "moe_latent_size", 0) or 0) if experts else 0,
         bf16_layers=bf16_layer_span(m, mp, fp8))
     chunks = segments if len(segments) > 1 else chunk_layers(m, layers)
@@ -571,6 +587,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
         dsa_backend=dsa_backend(m),
         dsa_loss=float(getattr(m, "dsa_indexer_loss_coeff", 0.0) or 0.0) > 0,
+        dsa_sparse_loss=bool(getattr(m, "dsa_indexer_use_sparse_loss", False)),
+        packed_sequences=packed_sequences(cfg),
         gpu_arch=arch,
         mcore_attention=mcore_attention(m),
         hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,

@@ -22,10 +22,11 @@ GRAPH_SCOPE_TERMS = {
     "moe": ("moe_layernorm_input", "moe_dropout_mask", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
             "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
             "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert", "moe_latent_fc1_input_fp8",
-            "moe_latent_fc2_input", "moe_dispatch_handle"),
+            "moe_latent_fc2_input", "moe_dispatch_handle", "shared_expert_gate"),
     # up to the router: the pre-MLP norm and the router, and the shared experts unless they overlap with the
     # EP communication (then they run outside the graph)
-    "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert"),
+    "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert",
+                   "shared_expert_gate"),
     "mamba": ("mamba_layernorm_input", "mamba_dropout_mask", "mamba_layernorm_output", "mamba_in_proj_output", "mamba_scan_output",
               "mamba_norm_input", "mamba_out_proj_input", "lora_a_gathered_input_in_proj"),
 }
@@ -67,7 +68,7 @@ def layer_graph_parts(s: Shape, lay: Layout, st: Settings, kind: str) -> tuple[f
         static += 1.0 * lay.seq                                           # bool mask: s bytes per local token
     inside = {name for block, module in graphed.items() for name in GRAPH_SCOPE_TERMS[module]}
     if graphed.get("moe") == "moe_router" and st.shared_expert_overlap:
-        inside.discard("shared_expert")
+        inside -= {"shared_expert", "shared_expert_gate"}
     pool = sum(v for k, v in terms.items() if k in inside)
     eager = sum(v for k, v in terms.items() if k not in inside)
     return eager * _tokens(lay), pool * _tokens(lay), static * _tokens(lay)

@@ -68,6 +68,12 @@ class Shape:
     dsa_head_dim: int = 0
     dsa_topk: int = 0
     dsa_topk_freq: int = 1
+    # whether DSA's absorbed MLA builds its q and kv norms: in a GPT model with qk_layernorm
+    # (experimental_attention_variant_module_specs.py get_dsa_module_spec_for_backend :109-111); a hybrid stack's
+    # "D" builds IdentityOp for both (hybrid_layer_specs.py dsa_layer :165-166)
+    dsa_qkv_norms: bool = False
+    # moe_shared_expert_gate: one sigmoid gate per token scales the shared expert's output (moe/shared_experts.py)
+    shared_gate: bool = False
     # moe_latent_size: the routed experts work in this width, between a hidden -> latent and a latent -> hidden
     # projection (transformer/moe/moe_layer.py fc1/fc2_latent_proj); 0: none, the experts work in the hidden size
     moe_latent: int = 0
@@ -186,6 +192,11 @@ class Settings:
     dsa_backend: str = "none"
     dsa_loss: bool = False
     gpu_arch: int = 9
+    # DSA's joint fused kernel declines a dense indexer loss over varlen bounds, which context parallelism and
+    # packed sequences give (variants.dsa_reference_loss): dsa_indexer_use_sparse_loss, and whether the job's
+    # batches carry packed-sequence metadata (Bridge training/gpt_step.py _uses_packed_sequence_metadata)
+    dsa_sparse_loss: bool = False
+    packed_sequences: bool = False
     # The MoE token dispatcher (moe_token_dispatcher_type: "alltoall", "allgather" or "flex") and, for flex, its
     # backend ("deepep", "hybridep", "ncclep"); what each keeps for the backward (activations.dispatcher_terms),
     # beside the experts' own tensors, and what it allocates outside torch's allocator (buffers.flex_buffers)

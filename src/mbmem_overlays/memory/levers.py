@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 # the model's own files, not its model.py name space (which imports from_config, which calls apply_config here)
+from . import variants
 from .activations import RECOMPUTE_DROPS, _selected_terms, layer_activation_terms
 from .graphs import GRAPH_SCOPE_TERMS, graphed_blocks
 from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
@@ -35,7 +36,6 @@ class FineGrainedOffload:
     modules: tuple[str, ...]                   # model.offload_modules
     fraction: float = 1.0                      # model.activation_offload_fraction
     min_elements: int = MIN_OFFLOADED_ELEMENTS  # model.min_offloaded_tensor_size
-    separate_input_norm: bool = False          # the layer's input norm is a module of its own (MLA specs)
     graph_modules: tuple[str, ...] = ()        # model.cuda_graph_modules (as TransformerLayer reads them)
     delta_bytes: int = 0                       # model.delta_offload_bytes_across_pp_ranks (kept per PP rank)
 
@@ -52,9 +52,10 @@ class FineGrainedOffload:
 # PipelineOffloadManager.on_save_for_backward -> ChunkOffloadHandler.tensor_push / bulk_offload_group), and the
 # code where each context is entered.
 OFFLOAD_TERMS = {
-    # transformer_layer.py:631-706: the separate input norm saves the layer input (residual stream);
-    # _set_offload_modules (:1442) turns it off when input_layernorm is an IdentityOp (TE's norm fused into
-    # linear_qkv, the GPT specs: models/gpt/gpt_layer_specs.py) or under an attn CUDA graph (:1460)
+    # transformer_layer.py:631-706: the separate input norm saves the layer input (residual stream: the attention
+    # block's "<block>_layernorm_input", _captured_names); _set_offload_modules (:1442) turns it off when
+    # input_layernorm is an IdentityOp (TE's norm fused into linear_qkv, the GPT specs: models/gpt/gpt_layer_specs.py;
+    # the gated delta net's in_proj: separate_input_norm) or under an attn CUDA graph (:1460)
     "attn_norm": ("attn_layernorm_input",),
     # attention.py:1385-1394: get_query_key_value_tensors under the hooks: linear_qkv's saved input (the norm
     # output; with TE's fused norm also the norm's input), q/k norm inputs (:1920-1924), MLA's up-projection inputs
@@ -108,9 +109,39 @@ def offload_from_config(m: Any) -> FineGrainedOffload | None:
     graphs = tuple(str(getattr(x, "name", x)) for x in graphs)
     return FineGrainedOffload(
         modules=modules, fraction=float(getattr(m, "activation_offload_fraction", 1.0) or 0.0),
-        min_elements=int(getattr(m, "min_offloaded_tensor_size", MIN_OFFLOADED_ELEMENTS) or 0),
-        separate_input_norm=bool(getattr(m, "multi_latent_attention", False)), graph_modules=graphs,
+        min_elements=int(getattr(m, "min_offloaded_tensor_size", MIN_OFFLOADED_ELEMENTS) or 0), graph_modules=graphs,
         delta_bytes=int(getattr(m, "delta_offload_bytes_across_pp_ranks", 0) or 0))
+
+
+# The attention blocks whose forward enters the qkv_linear / core_attn / attn_proj offload contexts: softmax
+# attention (attention.py Attention.forward :1385, :1541, :1615; a hybrid stack's "*") and MLA
+# (multi_latent_attention.py MultiLatentAttention.forward :343, :380, :462; a hybrid stack's "+"). The gated delta
+# net (ssm/gated_delta_net/gdn.py GatedDeltaNet.forward :64-278) and DSA's AbsorbedMLASelfAttention
+# (experimental_attention_variant/absorbed_mla.py forward :791-904, get_query_key_value_tensors :390-674, its own
+# _checkpointed_attention_forward :737-789, and DSAttention in dsa.py) enter none: their saved tensors stay on the
+# GPU whatever offload_modules says (Attention.__init__ sets offload_qkv_linear & co., :397-410, but only
+# Attention.forward reads them)
+HOOKED_ATTENTION = ("attn", "mla")
+ATTENTION_BLOCKS = ("attn", "mla", *variants.VARIANT_BLOCKS)
+
+
+def attention_block(kind: str) -> str:
+    """The attention block of a layer of ``kind`` ("" for a layer without one: a hybrid stack's M, -, E)."""
+    first = blocks_of(kind)[0]
+    return first if first in ATTENTION_BLOCKS else ""
+
+
+def separate_input_norm(s: Shape, block: str) -> bool:
+    """Whether the layer of attention ``block`` has an input norm of its own (a TENorm, not the IdentityOp of a
+    norm fused into the first GEMM), whose saved input attn_norm offloads (transformer_layer.py
+    _set_offload_modules :1442-1444): MLA in a GPT model (gpt_layer_specs.py) and a hybrid stack's "+"
+    (hybrid_layer_specs.py mla_layer :171-193), DSA in both (experimental_attention_variant_module_specs.py
+    get_dsa_module_spec_for_backend metainfo fuse_input_layernorm False :127, read at :245-249; hybrid_layer_specs.py
+    dsa_layer :137-170); not softmax attention with TE's fused norm, nor the gated delta net (fuse_input_layernorm
+    True :76; the hybrid gdn_layer sets no input_layernorm: IdentityOp)."""
+    if block == "attn":
+        return s.mla          # Shape.mla: multi_latent_attention in a GPT model (a hybrid's "*" is never MLA)
+    return block in ("mla", variants.DSA, variants.DSA_SHARED)
 
 
 def _captured_names(s: Shape, st: Settings, kind: str, module: str) -> list[str]:
@@ -119,10 +150,15 @@ def _captured_names(s: Shape, st: Settings, kind: str, module: str) -> list[str]
     off = st.fine_grained_offload
     recomputed = set(st.modules) if st.recompute == "selective" else set()
     names = list(OFFLOAD_TERMS.get(module, ()))
-    if module == "attn_norm" and (not off.separate_input_norm or "attn" in off.graph_modules):
-        names = []
-    if module == "qkv_linear" and not off.separate_input_norm:
-        names.append("attn_layernorm_input")   # TE's LayerNormLinear saves the norm's input too
+    block = attention_block(kind)
+    separate = separate_input_norm(s, block)
+    if module in ("qkv_linear", "core_attn", "attn_proj") and block not in HOOKED_ATTENTION:
+        return []
+    if module == "attn_norm":
+        # the layer input the separate norm saves: "<block>_layernorm_input" (activations.layer_activation_terms)
+        names = [f"{block}_layernorm_input"] if separate and "attn" not in off.graph_modules else []
+    if module == "qkv_linear" and not separate:
+        names.append(f"{block}_layernorm_input")   # TE's LayerNormLinear saves the norm's input too
     if module == "core_attn":
         if "core_attn" in recomputed:
             names = []
@@ -297,8 +333,13 @@ def _module_reason(module: str, s: Shape, st: Settings) -> str:
     if module in ("expert_fc1", "moe_act", "fused_group_mlp", "mlp_norm") and not any("moe" in k for k in kinds):
         return ("the dense MLP's norm is fused into linear_fc1 (an IdentityOp, transformer_layer.py "
                 "_set_offload_modules)" if module == "mlp_norm" else "the model has no MoE layers")
-    if module == "attn_norm" and not off.separate_input_norm:
-        return "the input norm is fused into linear_qkv (an IdentityOp, transformer_layer.py _set_offload_modules)"
+    blocks = {attention_block(k) for k in kinds} - {""}
+    if module in ("qkv_linear", "core_attn", "attn_proj") and not blocks & set(HOOKED_ATTENTION):
+        return ("the model's attention layers are gated delta nets or DSA, whose forward enters no offload context "
+                "(ssm/gated_delta_net/gdn.py, experimental_attention_variant/absorbed_mla.py)")
+    if module == "attn_norm" and not any(separate_input_norm(s, b) for b in blocks):
+        return ("the input norm is fused into the first projection (an IdentityOp, transformer_layer.py "
+                "_set_offload_modules)")
     if module == "core_attn" and "core_attn" in recomputed:
         return "core_attn is recomputed: its checkpointed path saves q, k, v outside the offload hooks (attention.py)"
     if module == "core_attn" and "attn_proj" not in off.modules:
@@ -443,4 +484,32 @@ def step_note(overlay: str, s: Shape, lay: Layout, st: Settings, saving: float) 
         host = max(offloaded_activations(s, lay, st, r).host_per_gpu for r in range(lay.pp))
         if host:
             parts.append(host_memory_text(host, lay.world))
+        kept = unhooked_layers_text(s, st)
+        if kept and abs(saving) >= MIN_SAVING:   # where it saves nothing, the reason says so per module
+            parts.append(kept)
     return "; ".join(parts)
+
+
+VARIANT_NAMES = {variants.GDN: "gated delta net", variants.DSA: "DSA", variants.DSA_SHARED: "DSA"}
+
+
+def unhooked_layers_text(s: Shape, st: Settings) -> str:
+    """Where offload_modules name attention modules that some of the model's layers do not run (a gated delta net
+    or DSA attention enters no offload context: HOOKED_ATTENTION), how many layers keep their attention's saved
+    tensors on the GPU; "" when every layer runs them or no attention module is named."""
+    off = st.fine_grained_offload
+    named = [m for m in ("qkv_linear", "core_attn", "attn_proj") if m in off.modules]
+    if not named:
+        return ""
+    kinds = layer_kinds(s)
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        block = attention_block(kind)
+        if block in VARIANT_NAMES:
+            counts[VARIANT_NAMES[block]] = counts.get(VARIANT_NAMES[block], 0) + 1
+    if not counts:
+        return ""
+    which = " and ".join(f"{n} {name}" for name, n in counts.items())
+    return (f"{', '.join(named)}: the {which} layer{'s' if sum(counts.values()) > 1 else ''} of {len(kinds)} keep "
+            "their attention's saved tensors (their forward enters no offload context: gated_delta_net/gdn.py, "
+            "absorbed_mla.py)")

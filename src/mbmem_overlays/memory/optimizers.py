@@ -75,7 +75,7 @@ def block_tensors(s: Shape, lay: Layout, block: str) -> tuple[list[tuple[int, bo
         dense += _norm(s, h) + [(s.experts * h, True)]
         if s.shared_ffn:
             fc1 = (2 if s.gated else 1) * s.shared_ffn // t
-            dense += [(fc1 * h, True), (h * s.shared_ffn // t, True)]
+            dense += [(fc1 * h, True), (h * s.shared_ffn // t, True)] + ([(h, True)] if s.shared_gate else [])
         width = s.moe_latent or h   # latent MoE: duplicated hidden <-> latent projections, latent-width experts
         if width != h:
             dense += [(width * h, True)] + _bias(s, width) + [(h * width, True)] + _bias(s, h)

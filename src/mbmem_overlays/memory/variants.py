@@ -73,20 +73,21 @@ def gdn_tensors(s: Shape, lay: Layout) -> list[tuple[int, bool]]:
 
 
 def mla_tensors(s: Shape, lay: Layout) -> list[tuple[int, bool]]:
-    """MLA's (and absorbed MLA's, which has the same weights: experimental_attention_variant/absorbed_mla.py
-    :140-388) parameter tensors on one GPU: the separate input norm, q down/up (or one q projection), kv
-    down/up, their norms, linear_proj (transformer/multi_latent_attention.py)."""
+    """Absorbed MLA's parameter tensors on one GPU (MLA's weights: experimental_attention_variant/absorbed_mla.py
+    :140-388): the separate input norm, q down/up (or one q projection), kv down/up, linear_proj, and the q and kv
+    norms where the spec builds them (Shape.dsa_qkv_norms: build_module of an IdentityOp makes no weight,
+    :375-388)."""
     h, t = s.hidden, lay.tp
     dense = _norm(s, h)
     qk = s.qk_head_dim + s.qk_pos_dim
     if s.q_lora_rank:
         dense += [(s.q_lora_rank * h, True), (s.heads * qk // t * s.q_lora_rank, True)]
-        dense += _norm(s, s.q_lora_rank)
+        dense += _norm(s, s.q_lora_rank) if s.dsa_qkv_norms else []
     else:
         dense += [(s.heads * qk // t * h, True)]
     dense += [((s.kv_lora_rank + s.qk_pos_dim) * h, True),
               (s.heads * (s.qk_head_dim + s.v_head_dim) // t * s.kv_lora_rank, True)]
-    dense += _norm(s, s.kv_lora_rank)
+    dense += _norm(s, s.kv_lora_rank) if s.dsa_qkv_norms else []
     dense += [(h * s.heads * s.v_head_dim // t, True)]
     return dense
 
@@ -166,30 +167,72 @@ def gdn_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, gem
     return terms
 
 
-def dsa_padded_heads(heads: int, arch: int) -> int:
-    """The query heads FlashMLA's sparse kernel runs for ``heads`` local heads (dsa_cudnn_kernels.py
-    _flash_mla_head_padding :348-371): on Hopper a multiple of 64 (or 64 when heads divide it), on Blackwell 64 or
-    128 when heads divide them, else a multiple of 128; the output and the log-sum-exp keep the padded storage
-    (_dsa_fwd_flash_mla :871-924 returns slices of them). Unsupported counts decline the fused path (heads)."""
+def flash_mla_heads(heads: int, arch: int) -> int | None:
+    """The query heads FlashMLA's sparse kernel runs for ``heads`` local heads, None where it cannot
+    (dsa_cudnn_kernels.py _flash_mla_head_padding :348-371): on Hopper a multiple of 64 (or 64 when heads divide
+    it), on Blackwell 64 or 128 when heads divide them, else a multiple of 128; nothing before SM90."""
     if arch >= 10:
         for padded in (64, 128):
             if heads == padded or (heads < padded and padded % heads == 0):
                 return padded
         align = 128
-    else:
+    elif arch >= 9:
         align = 64
+    else:
+        return None
     if heads % align == 0:
         return heads
     if heads < align and align % heads == 0:
         return align
-    return heads
+    return None
 
 
-def dsa_fused(st: Settings) -> bool:
-    """Whether DSAttention tries a fused backend: dsa_kernels.py use_fused_dsa_kernels (:92-97), not with
-    dsa_kernel_backend "none" (megatron-core's default), which from_config also sets for the unfused attention
-    backend."""
-    return st.dsa_backend not in ("none", "")
+def dsa_padded_heads(heads: int, arch: int) -> int:
+    """The heads the fused path's output and log-sum-exp keep storage for (_dsa_fwd_flash_mla :871-924 returns
+    slices of the padded tensors): flash_mla_heads, or ``heads`` where FlashMLA declines (then the fused path does
+    not run: dsa_fused)."""
+    return flash_mla_heads(heads, arch) or heads
+
+
+# dsa_cudnn_kernels.py _FLASH_MLA_REQUIRED_VALUE_DIM (:138): FlashMLA's sparse prefill takes a 512-wide latent value
+FLASH_MLA_VALUE_DIM = 512
+
+
+def dsa_fused(s: Shape, lay: Layout, st: Settings) -> bool:
+    """Whether DSAttention's sparse attention runs fused: a fused backend is configured (dsa_kernels.py
+    use_fused_dsa_kernels :92-97: not dsa_kernel_backend "none", megatron-core's default, which from_config also
+    sets for the unfused attention backend) and FlashMLA takes the layout. Every cuDNN hook declines otherwise
+    (returns None): on a GPU before SM90, a latent value width (kv_lora_rank) other than 512
+    (_supports_flash_mla_value_layout :151-153) or a local head count FlashMLA cannot pad
+    (_flash_mla_head_padding :348-371) decline the joint kernel (run_fused_dsa_attention :251-259), the top-k with
+    the sparse loss (run_fused_qk_topk_with_loss :1424-1428) and the split path's sparse attention
+    (run_fused_absorbed_sparse_attention :2601-2604), and DSAttention runs the unfused path
+    (dsa.py _run_sparse_attention :148-171) with the reference indexer loss."""
+    if st.dsa_backend in ("none", ""):
+        return False
+    heads = max(1, s.heads // max(1, lay.tp))
+    return (s.kv_lora_rank == FLASH_MLA_VALUE_DIM and s.kv_lora_rank + s.qk_pos_dim >= FLASH_MLA_VALUE_DIM
+            and flash_mla_heads(heads, st.gpu_arch) is not None)
+
+
+def dsa_reference_loss(s: Shape, lay: Layout, st: Settings) -> bool:
+    """Whether a layer that computes its top-k trains the indexer through megatron-core's reference loss
+    (FusedDSAIndexerLoss: dsa.py :944 saves the indexer's q, weights, k and the int64 top-k) instead of a fused
+    kernel's precomputed gradients. Always on the unfused path. On the fused path (dsa.py :2037-2219): the joint
+    kernel (indexer, sparse attention and loss in one, FusedIndexerSparseAttnFunc) is tried only without index
+    sharing (:2037 ``not self.index_share``), and declines the dense loss over varlen bounds
+    (run_fused_dsa_attention :240-245), which context parallelism and packed sequences give
+    (dsa_masking.py build_dsattention_forward_mask :465-512; only plain unpacked causal bounds are normalized
+    away, dsa_cudnn_kernels.py :237-239); the split path that then runs keeps a fused top-k with the sparse loss
+    (run_fused_qk_topk_with_loss, FusedQKTopKWithSparseLossFunc.forward :2468-2470: the same precomputed
+    gradients) and otherwise falls back to the reference loss (dsa.py :2124-2156), beside the fused sparse
+    attention (FusedSparseAttentionFunc)."""
+    if not st.dsa_loss:
+        return False
+    if not dsa_fused(s, lay, st):
+        return True
+    joint = s.dsa_topk_freq <= 1 and (st.dsa_sparse_loss or not (lay.cp > 1 or st.packed_sequences))
+    return not joint and not st.dsa_sparse_loss
 
 
 def dsa_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, computes_topk: bool,
@@ -235,16 +278,17 @@ def dsa_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, com
     n = s.heads / t
     latent = s.kv_lora_rank + s.qk_pos_dim
     topk = min(s.dsa_topk, lay.seq) if s.dsa_topk else lay.seq
-    fused = dsa_fused(st)
+    fused = dsa_fused(s, lay, st)
     loss = st.dsa_loss and computes_topk
+    reference = loss and dsa_reference_loss(s, lay, st)
     tokens = _tokens(lay) if tokens is None else tokens
     terms: dict[str, float] = {}
     terms["attention_layernorm_output"] = ln_out * s.hidden / sp_div
     if s.q_lora_rank:
-        if s.qk_norm:
+        if s.dsa_qkv_norms:
             terms["dsa_q_norm_input"] = D * s.q_lora_rank / sp_div + FP32 / sp_div
         terms["mla_up_proj_inputs"] = D * s.q_lora_rank / sp_div
-    if s.qk_norm:
+    if s.dsa_qkv_norms:
         terms["dsa_kv_norm_input"] = D * s.kv_lora_rank / sp_div + FP32 / sp_div
     terms["dsa_q_up_output"] = D * n * (s.qk_head_dim + s.qk_pos_dim)
     terms["dsa_query"] = D * n * latent
@@ -260,17 +304,21 @@ def dsa_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, com
         terms["dsa_latent_output"] = D * n * s.kv_lora_rank
         if loss:
             terms["dsa_topk_indices"] = INT64 * topk
+    if fused and reference:
+        terms["dsa_loss_topk_indices"] = INT64 * topk     # the reference loss's, beside the kernel's int32 copy
     if s.dsa_topk_freq > 1 and computes_topk:
-        terms["dsa_shared_topk"] = (INT32 if fused else INT64) * topk
+        # the holder keeps the top-k as made: int32 from the fused indexer, int64 from torch.topk (the reference
+        # loss, fused_qk_topk_naive)
+        terms["dsa_shared_topk"] = (INT64 if reference or not fused else INT32) * topk
     terms["dsa_up_v_weight"] = D * n * s.v_head_dim * s.kv_lora_rank / max(tokens, 1.0)
     if loss:
         gathered = lay.sp and t > 1
         indexer = D * s.dsa_head_dim + 2 * FP32                               # k_norm: input, mean, rstd
         if gathered:
             indexer += D * (s.q_lora_rank or s.hidden) + D * s.hidden         # gathered qr and x
-        if fused:
+        if not reference:   # the fused kernels' precomputed gradients: q and weights bf16, k fp32 (whole sequence)
             indexer += D * s.dsa_heads * s.dsa_head_dim + FP32 * s.dsa_head_dim * cp + D * s.dsa_heads
-        else:
+        else:               # the reference loss's q, weights and k (gathered over CP)
             indexer += D * s.dsa_heads * s.dsa_head_dim + D * s.dsa_heads + D * s.dsa_head_dim * cp
         terms["dsa_indexer"] = indexer
     terms["attention_output"] = D * n * s.v_head_dim
@@ -282,7 +330,7 @@ RECOMPUTE_DROPS = {
     # the checkpointed core attention keeps its inputs (query, key, x, qr: absorbed_mla.py
     # _checkpointed_attention_forward :737-789); the indexer runs inside it
     "core_attn": ("dsa_topk_indices", "dsa_latent_output", "dsa_softmax_stats", "dsa_fp32_query_key", "dsa_scores",
-                  "dsa_up_v_weight", "dsa_indexer", "dsa_shared_topk"),
+                  "dsa_up_v_weight", "dsa_indexer", "dsa_shared_topk", "dsa_loss_topk_indices"),
     # qkv_up_proj_and_rope_apply under CheckpointWithoutOutput: q is recomputed, query and key are freed after the
     # core attention (absorbed_mla.py :661-673, :894-897) and come back in backward
     "mla_up_proj": ("dsa_q_up_output", "dsa_query", "dsa_key"),
@@ -293,11 +341,12 @@ RECOMPUTE_DROPS = {
 def dsa_up_proj_checkpoint_inputs(s: Shape, lay: Layout, st: Settings) -> float:
     """Bytes per token ``mla_up_proj``'s checkpoint keeps that nothing else does: the normalized kv_compressed
     (gathered under SP) and k_pos_emb, a view of kv_down's output, or a gathered copy under SP
-    (absorbed_mla.py :495-527, :665-667; random.py :704 save_for_backward(*args))."""
+    (absorbed_mla.py :495-527, :665-667; random.py :704 save_for_backward(*args)). Without a kv norm (a hybrid
+    "D", Shape.dsa_qkv_norms) and without SP, kv_compressed too is a view of kv_down's output: one storage."""
     D = st.dtype_bytes
     if lay.sp and lay.tp > 1:
         return D * s.kv_lora_rank + D * s.qk_pos_dim
-    return D * s.kv_lora_rank + D * (s.kv_lora_rank + s.qk_pos_dim)
+    return (D * s.kv_lora_rank if s.dsa_qkv_norms else 0.0) + D * (s.kv_lora_rank + s.qk_pos_dim)
 
 
 GRAPH_TERMS = ("gdn_layernorm_input", "gdn_dropout_mask", "gdn_layernorm_output", "gdn_in_proj_output",
@@ -306,5 +355,5 @@ GRAPH_TERMS = ("gdn_layernorm_input", "gdn_dropout_mask", "gdn_layernorm_output"
                "dsa_layernorm_input", "dsa_dropout_mask", "dsa_shared_layernorm_input", "dsa_shared_dropout_mask",
                "dsa_q_norm_input", "dsa_kv_norm_input", "dsa_q_up_output", "dsa_query", "dsa_key",
                "dsa_topk_indices", "dsa_latent_output", "dsa_softmax_stats", "dsa_fp32_query_key", "dsa_scores",
-               "dsa_shared_topk", "dsa_up_v_weight", "dsa_indexer", "dsa_up_proj_checkpoint_inputs",
+               "dsa_shared_topk", "dsa_up_v_weight", "dsa_indexer", "dsa_up_proj_checkpoint_inputs", "dsa_loss_topk_indices",
                "mla_layernorm_input", "mla_dropout_mask")

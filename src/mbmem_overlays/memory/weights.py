@@ -61,6 +61,8 @@ def _block_params(s: Shape, lay: Layout, block: str) -> tuple[float, float]:
         return _mlp_params(s.hidden, s.ffn, s.gated) / lay.tp + s.hidden, 0.0
     if block == "moe":
         router_and_shared = s.hidden * s.experts + _mlp_params(s.hidden, s.shared_ffn, s.gated) / lay.tp
+        # moe_shared_expert_gate's (1, hidden) weight, whole on every TP rank (moe/shared_experts.py :131-138)
+        router_and_shared += s.hidden if s.shared_gate else 0
         return (router_and_shared + latent_projection_params(s) + s.hidden,
                 s.experts * _mlp_params(latent_width(s), s.moe_ffn, s.gated) / (lay.ep * lay.etp))
     if block == "mamba":
