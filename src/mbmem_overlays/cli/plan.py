@@ -202,7 +202,7 @@ def run_plan(args, cfg, start, checked) -> int:
 
 def run_search(args, cfg, start, checked) -> int:
     from ..bridge.stack import progress
-    from ..memory.search import search_validated
+    from ..memory.search import layout_name, render_search, search_validated
     from ..memory.steps import Rejected, draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     try:
@@ -215,7 +215,7 @@ def run_search(args, cfg, start, checked) -> int:
     results = found["results"]
     if args.plot and results:
         write_plot(args, lambda: draw_bars(
-            [(_layout_name(r), r["breakdown"]) for r in results],
+            [(layout_name(r), r["breakdown"]) for r in results],
             title=f"{args.recipe}, world size {world}: the {len(results)} cheapest validated layouts",
             capacity=capacity, margin=margin))
     if args.json:
@@ -238,42 +238,6 @@ def search_exit(found: dict[str, Any]) -> int:
     if any(r.get("fit") == UNKNOWN for r in results) or found.get("fit") == UNKNOWN:
         return EXIT_UNKNOWN
     return 0 if results else EXIT_REJECTED
-
-
-def _layout_name(r: dict[str, Any]) -> str:
-    layout = f"TP{r['tp']} PP{r['pp']}" + (f" VPP{r['vpp']}" if r["vpp"] > 1 else "") + f" CP{r['cp']} DP{r['dp']}"
-    return f"{layout}{' SP' if r['sp'] else ''} [{', '.join(r['overlays']) or 'no overlays'}]"
-
-
-def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
-    from ..memory.cost import cost_text
-    results = found["results"]
-    lines = [f"searched {found['evaluated']} layouts x overlay sets in {found['seconds']:.1f} s: {found['candidates']} fit "
-             f"{capacity / 2**30:.1f} GiB with a {margin:.0%} margin in the memory model; checked the cheapest "
-             f"{found['checked']} with our rules and Bridge's validation"]
-    if found["dropped"]:
-        lines.append(f"dropped {found['dropped']} that were rejected or did not fit once applied:")
-        lines += [f"  {d['count']:>3} x {d['reason']}" for d in found["dropped_reasons"][:5]]
-    unknown = found.get("fit") == "unknown" or any(r.get("fit") == "unknown" for r in results)
-    if unknown:
-        names = ", ".join(f"{g['name']}={g['value']}" for g in found.get("unmodelled", [])) or "a feature"
-        lines.append(f"fit unknown: {names} not modelled; each layout below fits in the modelled part only "
-                     "(its verdict says which end of its range is open)")
-    if not results:
-        lines.append("no validated layout fits" + (" in the modelled part" if unknown else "")
-                     + "; try `mbmem recommend` (offload, full recompute) or more GPUs")
-        return "\n".join(lines)
-    lines.append(f"{len(results)} validated, cheapest first (cost: step time against your configuration, "
-                 "memory/cost/ — docs/cost-model.md):")
-    for r in results:
-        saving = r.get("saving_bytes")
-        saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
-        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  {_layout_name(r)}")
-        lines.append(f"    cost: {cost_text(r.get('cost'))}")
-        if r.get("fits_unless") or r.get("fit") != "fits":
-            lines.append(f"    {r.get('verdict_text', r['fit_verdict'])}")
-        lines.append(f"    {r['command']}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- a Megatron-LM job's own arguments
@@ -412,7 +376,7 @@ def run_megatron_search(args, job, checked: dict[str, Any]) -> int:
     results = found["results"]
     try:
         if args.plot and results:
-            from ..memory.megatron import layout_name
+            from ..memory.search import layout_name
             write_plot(args, lambda: draw_bars(
                 [(layout_name(r), r["breakdown"]) for r in results],
                 title=f"Megatron-LM {job.form}, world size {job.world_size}: the {len(results)} cheapest validated "

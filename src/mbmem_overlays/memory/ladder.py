@@ -527,26 +527,48 @@ def _verdict(report: Any) -> str:
     return "our rules only (Bridge's validation not run)" if v is None else v.verdict
 
 
-def render_recommendation(rec: dict[str, Any], verbose: bool = False) -> str:
+@dataclass(frozen=True)
+class Wording:
+    """What the ladder's text says of how its steps were checked and what the command is: a Bridge recipe's
+    (``BRIDGE``), or a job launched otherwise (memory/megatron.py: the Megatron-LM job's flags)."""
+    checked: Callable[[dict[str, Any]], str]     # the result -> how the printed command was checked
+    path: str                                     # how each step was checked, in the path's title
+    command_notes: tuple[str, ...] = ()           # printed under the command
+    step_lines: Callable[[dict[str, Any], bool], list[str]] | None = None   # (step row, verbose) -> its own lines
+    folded_hint: str = "-v: why each"
+
+
+def _bridge_step_lines(r: dict[str, Any], verbose: bool) -> list[str]:
+    if verbose and r.get("changes"):
+        return ["      sets: " + ", ".join(f"{c['target']}={c['new']!r}" for c in r["changes"])]
+    return []
+
+
+BRIDGE = Wording(checked=lambda rec: f"validated: {rec['validation']}", path="each step validated (our rules + Bridge)",
+                 command_notes=("  (a dry run: it validates again; drop run.dry_run=true on a GPU node to train)",),
+                 step_lines=_bridge_step_lines, folded_hint="-v: why each, and every step's fields")
+
+
+def render_recommendation(rec: dict[str, Any], verbose: bool = False, wording: Wording = BRIDGE) -> str:
     """The ladder as the user reads it, the answer first: the one validated command (and the fit verdict where it
     is not a plain "fits": "fits unless ...", "unknown: ... not modelled"); then each step with its saving and cost,
     and the rungs that would save nothing here in one list ("skipped: saves nothing here"). ``verbose`` (-v): every
-    other skipped rung with its reason and each step's fields, which the default folds into one line."""
+    other skipped rung with its reason and each step's fields, which the default folds into one line; ``wording``:
+    how the command and the steps were checked (a Bridge recipe's by default)."""
     if rec.get("error"):
         return rec["error"]
     text = rec.get("verdict_text", rec.get("fit_verdict"))
     unknown = rec.get("fit") == "unknown"
     if unknown:
         names = ", ".join(f"{g['name']}={g['value']}" for g in rec.get("unmodelled", []))
-        head = f"next command, fit unknown ({names} not modelled; validated: "
+        head = f"next command, fit unknown ({names} not modelled; "
     else:
-        head = "next command (validated: " if rec["fits"] else "nothing on the ladder fits; closest (validated: "
-    lines = [f"{head}{rec['validation']}):", f"  {rec['command']}",
-             "  (a dry run: it validates again; drop run.dry_run=true on a GPU node to train)"]
+        head = "next command (" if rec["fits"] else "nothing on the ladder fits; closest ("
+    lines = [f"{head}{wording.checked(rec)}):", f"  {rec['command']}", *wording.command_notes]
     if text and text not in ("fits", "-") and (rec["fits"] or unknown or rec.get("unmodelled")):
         lines.append(f"verdict: {text}")
     lines.append(f"the path (memory-tuning skill, Quick Decision), capacity {rec['capacity_bytes'] / 2**30:.1f} GiB "
-                 f"with a {rec['margin']:.0%} margin; each step validated (our rules + Bridge):")
+                 f"with a {rec['margin']:.0%} margin; {wording.path}:")
     nothing, folded = [], []
     for r in rec["steps"]:
         if "skipped" in r:
@@ -566,8 +588,8 @@ def render_recommendation(rec: dict[str, Any], verbose: bool = False) -> str:
         mark, fits = {True: ("*", "  FITS"), False: (" ", "")}.get(r["fits"], ("?", "  fit unknown" + (
             " (the modelled part fits)" if r.get("modelled_fits") else "")))
         lines.append(f"  {mark} {r['step']:<34} {r['total_bytes'] / 2**30:6.2f} GiB{saving}{fits}")
-        if verbose and r.get("changes"):
-            lines.append("      sets: " + ", ".join(f"{c['target']}={c['new']!r}" for c in r["changes"]))
+        if wording.step_lines is not None:
+            lines += wording.step_lines(r, verbose)
         if r.get("cost"):
             lines.append(f"      cost: {cost_text(r['cost'])}")
             if r.get("documented"):
@@ -578,5 +600,5 @@ def render_recommendation(rec: dict[str, Any], verbose: bool = False) -> str:
     if nothing:
         lines.append("  skipped: saves nothing here: " + "; ".join(nothing))
     if folded:
-        lines.append(f"  skipped, not applicable here: {', '.join(folded)} (-v: why each, and every step's fields)")
+        lines.append(f"  skipped, not applicable here: {', '.join(folded)} ({wording.folded_hint})")
     return "\n".join(lines)

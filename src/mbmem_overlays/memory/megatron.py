@@ -19,6 +19,9 @@ from ..bridge.megatron_args import (DEFAULT_ARCH, JobChange, MegatronArgsError, 
                                     changed_config, megatron_parser)
 from . import model as P
 from .costs import COSTS, full_recompute_cost, optimizer_offload_cost
+from .ladder import Wording
+from .ladder import render_recommendation as ladder_text
+from .search import render_search as search_text
 from .steps import Candidate, Rejected, Start, realize, settings, toggles
 
 VALIDATION = "our rules + megatron-core 0.19.2's validate_args on the job's flags"
@@ -185,91 +188,28 @@ def search_job(target: MegatronTarget, capacity: float, margin: float, top: int,
 
 
 # ----------------------------------------------------------------------------- text
-def _gib(b: float) -> str:
-    return f"{b / 2**30:6.2f} GiB"
+def _flag_lines(r: dict[str, Any], verbose: bool) -> list[str]:
+    """A ladder step's own line: the flags it adds (the baseline's, the --overlay flags, unless they change nothing)."""
+    flags = r.get("megatron_flags") or {}
+    if r["step"] != "baseline" or not str(flags.get("text", "")).startswith("no change"):
+        return [f"      flags: {flags.get('text')}"]
+    return []
+
+
+WORDING = Wording(checked=lambda rec: f"the job's flags; checked: {(rec.get('megatron') or {}).get('check')}",
+                  path="each step checked by our rules, its flags by megatron-core 0.19.2's validate_args",
+                  step_lines=_flag_lines)
 
 
 def render_recommendation(rec: dict[str, Any], verbose: bool = False) -> str:
-    """The ladder on a Megatron-LM job, the answer first (as ladder.render_recommendation): the job's whole change,
-    validated, and the fit verdict where it is not a plain "fits"; then each step with its saving, its cost and the
-    flags it adds; the rungs that cannot apply with their reason (a field without a Megatron-LM flag among the
-    rejected ones, always shown), the others folded unless ``verbose``."""
-    if rec.get("error"):
-        return rec["error"]
-    text = rec.get("verdict_text", rec.get("fit_verdict"))
-    unknown = rec.get("fit") == "unknown"
-    final = rec.get("megatron") or {}
-    if unknown:
-        names = ", ".join(f"{g['name']}={g['value']}" for g in rec.get("unmodelled", []))
-        head = f"next command, fit unknown ({names} not modelled"
-    else:
-        head = "next command" if rec["fits"] else "nothing on the ladder fits; closest"
-    lines = [f"{head} (the job's flags; checked: {final.get('check')}):", f"  {rec['command']}"]
-    if text and text not in ("fits", "-") and (rec["fits"] or unknown or rec.get("unmodelled")):
-        lines.append(f"verdict: {text}")
-    lines.append(f"the path (memory-tuning skill, Quick Decision), capacity {rec['capacity_bytes'] / 2**30:.1f} GiB "
-                 f"with a {rec['margin']:.0%} margin; each step checked by our rules, its flags by megatron-core "
-                 "0.19.2's validate_args:")
-    nothing, folded = [], []
-    for r in rec["steps"]:
-        if "skipped" in r:
-            if r.get("kind") == "saves nothing here":
-                nothing.append(f"{r['step']} ({r['skipped']})")
-            elif verbose or r.get("kind") == "rejected":
-                lines.append(f"  - {r['step']:<34} skipped: {r['skipped']}")
-            else:
-                folded.append(r["step"])
-            continue
-        saving = ""
-        if "saving_bytes" in r:
-            saving = (f"  saves {r['saving_bytes'] / 2**30:5.2f} GiB" if r["saving_bytes"] or
-                      r["step"] != "expandable_segments" else "  saves fragmentation (outside the plan)")
-        mark, fits = {True: ("*", "  FITS"), False: (" ", "")}.get(r["fits"], ("?", "  fit unknown" + (
-            " (the modelled part fits)" if r.get("modelled_fits") else "")))
-        lines.append(f"  {mark} {r['step']:<34} {_gib(r['total_bytes'])}{saving}{fits}")
-        flags = r.get("megatron_flags") or {}
-        if r["step"] != "baseline" or not str(flags.get("text", "")).startswith("no change"):
-            lines.append(f"      flags: {flags.get('text')}")
-        if r.get("cost"):
-            lines.append(f"      cost: {r['cost']}")
-    if nothing:
-        lines.append("  skipped: saves nothing here: " + "; ".join(nothing))
-    if folded:
-        lines.append(f"  skipped, not applicable here: {', '.join(folded)} (-v: why each)")
-    return "\n".join(lines)
-
-
-def layout_name(r: dict[str, Any]) -> str:
-    layout = f"TP{r['tp']} PP{r['pp']}" + (f" VPP{r['vpp']}" if r["vpp"] > 1 else "") + f" CP{r['cp']} DP{r['dp']}"
-    return f"{layout}{' SP' if r['sp'] else ''} [{', '.join(r['overlays']) or 'no overlays'}]"
+    """The ladder on a Megatron-LM job, the answer first (ladder.render_recommendation in the job's words): the job's
+    whole change, validated, and the fit verdict where it is not a plain "fits"; then each step with its saving, its
+    cost and the flags it adds."""
+    return ladder_text(rec, verbose, WORDING)
 
 
 def render_search(found: dict[str, Any], capacity: float, margin: float) -> str:
-    """The search on a Megatron-LM job (as cli/plan.py render_search): each validated layout with its saving, its
-    cost, its verdict where it is not a plain "fits", and the job's flags."""
-    results = found["results"]
-    lines = [f"searched {found['evaluated']} layouts x overlay sets in {found['seconds']:.1f} s: {found['candidates']} "
-             f"fit {capacity / 2**30:.1f} GiB with a {margin:.0%} margin in the memory model; checked the cheapest "
-             f"{found['checked']} with our rules and their Megatron-LM flags with megatron-core 0.19.2's validate_args"]
-    if found["dropped"]:
-        lines.append(f"dropped {found['dropped']} that were rejected or did not fit once applied:")
-        lines += [f"  {d['count']:>3} x {d['reason']}" for d in found["dropped_reasons"][:5]]
-    unknown = found.get("fit") == "unknown" or any(r.get("fit") == "unknown" for r in results)
-    if unknown:
-        names = ", ".join(f"{g['name']}={g['value']}" for g in found.get("unmodelled", [])) or "a feature"
-        lines.append(f"fit unknown: {names} not modelled; each layout below fits in the modelled part only "
-                     "(its verdict says which end of its range is open)")
-    if not results:
-        lines.append("no validated layout fits" + (" in the modelled part" if unknown else "")
-                     + "; try `mbmem recommend --megatron-args` (offload, full recompute) or more GPUs")
-        return "\n".join(lines)
-    lines.append(f"{len(results)} validated, cheapest first (cost: documented throughput cost, costs.py), each as the "
-                 "job's flags:")
-    for r in results:
-        saving = r.get("saving_bytes")
-        saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
-        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  cost ~{r['cost']:.0%}  {layout_name(r)}")
-        if r.get("fits_unless") or r.get("fit", "fits") != "fits":
-            lines.append(f"    {r.get('verdict_text', r.get('fit_verdict'))}")
-        lines.append(f"    {r['command']}")
-    return "\n".join(lines)
+    """The search on a Megatron-LM job (search.render_search in the job's words)."""
+    return search_text(found, capacity, margin, retry="`mbmem recommend --megatron-args`", each=", each as the job's "
+                       "flags", checked_with="our rules and their Megatron-LM flags with megatron-core 0.19.2's "
+                       "validate_args")

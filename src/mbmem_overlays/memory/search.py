@@ -239,3 +239,46 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
             "candidates": len(rows), "checked": checked, "dropped": sum(dropped.values()),
             "dropped_reasons": [{"reason": r, "count": n} for r, n in dropped.most_common()],
             "fit": fit, "unmodelled": [g.as_dict() for g in mine_gaps]}
+
+
+def layout_name(r: dict[str, Any]) -> str:
+    """A search result's layout and overlays as the user reads them: "TP2 PP1 CP1 DP4 SP [overlays]"."""
+    layout = f"TP{r['tp']} PP{r['pp']}" + (f" VPP{r['vpp']}" if r["vpp"] > 1 else "") + f" CP{r['cp']} DP{r['dp']}"
+    return f"{layout}{' SP' if r['sp'] else ''} [{', '.join(r['overlays']) or 'no overlays'}]"
+
+
+def render_search(found: dict[str, Any], capacity: float, margin: float, *,
+                  checked_with: str = "our rules and Bridge's validation", retry: str = "`mbmem recommend`",
+                  each: str = "") -> str:
+    """``search_validated``'s result as the user reads it: how many layouts were searched and checked, why some
+    were dropped, then each validated layout with its saving, its cost, its verdict where it is not a plain "fits",
+    and its command. ``checked_with``/``retry``/``each``: the words of a job launched otherwise (memory/megatron.py:
+    its flags checked by megatron-core)."""
+    from .cost import cost_text
+    results = found["results"]
+    lines = [f"searched {found['evaluated']} layouts x overlay sets in {found['seconds']:.1f} s: {found['candidates']} "
+             f"fit {capacity / 2**30:.1f} GiB with a {margin:.0%} margin in the memory model; checked the cheapest "
+             f"{found['checked']} with {checked_with}"]
+    if found["dropped"]:
+        lines.append(f"dropped {found['dropped']} that were rejected or did not fit once applied:")
+        lines += [f"  {d['count']:>3} x {d['reason']}" for d in found["dropped_reasons"][:5]]
+    unknown = found.get("fit") == "unknown" or any(r.get("fit") == "unknown" for r in results)
+    if unknown:
+        names = ", ".join(f"{g['name']}={g['value']}" for g in found.get("unmodelled", [])) or "a feature"
+        lines.append(f"fit unknown: {names} not modelled; each layout below fits in the modelled part only "
+                     "(its verdict says which end of its range is open)")
+    if not results:
+        lines.append("no validated layout fits" + (" in the modelled part" if unknown else "")
+                     + f"; try {retry} (offload, full recompute) or more GPUs")
+        return "\n".join(lines)
+    lines.append(f"{len(results)} validated, cheapest first (cost: step time against your configuration, "
+                 f"memory/cost/ — docs/cost-model.md){each}:")
+    for r in results:
+        saving = r.get("saving_bytes")
+        saves = "" if saving is None else f"  saves {saving / 2**30:5.1f} GiB"
+        lines.append(f"  {r['total_bytes'] / 2**30:6.1f} GiB{saves}  {layout_name(r)}")
+        lines.append(f"    cost: {cost_text(r.get('cost'))}")
+        if r.get("fits_unless") or r.get("fit", "fits") != "fits":
+            lines.append(f"    {r.get('verdict_text', r.get('fit_verdict'))}")
+        lines.append(f"    {r['command']}")
+    return "\n".join(lines)
