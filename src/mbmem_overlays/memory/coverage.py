@@ -103,6 +103,31 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False),
     Unmodelled("ddp.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
     Unmodelled("dist.use_torch_fsdp2", "PyTorch FSDP2 sharding"),
+    # found by bench/recipe_census.py on Bridge 0.6.2's recipes (FIELD_CLASSES below says what the rest are)
+    Unmodelled("model.vision_config", "a vision encoder (its weights, gradients, optimizer state and activations) "
+               "beside the language model; the plan sizes the language model only"),
+    Unmodelled("model.freeze_language_model", "a frozen language model keeps no gradients or optimizer state for "
+               "its weights (the plan counts both)"),
+    Unmodelled("model.moe_paged_stash", "the routed experts' saved activations live in a paged stash buffer sized "
+               "by moe_paged_stash_buffer_size_factor_cuda, part of it on the host (transformer_config.py:1268-1285)"),
+    Unmodelled("model.moe_expert_rank_capacity_factor", "a per-expert-rank token budget (transformer_config.py:977): "
+               "the HybridEP backend drops the tokens beyond it, so the experts hold fewer than planned"),
+    Unmodelled("model.attention_output_gate", "gated attention: the query projection also produces a per-head "
+               "output gate (wider linear_qkv weights and output, the gate's saved tensors)"),
+    Unmodelled("model.use_transformer_engine_op_fuser", "Transformer Engine's operation fuser runs the experts' "
+               "grouped MLP as fused ops (moe/experts.py:286-290) whose saved tensors differ from the modules planned"),
+    Unmodelled("model.use_transformer_engine_full_layer_spec", "a whole Transformer Engine TransformerLayer per "
+               "layer instead of megatron-core's modules: other saved tensors than the ones planned"),
+    Unmodelled("model.quant_recipe", "a per-module quantization recipe changes the weight and activation dtypes of "
+               "the modules it matches"),
+    Unmodelled("model.crossattn_emb_size", "cross-attention to conditioning embeddings (a diffusion transformer): "
+               "the plan has no cross-attention block"),
+    Unmodelled("model.enable_hyper_connections", "mHC hyper-connections keep num_residual_streams copies of the "
+               "residual stream per layer (DeepSeek-V4: deepseek_v4_bridge.py)"),
+    Unmodelled("model.csa_compress_ratios", "compressed sparse attention (DeepSeek-V4): per-layer KV compression and "
+               "a sliding window instead of full attention"),
+    Unmodelled("model.o_lora_rank", "a grouped low-rank attention output projection (DeepSeek-V4 o_groups x "
+               "o_lora_rank) instead of the dense one planned"),
 )
 
 
@@ -155,6 +180,8 @@ def _read(cfg: Any, path: str) -> Any:
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(str(v) for v in value) + "]"
+    if value is not None and not isinstance(value, (str, int, float, bool)) and not hasattr(value, "name"):
+        return f"<{type(value).__name__}>"   # a sub-config object (a vision config): its name, not its repr
     return _enum_name(value)
 
 
@@ -201,3 +228,278 @@ def with_coverage(job: Any) -> Any:
                                                           "pretrain_gpt.py, not of megatron-core 0.19.2's parser); "
                                                           "the plan does not follow it"))
     return replace(job, not_modelled=tuple(notes.values()), unknown=tuple(unknown))
+
+
+
+# ----------------------------------------------------------------------------- every other field a recipe sets
+@dataclass(frozen=True)
+class FieldClass:
+    """What a model field the plan does not read (and NOT_MODELLED does not list) does to GPU memory.
+
+    ``kind``: "neutral" (changes no GPU memory), "derived" (set from fields the plan reads), "covered" (its memory
+    effect is the one ``covered_by`` names), "bounded" (it changes memory by a small amount the reason states, or in
+    the direction the plan already over-counts), or "conditional" (it changes memory the plan does not follow where
+    ``when(model, value)`` holds; named then by ``conditional_unmodelled``)."""
+    kind: str
+    reason: str
+    covered_by: str = ""
+    when: Callable[[Any, Any], bool] | None = None
+
+
+def _neutral(reason: str) -> FieldClass:
+    return FieldClass("neutral", reason)
+
+
+def _covered(by: str, reason: str) -> FieldClass:
+    return FieldClass("covered", reason, covered_by=by)
+
+
+_FLEX = "model.moe_token_dispatcher_type"
+_VARIANT = "model.experimental_attention_variant"
+_ROPE = "rotary position embedding arithmetic: the cos/sin tables are computed per step, no kept state"
+_META = "metadata: no module or tensor depends on it"
+_DEAD = "not a field of megatron-core 0.19.2's TransformerConfig: nothing in the installed model code reads it"
+
+
+def _fp8(m: Any) -> bool:
+    return bool(getattr(m, "fp8", None))
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(v or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+# One entry per field, found by bench/recipe_census.py over Bridge 0.6.2's recipes (model fields set away from their
+# megatron-core / provider default, or that a recipe sets without the class declaring them).
+FIELD_CLASSES: dict[str, FieldClass] = {
+    # identity and bookkeeping
+    "model.hf_model_id": _neutral(_META), "model.hf_model_revision": _neutral(_META),
+    "model.hf_text_config": _neutral("the Hugging Face text config the provider's fields (which the plan reads) were "
+                                     "copied from"),
+    "model.bos_token_id": _neutral(_META), "model.eos_token_id": _neutral(_META),
+    "model.audio_token_id": _neutral(_META), "model.hetereogenous_dist_checkpoint": _neutral("a checkpoint format"),
+    "model.init_method_std": _neutral("weight initialisation scale"),
+    "model.use_cpu_initialization": _neutral("where weights are initialised before they move to the GPU"),
+    "model.init_model_with_meta_device": _neutral("where weights are first created (meta device, with Megatron "
+                                                  "FSDP); the trained weights are the same"),
+    "model.calculate_per_token_loss": _neutral("how the loss is normalised"),
+    "model.mtp_loss_scaling_factor": _neutral("a loss weight"), "model.moe_aux_loss_coeff": _neutral("a loss weight"),
+    "model.mtp_eval_in_bf16": _neutral("evaluation only"),
+    "model.moe_pad_experts_for_cuda_graph_inference": _neutral("inference only"),
+    "model.deterministic_mode": _neutral("selects deterministic kernels for the same tensors"),
+    "model.use_te_rng_tracker": _neutral("which RNG tracker seeds dropout"),
+    "model.high_priority_a2a_comm_stream": _neutral("stream priority of the expert all-to-all"),
+    "model.batch_p2p_comm": _neutral("how pipeline sends and receives are batched"),
+    "model.tp_only_amax_red": _neutral("which group reduces FP8 amax values"),
+    "model.moe_a2a_overlap": _neutral(_DEAD), "model.cp_partition_mode": _neutral(_DEAD),
+    "model.actual_vocab_size": _neutral(_DEAD + " (vocab_size, which the plan reads, sizes the embedding)"),
+    "model.fp8_param_gather": _neutral(_DEAD + " on the model (it is a ddp / mixed_precision field there)"),
+    # numerics that keep no extra state
+    "model.rotary_base": _neutral(_ROPE), "model.rotary_percent": _neutral(_ROPE),
+    "model.rotary_interleaved": _neutral(_ROPE), "model.rotary_scaling_factor": _neutral(_ROPE),
+    "model.rope_scaling": _neutral(_ROPE), "model.rope_scaling_factor": _neutral(_ROPE),
+    "model.mscale": _neutral(_ROPE), "model.mscale_all_dim": _neutral(_ROPE), "model.mrope_section": _neutral(_ROPE),
+    "model.original_max_position_embeddings": _neutral(_ROPE),
+    "model.yarn_rotary_scaling_factor": _neutral(_ROPE), "model.yarn_original_max_position_embeddings": _neutral(_ROPE),
+    "model.yarn_beta_fast": _neutral(_ROPE), "model.yarn_beta_slow": _neutral(_ROPE),
+    "model.yarn_correction_range_round_to_int": _neutral(_ROPE), "model.yarn_mscale": _neutral(_ROPE),
+    "model.yarn_mscale_all_dim": _neutral(_ROPE), "model.csa_compress_rotary_base": _neutral(_ROPE),
+    "model.rope_scaling_high_freq_factor": _neutral(_ROPE), "model.rope_scaling_low_freq_factor": _neutral(_ROPE),
+    "model.rope_scaling_original_max_position_embeddings": _neutral(_ROPE),
+    "model.layernorm_epsilon": _neutral("a norm's epsilon"),
+    "model.layernorm_zero_centered_gamma": _neutral("how a norm's weight is stored (w + 1): the same parameters"),
+    "model.softmax_scale": _neutral("a scale of the attention logits"),
+    "model.query_pre_attn_scalar": _neutral("a scale of the attention logits"),
+    "model.glu_linear_offset": _neutral("an offset inside the GLU activation"),
+    "model.softmax_type": _neutral("attention sinks: one learnable offset per head"),
+    "model.norm_topk_prob": _neutral("routing arithmetic"),
+    "model.moe_router_score_function": _neutral("routing arithmetic"),
+    "model.moe_router_topk_scaling_factor": _neutral("routing arithmetic"),
+    "model.moe_router_pre_softmax": _neutral("routing arithmetic"),
+    "model.moe_router_num_groups": _neutral("group-limited routing: which experts are chosen, not how many"),
+    "model.moe_router_group_topk": _neutral("group-limited routing: which experts are chosen, not how many"),
+    "model.moe_router_enable_expert_bias": _neutral("one fp32 bias value per expert"),
+    "model.moe_router_bias_update_rate": _neutral("how fast the expert bias moves: routing arithmetic"),
+    "model.moe_router_force_load_balancing": _neutral("random router logits that balance the experts: the even "
+                                                      "routing the plan assumes, made exact"),
+    "model.moe_n_hash_layers": _neutral("hash routing in the first MoE layers: the same experts and token counts"),
+    "model.window_size": _neutral("sliding-window attention: a fused kernel keeps per-token tensors either way, and the "
+                                  "non-fused path masks full scores"),
+    "model.window_attn_skip_freq": _neutral("which layers use the sliding window (see model.window_size)"),
+    "model.mamba_chunk_size": _neutral("the chunked scan's chunk states are recomputed in backward "
+                                       "(ssd_combined.py), so what is kept does not depend on the chunk size"),
+    "model.moe_shared_expert_gate": _neutral("a hidden x 1 gate per layer and one value per token"),
+    # kernel and fusion choices over the same saved tensors
+    "model.apply_rope_fusion": _neutral("a fused rotary kernel; the unfused one saves only the shared cos/sin"),
+    "model.bias_dropout_fusion": _neutral("a fused bias-dropout-add kernel over the tensors the plan counts"),
+    "model.persist_layer_norm": _neutral("a persistent layer-norm kernel"),
+    "model.moe_permute_fusion": _neutral("a fused token permutation over the permuted tokens the plan counts"),
+    "model.moe_router_fusion": _neutral("a fused router top-k kernel"),
+    "model.fused_single_qkv_rope": _neutral("a fused qkv-split and rotary kernel"),
+    "model.mla_down_proj_fusion": _neutral("MLA's q and kv down projections as one GEMM of the same weights"),
+    "model.gradient_accumulation_fusion": _neutral("weight gradients accumulated straight into main_grad, as "
+                                                   "planned"),
+    "model.transformer_layer_spec": _neutral("the module spec the provider builds from its fields; a spec that adds "
+                                             "modules is named by the fields that enable them"),
+    # set from fields the plan reads
+    "model.pipeline_dtype": _neutral("dtype of the pipeline's send/receive buffers, set from params_dtype"),
+    "model.autocast_dtype": _neutral("set from bf16 / fp16, which the plan reads"),
+    "model.should_pad_vocab": _neutral("whether vocab_size is padded, which the plan follows (from_config.model_vocab)"),
+    # named by another entry
+    "model.moe_flex_dispatcher_backend": _covered(_FLEX, "the flex dispatcher's backend"),
+    "model.moe_hybridep_num_sms": _covered(_FLEX, "a HybridEP setting of the flex dispatcher"),
+    "model.moe_hybridep_num_sms_preprocessing": _covered(_FLEX, "a HybridEP setting of the flex dispatcher"),
+    "model.moe_flex_dispatcher_num_sms": _covered(_FLEX, "a setting of the flex dispatcher"),
+    "model.moe_deepep_num_sms": _covered(_FLEX, "a DeepEP setting of the flex dispatcher"),
+    "model.moe_permute_fusion_into_hybridep": _covered(_FLEX, "a HybridEP setting of the flex dispatcher"),
+    "model.moe_paged_stash_buffer_size_factor_cuda": _covered("model.moe_paged_stash", "the paged stash's GPU buffer"),
+    "model.moe_paged_stash_buffer_size_factor_cpu": _covered("model.moe_paged_stash", "the paged stash's host buffer"),
+    "model.linear_attention_freq": _covered(_VARIANT, "how often a gated-delta-net layer is full attention"),
+    "model.linear_num_value_heads": _covered(_VARIANT, "the gated delta net's value heads"),
+    **{f"model.{name}": _covered(_VARIANT, "a setting of DeepSeek sparse attention's indexer") for name in (
+        "dsa_indexer_head_dim", "dsa_indexer_loss_coeff", "dsa_indexer_n_heads", "dsa_indexer_topk",
+        "dsa_indexer_use_sparse_loss", "dsa_indexer_k_norm_epsilon", "dsa_indexer_rope_interleaved",
+        "dsa_indexer_rotate_activation", "dsa_indexer_skip_topk_offset", "dsa_indexer_topk_freq",
+        "apply_dsa_kernel_fusion", "dsa_kernel_backend")},
+    "model.csa_window_size": _covered("model.csa_compress_ratios", "compressed sparse attention's window"),
+    "model.num_residual_streams": _covered("model.enable_hyper_connections", "how many residual streams mHC keeps"),
+    "model.mhc_sinkhorn_iterations": _covered("model.enable_hyper_connections", "mHC's Sinkhorn iterations"),
+    "model.use_fused_mhc": _covered("model.enable_hyper_connections", "a fused mHC kernel"),
+    "model.o_groups": _covered("model.o_lora_rank", "the groups of the low-rank output projection"),
+    "model.vision_projector_config": _covered("model.vision_config", "the vision projector"),
+    "model.is_vision_language": _covered("model.vision_config", "the vision path"),
+    "model.freeze_vision_model": _covered("model.vision_config", "the vision encoder's gradients"),
+    "model.guidance_embed": _covered("model.crossattn_emb_size", "a diffusion transformer's guidance embedding"),
+    # small, or where the plan already over-counts
+    "model.attention_softmax_in_fp32": FieldClass(
+        "bounded", "only torch's non-fused softmax reads it; the plan counts that softmax in fp32 "
+        "(activations.py attention_scores_bytes), an over-count when it runs in bf16 (fused_softmax.py:313-336)"),
+    "model.moe_router_dtype": FieldClass(
+        "conditional", "the plan counts the router's logits in fp32 (activations.py moe_router); bf16 ones are "
+        "smaller, but fp64 ones (router.py:103-108) are twice what is planned", when=lambda m, v: v == "fp64"),
+    "model.moe_router_load_balancing_type": FieldClass(
+        "bounded", "the load-balancing loss's per-token expert scores: tokens x experts values, like the router's"),
+    "model.moe_router_padding_for_quantization": FieldClass(
+        "bounded", "pads each expert's tokens to a multiple of 16/32 (transformer_config.py:750): at most 31 more "
+                   "tokens per local expert"),
+    "model.moe_router_padding_for_fp8": FieldClass(
+        "bounded", "pads each expert's tokens to a multiple of 16: at most 15 more tokens per local expert"),
+    "model.add_qkv_bias": FieldClass("bounded", "(heads + 2 x groups) x head_dim bias values per layer"),
+    "model.scatter_embedding_sequence_parallel": FieldClass(
+        "bounded", "off, the embedding output stays whole on each tensor-parallel rank: one seq x mbs x hidden "
+                   "tensor in the compute dtype instead of its 1/TP shard"),
+    "model.fine_grained_offloading_max_inflight_offloads": FieldClass(
+        "bounded", "caps the offloaded copies still pending on the GPU per group (transformer_config.py:1286)"),
+    "model.delay_offload_until_cuda_graph": FieldClass(
+        "bounded", "offloads once the CUDA graph has run: the offloaded tensors stay until that layer's graph ends"),
+    "model.overlap_p2p_comm": FieldClass("bounded", "one more receive buffer of one microbatch's stage input"),
+    # changes memory only together with another setting
+    "model.deallocate_pipeline_outputs": FieldClass(
+        "conditional", "with pipeline parallelism and the flag off, every in-flight microbatch's stage output keeps "
+        "its data after the send (schedules.py:166-190); the plan assumes Bridge's and Megatron-LM's True "
+        "(gpt_provider.py:161, training/argument_utils.py:305)",
+        when=lambda m, v: v is False and _int(getattr(m, "pipeline_model_parallel_size", 1)) > 1),
+    "model.cp_comm_type": FieldClass(
+        "conditional", "context-parallel attention other than the p2p ring (a2a, allgather, a2a+p2p) exchanges and "
+        "keeps other K/V and activation buffers than the ones planned",
+        when=lambda m, v: v not in (None, "p2p") and _int(getattr(m, "context_parallel_size", 1)) > 1),
+    "model.head_dim": FieldClass(
+        "conditional", "an attention head size the plan does not read when it differs from kv_channels (which it "
+        "reads)", when=lambda m, v: v is not None and v != getattr(m, "kv_channels", v)),
+    "model.keep_mtp_spec_in_bf16": FieldClass(
+        "conditional", "with FP8 the MTP layers stay bf16 (their weights, GEMM inputs)", when=lambda m, v: bool(v) and _fp8(m)),
+    "model.fp8_output_proj": FieldClass(
+        "conditional", "with MXFP8 the output projection runs in FP8 (transformer_config.py:614-617): its input is kept "
+        "in FP8 and its weight gets an FP8 copy", when=lambda m, v: bool(v) and _fp8(m)),
+    "model.hf_config": FieldClass(
+        "conditional", "the Hugging Face config the provider keeps builds a vision encoder when it has a vision_config "
+        "(Ministral 3: its weights, gradients, optimizer state and activations are not planned)",
+        when=lambda m, v: getattr(v, "vision_config", None) is not None),
+    "model.external_cuda_graph": FieldClass(
+        "conditional", "a deprecated alias: finalize turns it into cuda_graph_impl=transformer_engine "
+        "(transformer_config.py:2365-2380), which the plan reads only once the config is finalized",
+        when=lambda m, v: bool(v) and str(getattr(m, "cuda_graph_impl", "none")) == "none"),
+}
+
+
+def _declared_default(cls: type, name: str) -> tuple[bool, Any]:
+    """(found?, default) of dataclass field ``name`` as its first declaring class declares it (the base-most class
+    of ``cls``'s MRO whose dataclass fields hold it): a provider that changes a megatron-core default (Qwen3's
+    ``qk_layernorm=True``) sets a feature as much as a recipe that changes it does."""
+    import dataclasses
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        found = {f.name: f for f in dataclasses.fields(klass)}.get(name)
+        if found is None:
+            continue
+        if found.default is not dataclasses.MISSING:
+            return True, found.default
+        if found.default_factory is not dataclasses.MISSING:
+            try:
+                return True, found.default_factory()
+            except Exception:  # noqa: BLE001 — a factory that needs arguments: no default to compare with
+                return False, None
+        return False, None
+    return False, None
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:  # noqa: BLE001 — a value whose comparison fails (a tensor): compared by identity
+        return value is not default
+
+
+def non_default_fields(section: Any) -> tuple[tuple[str, Any], ...]:
+    """``(field, value)`` of a config dataclass (a model provider) for every field whose value differs from its
+    first declared default, and every public attribute it carries that its class does not declare (a recipe that
+    sets ``use_fused_mhc`` on a provider without that field)."""
+    import dataclasses
+    if section is None or not dataclasses.is_dataclass(section):
+        return ()
+    declared = {f.name for f in dataclasses.fields(section)}
+    out = []
+    for name in sorted(declared):
+        value = getattr(section, name, None)
+        has_default, default = _declared_default(type(section), name)
+        if (has_default and _differs(value, default)) or (not has_default and value is not None):
+            out.append((name, value))
+    out += [(name, value) for name, value in sorted(vars(section).items())
+            if not name.startswith("_") and name not in declared]
+    return tuple(out)
+
+
+def _short(value: Any) -> str:
+    shown = _shown(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def unclassified_fields(cfg: Any) -> tuple[tuple[str, str], ...]:
+    """``(path, value)`` for every model field set away from its default that the plan does not read
+    (MODEL_READS), NOT_MODELLED does not list and FIELD_CLASSES does not classify: nobody has yet decided whether
+    it changes memory (bench/recipe_census.py reports them)."""
+    known = MODEL_READS | {u.path for u in NOT_MODELLED} | set(FIELD_CLASSES)
+    return tuple((f"model.{name}", _short(value)) for name, value in non_default_fields(getattr(cfg, "model", None))
+                 if f"model.{name}" not in known)
+
+
+def conditional_unmodelled(cfg: Any) -> tuple[str, ...]:
+    """``field=value: reason`` for every "conditional" FIELD_CLASSES entry whose condition holds in ``cfg``: memory
+    the plan does not follow, like ``not_modelled`` (whose entries take the field's value alone)."""
+    model = getattr(cfg, "model", None)
+    out = []
+    for path, fc in FIELD_CLASSES.items():
+        if fc.kind != "conditional" or fc.when is None or model is None:
+            continue
+        value = _read(cfg, path)
+        try:
+            hit = fc.when(model, value)
+        except Exception:  # noqa: BLE001 — a value of an unexpected type is named rather than judged
+            hit = True
+        if hit:
+            out.append(f"{path}={_short(value)}: {fc.reason}")
+    return tuple(out)
