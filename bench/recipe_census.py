@@ -228,8 +228,7 @@ def classify_failure(exc: BaseException, tb: str, fn: Any = None) -> str:
     if any(k in low for k in ("cuda", "nvidia driver", "no gpu", "nccl")) or "torch.cuda" in tb:
         return f"needs a GPU: {_bridge_frame(tb) or 'the recipe'} queries CUDA while the recipe builds"
     if isinstance(root, FileNotFoundError) and "megatron/bridge/" in str(root):
-        return (f"Bridge 0.6.2's wheel lacks {str(root).split('megatron/bridge/')[-1].rstrip(chr(39))}, which "
-                f"{_bridge_frame(tb) or 'the recipe'} reads")
+        return f"Bridge 0.6.2's wheel lacks {str(root).split('megatron/bridge/')[-1].rstrip(chr(39))}, which the recipe reads"
     m = re.search(r"unexpected keyword argument '(\w+)'", text)
     if m:
         return f"needs a field this megatron-core does not have: {m.group(1)}"

@@ -24,27 +24,34 @@ class _Base:
     modules: list = field(default_factory=list)
 
 
+_Base.__module__ = "megatron.core.transformer.fake"   # stands for megatron-core's TransformerConfig
+
+
 @dataclass
 class _Provider(_Base):
     rotary_base: float = 500000.0      # a provider that changes a base default sets a feature as a recipe does
+    global_kv_channels: int = 512      # a field the provider adds: set at its own default, still an architecture
+    hf_model_id: str = ""
 
 
 def test_non_default_fields_compares_with_the_first_declaration_and_sees_undeclared_attributes():
     p = _Provider()
-    assert dict(C.non_default_fields(p)) == {"rotary_base": 500000.0}
+    assert dict(C.non_default_fields(p)) == {"rotary_base": 500000.0, "global_kv_channels": 512}
+    p.global_kv_channels = 0
+    assert dict(C.non_default_fields(p)) == {"rotary_base": 500000.0, "global_kv_channels": 0}
     p.some_new_knob, p.modules = True, ["x"]
     p.use_fused_mhc = True                         # set on an instance whose class does not declare it
-    assert dict(C.non_default_fields(p)) == {"rotary_base": 500000.0, "some_new_knob": True, "modules": ["x"],
-                                             "use_fused_mhc": True}
+    assert dict(C.non_default_fields(p)) == {"rotary_base": 500000.0, "global_kv_channels": 0, "some_new_knob": True,
+                                             "modules": ["x"], "use_fused_mhc": True}
 
 
 def test_unclassified_fields_leaves_out_what_is_read_listed_or_classified():
-    p = _Provider(num_layers=4)                    # model.num_layers: read by the plan
+    p = _Provider(num_layers=4, global_kv_channels=0)   # model.num_layers: read by the plan
     p.some_new_knob = True                         # nobody has classified it
     p.moe_latent_size = 512                        # NOT_MODELLED
     cfg = SimpleNamespace(model=p)
     assert "model.rotary_base" in C.FIELD_CLASSES
-    assert C.unclassified_fields(cfg) == (("model.some_new_knob", "True"),)
+    assert C.unclassified_fields(cfg) == (("model.global_kv_channels", "0"), ("model.some_new_knob", "True"))
 
 
 def test_a_conditional_entry_names_its_field_only_where_it_changes_memory():

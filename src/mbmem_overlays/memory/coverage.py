@@ -128,6 +128,16 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                "a sliding window instead of full attention"),
     Unmodelled("model.o_lora_rank", "a grouped low-rank attention output projection (DeepSeek-V4 o_groups x "
                "o_lora_rank) instead of the dense one planned"),
+    Unmodelled("model.num_single_layers", "FLUX's single-stream and joint transformer blocks (a diffusion "
+               "transformer): the plan has no such blocks"),
+    Unmodelled("model.attn_logit_softcapping", "Gemma 2's own core attention: PyTorch FlexAttention with a softcap "
+               "score_mod where available, else materialized, softcapped scores (gemma2_provider.py:78-242); the plan "
+               "counts neither"),
+    Unmodelled("model.global_head_dim", "Gemma 4's full-attention layers have their own head size and KV heads "
+               "(global_head_dim, num_global_key_value_heads, K reused as V): the plan sizes every layer like the "
+               "sliding-window ones"),
+    Unmodelled("model.final_logit_softcapping", "softcapping the output logits (tanh) keeps another logits-sized "
+               "tensor per token for backward"),
 )
 
 
@@ -180,9 +190,10 @@ def _read(cfg: Any, path: str) -> Any:
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(str(v) for v in value) + "]"
-    if value is not None and not isinstance(value, (str, int, float, bool)) and not hasattr(value, "name"):
-        return f"<{type(value).__name__}>"   # a sub-config object (a vision config): its name, not its repr
-    return _enum_name(value)
+    text = _enum_name(value)
+    if "\n" in text or len(text) > 200:
+        return f"<{type(value).__name__}>"   # a sub-config object (a vision config): its type, not its repr
+    return text
 
 
 def unmodelled_fields(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[tuple[str, str, str], ...]:
@@ -280,7 +291,13 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.hf_text_config": _neutral("the Hugging Face text config the provider's fields (which the plan reads) were "
                                      "copied from"),
     "model.bos_token_id": _neutral(_META), "model.eos_token_id": _neutral(_META),
-    "model.audio_token_id": _neutral(_META), "model.hetereogenous_dist_checkpoint": _neutral("a checkpoint format"),
+    "model.audio_token_id": _neutral(_META), "model.image_token_id": _neutral(_META),
+    "model.video_token_id": _neutral(_META), "model.vision_start_token_id": _neutral(_META),
+    "model.vision_end_token_id": _neutral(_META), "model.pretrained_model_name": _neutral(_META),
+    "model.return_dict": _neutral("how the forward returns its outputs"),
+    "model.add_encoder": _neutral("whether this pipeline stage builds the encoder part (the vision path's stage)"),
+    "model.add_decoder": _neutral("whether this pipeline stage builds the decoder part"),
+    "model.interleaved_attn_pattern": _neutral("which layers use the sliding window (see model.window_size)"), "model.hetereogenous_dist_checkpoint": _neutral("a checkpoint format"),
     "model.init_method_std": _neutral("weight initialisation scale"),
     "model.use_cpu_initialization": _neutral("where weights are initialised before they move to the GPU"),
     "model.init_model_with_meta_device": _neutral("where weights are first created (meta device, with Megatron "
@@ -372,7 +389,24 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.vision_projector_config": _covered("model.vision_config", "the vision projector"),
     "model.is_vision_language": _covered("model.vision_config", "the vision path"),
     "model.freeze_vision_model": _covered("model.vision_config", "the vision encoder's gradients"),
-    "model.guidance_embed": _covered("model.crossattn_emb_size", "a diffusion transformer's guidance embedding"),
+    "model.guidance_embed": _covered("model.num_single_layers", "FLUX's guidance embedding"),
+    **{f"model.{name}": _covered("model.num_single_layers", "a setting of FLUX's diffusion transformer") for name in (
+        "axes_dims_rope", "context_dim", "guidance_scale", "model_channels", "num_joint_layers", "vec_in_dim")},
+    **{f"model.{name}": _covered("model.crossattn_emb_size", "a setting of Wan's diffusion transformer") for name in (
+        "in_channels", "freq_dim", "layernorm_across_heads", "out_channels", "patch_spatial", "patch_temporal",
+        "qkv_format", "text_dim", "text_len")},
+    **{f"model.{name}": _covered("model.vision_config", "a setting of the vision path") for name in (
+        "patch_size", "spatial_merge_size", "temporal_patch_size", "deepstack_visual_indexes", "vision_cuda_graph_impl",
+        "mm_tokens_per_image", "dist_train")},
+    "model.num_global_key_value_heads": _covered("model.global_head_dim", "Gemma 4's full-attention KV heads"),
+    "model.attention_k_eq_v": _covered("model.global_head_dim", "Gemma 4's full-attention layers reuse K as V"),
+    "model.global_rotary_percent": _neutral(_ROPE),
+    "model.text_config": _neutral("the Hugging Face text config the provider's fields (which the plan reads) were "
+                                  "copied from"),
+    **{f"model.{name}": _covered("model.vision_config", "a setting of the vision path") for name in (
+        "num_position_embeddings", "out_hidden_size", "vision_soft_tokens_per_image")},
+    "model.language_max_sequence_length": _covered("model.vision_config", "the language model's sequence in a "
+                                                   "vision-language model, image tokens included"),
     # small, or where the plan already over-counts
     "model.attention_softmax_in_fp32": FieldClass(
         "bounded", "only torch's non-fused softmax reads it; the plan counts that softmax in fp32 "
@@ -418,6 +452,12 @@ FIELD_CLASSES: dict[str, FieldClass] = {
         "conditional", "the Hugging Face config the provider keeps builds a vision encoder when it has a vision_config "
         "(Ministral 3: its weights, gradients, optimizer state and activations are not planned)",
         when=lambda m, v: getattr(v, "vision_config", None) is not None),
+    "model.parallel_output": FieldClass(
+        "conditional", "off, the output logits are gathered over the tensor-parallel group: every rank holds the whole "
+        "vocabulary's logits, not its 1/TP shard", when=lambda m, v: v is False and _int(getattr(
+            m, "tensor_model_parallel_size", 1)) > 1),
+    "model.decoder_sparse_step": FieldClass(
+        "conditional", "MoE on every n-th layer only, which the plan reads from moe_layer_freq", when=lambda m, v: _int(v) > 1),
     "model.external_cuda_graph": FieldClass(
         "conditional", "a deprecated alias: finalize turns it into cuda_graph_impl=transformer_engine "
         "(transformer_config.py:2365-2380), which the plan reads only once the config is finalized",
@@ -425,10 +465,10 @@ FIELD_CLASSES: dict[str, FieldClass] = {
 }
 
 
-def _declared_default(cls: type, name: str) -> tuple[bool, Any]:
-    """(found?, default) of dataclass field ``name`` as its first declaring class declares it (the base-most class
-    of ``cls``'s MRO whose dataclass fields hold it): a provider that changes a megatron-core default (Qwen3's
-    ``qk_layernorm=True``) sets a feature as much as a recipe that changes it does."""
+def _declared_default(cls: type, name: str) -> tuple[bool, Any, str]:
+    """(found?, default, module of the declaring class) of dataclass field ``name`` as its first declaring class
+    declares it (the base-most class of ``cls``'s MRO whose dataclass fields hold it): a provider that changes a
+    megatron-core default (Qwen3's ``qk_layernorm=True``) sets a feature as much as a recipe that changes it does."""
     import dataclasses
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -437,14 +477,22 @@ def _declared_default(cls: type, name: str) -> tuple[bool, Any]:
         if found is None:
             continue
         if found.default is not dataclasses.MISSING:
-            return True, found.default
+            return True, found.default, klass.__module__
         if found.default_factory is not dataclasses.MISSING:
             try:
-                return True, found.default_factory()
+                return True, found.default_factory(), klass.__module__
             except Exception:  # noqa: BLE001 — a factory that needs arguments: no default to compare with
-                return False, None
-        return False, None
-    return False, None
+                return False, None, klass.__module__
+        return False, None, klass.__module__
+    return False, None, ""
+
+
+def _set(value: Any) -> bool:
+    try:
+        return value is not None and value is not False and not (isinstance(value, (int, float, str, list, tuple, dict))
+                                                                   and not value)
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def _differs(value: Any, default: Any) -> bool:
@@ -456,8 +504,10 @@ def _differs(value: Any, default: Any) -> bool:
 
 def non_default_fields(section: Any) -> tuple[tuple[str, Any], ...]:
     """``(field, value)`` of a config dataclass (a model provider) for every field whose value differs from its
-    first declared default, and every public attribute it carries that its class does not declare (a recipe that
-    sets ``use_fused_mhc`` on a provider without that field)."""
+    first declared default, every field a model provider adds to megatron-core's config that is set at all (Gemma 4's
+    ``global_kv_channels=512`` is its provider's default, and still an architecture the plan must know), and every
+    public attribute it carries that its class does not declare (a recipe that sets ``use_fused_mhc`` on a provider
+    without that field)."""
     import dataclasses
     if section is None or not dataclasses.is_dataclass(section):
         return ()
@@ -465,8 +515,10 @@ def non_default_fields(section: Any) -> tuple[tuple[str, Any], ...]:
     out = []
     for name in sorted(declared):
         value = getattr(section, name, None)
-        has_default, default = _declared_default(type(section), name)
-        if (has_default and _differs(value, default)) or (not has_default and value is not None):
+        has_default, default, module = _declared_default(type(section), name)
+        provider_field = not module.startswith("megatron.core")
+        if (has_default and _differs(value, default)) or (not has_default and value is not None) \
+                or (provider_field and _set(value)):
             out.append((name, value))
     out += [(name, value) for name, value in sorted(vars(section).items())
             if not name.startswith("_") and name not in declared]
