@@ -251,17 +251,18 @@ def test_world_size_not_divisible(recipe, clean_env):
 
 
 def test_recipe_whose_hf_config_is_not_available_offline(bridge):
-    # Llama 3.2 1B ships no fixture here: the error says which file to provide.
+    # Step-3.5-Flash ships no fixture (no public source of its config.json, hf_configs/SOURCES.md): the error says
+    # which file to provide.
     with pytest.raises(OverlayError) as exc:
-        bridge.build_recipe("llama32_1b_pretrain_config")
+        bridge.build_recipe("step35_196b_a11b_pretrain_512gpu_h100_bf16_config")
     text = str(exc.value)
-    assert "meta-llama/Llama-3.2-1B" in text and "meta-llama--Llama-3.2-1B/config.json" in text
+    assert "stepfun-ai/Step-3.5-Flash" in text and "stepfun-ai--Step-3.5-Flash/config.json" in text
 
 
 def test_user_hf_config_dir_makes_a_recipe_build(bridge, tmp_path, monkeypatch):
     src = bridge.hf_offline.FIXTURE_DIR / "meta-llama--Meta-Llama-3-8B" / "config.json"
-    (tmp_path / "meta-llama--Llama-3.2-1B").mkdir()
-    (tmp_path / "meta-llama--Llama-3.2-1B" / "config.json").write_text(src.read_text())
+    (tmp_path / "org--not-shipped-7B").mkdir()
+    (tmp_path / "org--not-shipped-7B" / "config.json").write_text(src.read_text())
     monkeypatch.setenv("MBMEM_HF_CONFIGS", str(tmp_path))
     home = bridge.hf_offline.build_cache(tmp_path / "cache")
-    assert (home / "hub" / "models--meta-llama--Llama-3.2-1B" / "refs" / "main").is_file()
+    assert (home / "hub" / "models--org--not-shipped-7B" / "refs" / "main").is_file()

@@ -18,7 +18,7 @@ from mbmem_overlays.memory import variants as V
 from mbmem_overlays.memory.activations import _selected_terms
 from mbmem_overlays.memory.inputs import _tokens
 from mbmem_overlays.memory.pipeline import HYBRID_SYMBOLS
-from mbmem_overlays.memory.coverage import MEMORY_NEUTRAL, not_modelled
+from mbmem_overlays.memory.coverage import FIELD_CLASSES, not_modelled
 from mbmem_overlays.memory.from_config import attention_blocks, hybrid_pattern, share_dsa_topk
 
 # a small Qwen3-Next-like GDN shape: 4 key heads, 8 value heads of 64, hidden 512
@@ -517,8 +517,9 @@ def test_memory_neutral_fields_are_megatron_core_config_fields():
 
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     names = {f.name for f in fields(MLATransformerConfig)}
-    for entry in MEMORY_NEUTRAL:
-        assert entry.path.startswith("model.") and entry.path.split(".", 1)[1] in names, entry.path
+    for path in ("model.window_size", "model.window_attn_skip_freq", "model.softmax_type", "model.cache_mla_latents",
+                 "model.layernorm_zero_centered_gamma", "model.dsa_indexer_rotate_activation"):
+        assert FIELD_CLASSES[path].kind == "neutral" and path.split(".", 1)[1] in names, path
     # the mHC fields DeepSeek-V4's recipes set are not fields of the installed core
     assert not {"enable_hyper_connections", "use_fused_mhc", "num_residual_streams"} & names
 

@@ -40,6 +40,23 @@ def available_models() -> dict[str, Path]:
     return found
 
 
+def model_files() -> dict[str, dict[str, Path]]:
+    """hub id -> {path in the repository: file} of every config.json shipped for it, at its top or one folder down:
+    a diffusers pipeline keeps its transformer's config in ``transformer/config.json`` (Bridge's PreTrainedFlux
+    reads it with ``subfolder="transformer"``, diffusion/conversion/flux/flux_hf_pretrained.py:66-68). User
+    directories win, per model."""
+    found: dict[str, dict[str, Path]] = {}
+    for base in reversed(fixture_dirs()):
+        if not base.is_dir():
+            continue
+        for model_dir in sorted(p for p in base.glob("*--*") if p.is_dir()):
+            files = {cfg.relative_to(model_dir).as_posix(): cfg
+                     for cfg in sorted([*model_dir.glob("config.json"), *model_dir.glob("*/config.json")])}
+            if files:
+                found[model_dir.name.replace("--", "/", 1)] = files
+    return found
+
+
 def _pinned_revisions() -> dict[str, str]:
     pins: dict[str, str] = {}
     for base in reversed(fixture_dirs()):
@@ -56,11 +73,12 @@ def expected_path(hub_id: str) -> Path:
 
 def build_cache(root: Path | None = None) -> Path:
     """Materialize the cache (idempotent; keyed by the fixtures' content) and return HF_HOME."""
-    models = available_models()
+    models = model_files()
     pins = _pinned_revisions()
     digest = hashlib.sha1()
-    for hub_id, cfg in sorted(models.items()):
-        digest.update(hub_id.encode() + b"\0" + cfg.read_bytes())
+    for hub_id, files in sorted(models.items()):
+        for rel, cfg in sorted(files.items()):
+            digest.update(hub_id.encode() + b"\0" + rel.encode() + b"\0" + cfg.read_bytes())
     digest.update(json.dumps(pins, sort_keys=True).encode())
     key = digest.hexdigest()
     base = root or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mbmem-overlays"
@@ -69,14 +87,15 @@ def build_cache(root: Path | None = None) -> Path:
         return home
     base.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=base, prefix=".hf-staging-"))
-    for hub_id, cfg in models.items():
+    for hub_id, files in models.items():
         dirname = hub_id.replace("/", "--", 1)
         repo = staging / "hub" / f"models--{dirname}"
-        main_rev = hashlib.sha1(cfg.read_bytes()).hexdigest()
+        main_rev = hashlib.sha1(b"".join(files[rel].read_bytes() for rel in sorted(files))).hexdigest()
         for rev in {main_rev, pins.get(dirname, main_rev)}:
-            snap = repo / "snapshots" / rev
-            snap.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(cfg, snap / "config.json")
+            for rel, cfg in files.items():
+                target = repo / "snapshots" / rev / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(cfg, target)
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / "main").write_text(pins.get(dirname, main_rev))
     (staging / ".complete").write_text(key)

@@ -178,37 +178,36 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                "(transformer_config.py:1768-1782 asserts on it under selective recompute): the job cannot start",
                lambda v: isinstance(v, (list, tuple)) and "mhc" in v,
                when=lambda cfg: _read(cfg, "model.recompute_granularity") == "selective"),
-)
-
-
-@dataclass(frozen=True)
-class MemoryNeutral:
-    """A memory-relevant-looking field the model reads no differently because, at every value, the code keeps the
-    same tensors (or megatron-core refuses it in training): the reason cites that code."""
-    path: str
-    reason: str
-
-
-# Appended as data, one per field (the attention family: docs/memory-model.md, "Attention variants").
-MEMORY_NEUTRAL: tuple[MemoryNeutral, ...] = (
-    MemoryNeutral("model.window_size", "sliding-window attention changes only which scores the kernel computes: "
-                  "TEDotProductAttention gets the window as an argument (attention.py:1065-1074), and TE's fused and "
-                  "flash kernels save the same q, k, v, output and softmax statistics at any window (TE v2.17.1 "
-                  "attention/dot_product_attention/backends.py FusedAttnFunc.forward :1559-1569); the unfused "
-                  "backend masks the same s x s scores (UnfusedDotProductAttention.forward :567-684)"),
-    MemoryNeutral("model.window_attn_skip_freq", "which layers use the window (attention.py:1065-1074); each "
-                  "keeps the same tensors as a full-attention layer (model.window_size)"),
-    MemoryNeutral("model.softmax_type", "attention sinks / off-by-one softmax add one learnable offset per head "
-                  "(attention.py:820-845); TE's fused kernel saves it with its softmax statistics (backends.py "
-                  "FusedAttnFunc.forward aux_ctx_tensors), the unfused path one extra score column "
-                  "(UnfusedDotProductAttention.forward :629-655): 1/s of the s x s term"),
-    MemoryNeutral("model.cache_mla_latents", "an inference cache: megatron-core refuses it in training "
-                  "(multi_latent_attention.py:323-324 'cache_mla_latents conflicts with training'; absorbed MLA "
-                  "asserts it off, absorbed_mla.py:191)"),
-    MemoryNeutral("model.layernorm_zero_centered_gamma", "a reparametrized norm weight (w + 1): the same weight "
-                  "and saved input"),
-    MemoryNeutral("model.dsa_indexer_rotate_activation", "the Hadamard rotation (dsa.py rotate_activation "
-                  ":253-270) is its own inverse and saves nothing for backward"),
+    # found by bench/recipe_census.py on Bridge 0.6.2's recipes (FIELD_CLASSES below says what the rest are)
+    Unmodelled("model.vision_config", "a vision encoder (its weights, gradients, optimizer state and activations) "
+               "beside the language model; the plan sizes the language model only", moves=UP),
+    Unmodelled("model.freeze_language_model", "a frozen language model keeps no gradients or optimizer state for "
+               "its weights (the plan counts both)", moves=DOWN,
+               bound=lambda b: b.gradients + b.optimizer),
+    Unmodelled("model.moe_paged_stash", "the routed experts' saved activations live in a paged stash buffer sized "
+               "by moe_paged_stash_buffer_size_factor_cuda, part of it on the host (transformer_config.py:1268-1285)"),
+    Unmodelled("model.use_transformer_engine_op_fuser", "Transformer Engine's operation fuser runs the experts' "
+               "grouped MLP as fused ops (moe/experts.py:286-290) whose saved tensors differ from the modules planned"),
+    Unmodelled("model.use_transformer_engine_full_layer_spec", "a whole Transformer Engine TransformerLayer per "
+               "layer instead of megatron-core's modules: other saved tensors than the ones planned"),
+    Unmodelled("model.quant_recipe", "a per-module quantization recipe changes the weight and activation dtypes of "
+               "the modules it matches"),
+    Unmodelled("model.crossattn_emb_size", "cross-attention to conditioning embeddings (a diffusion transformer): "
+               "the plan has no cross-attention block"),
+    Unmodelled("model.csa_compress_ratios", "compressed sparse attention (DeepSeek-V4): per-layer KV compression and "
+               "a sliding window instead of full attention"),
+    Unmodelled("model.o_lora_rank", "a grouped low-rank attention output projection (DeepSeek-V4 o_groups x "
+               "o_lora_rank) instead of the dense one planned"),
+    Unmodelled("model.num_single_layers", "FLUX's single-stream and joint transformer blocks (a diffusion "
+               "transformer): the plan has no such blocks"),
+    Unmodelled("model.attn_logit_softcapping", "Gemma 2's own core attention: PyTorch FlexAttention with a softcap "
+               "score_mod where available, else materialized, softcapped scores (gemma2_provider.py:78-242); the plan "
+               "counts neither"),
+    Unmodelled("model.global_head_dim", "Gemma 4's full-attention layers have their own head size and KV heads "
+               "(global_head_dim, num_global_key_value_heads, K reused as V): the plan sizes every layer like the "
+               "sliding-window ones"),
+    Unmodelled("model.final_logit_softcapping", "softcapping the output logits (tanh) keeps another logits-sized "
+               "tensor per token for backward", moves=UP),
 )
 
 
@@ -287,7 +286,10 @@ def _read(cfg: Any, path: str) -> Any:
 def _shown(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(str(v) for v in value) + "]"
-    return _enum_name(value)
+    text = _enum_name(value)
+    if "\n" in text or len(text) > 200:
+        return f"<{type(value).__name__}>"   # a sub-config object (a vision config): its type, not its repr
+    return text
 
 
 def unmodelled_fields(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[tuple[str, str, str], ...]:
@@ -305,8 +307,11 @@ def unmodelled_fields(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[tup
 
 
 def not_modelled(cfg: Any, extra: tuple[Unmodelled, ...] = ()) -> tuple[str, ...]:
-    """``field=value: reason`` for every NOT_MODELLED field (and ``extra``) set in ``cfg`` where it matters."""
-    return tuple(f"{path}={value}: {reason}" for path, value, reason in unmodelled_fields(cfg, extra))
+    """``field=value: reason`` for every NOT_MODELLED field (and ``extra``) set in ``cfg`` where it matters, then
+    every "conditional" FIELD_CLASSES entry whose condition holds (``conditional_unmodelled``): one list, which the
+    plan's verdict reads."""
+    return tuple(f"{path}={value}: {reason}" for path, value, reason in unmodelled_fields(cfg, extra)) \
+        + conditional_unmodelled(cfg)
 
 
 @dataclass(frozen=True)
@@ -425,3 +430,323 @@ def with_coverage(job: Any) -> Any:
                                                           "pretrain_gpt.py, not of megatron-core 0.19.2's parser); "
                                                           "the plan does not follow it"))
     return replace(job, not_modelled=tuple(notes.values()), unknown=tuple(unknown), ignored=ignored)
+
+
+
+# ----------------------------------------------------------------------------- every other field a recipe sets
+@dataclass(frozen=True)
+class FieldClass:
+    """What a model field the plan does not read (and NOT_MODELLED does not list) does to GPU memory.
+
+    ``kind``: "neutral" (changes no GPU memory), "derived" (set from fields the plan reads), "covered" (its memory
+    effect is the one ``covered_by`` names), "bounded" (it changes memory by a small amount the reason states, or in
+    the direction the plan already over-counts), or "conditional" (it changes memory the plan does not follow where
+    ``when(model, value)`` holds; named then by ``conditional_unmodelled``)."""
+    kind: str
+    reason: str
+    covered_by: str = ""
+    when: Callable[[Any, Any], bool] | None = None
+
+
+def _neutral(reason: str) -> FieldClass:
+    return FieldClass("neutral", reason)
+
+
+def _covered(by: str, reason: str) -> FieldClass:
+    return FieldClass("covered", reason, covered_by=by)
+
+
+_ROPE = "rotary position embedding arithmetic: the cos/sin tables are computed per step, no kept state"
+_META = "metadata: no module or tensor depends on it"
+_DEAD = "not a field of megatron-core 0.19.2's TransformerConfig: nothing in the installed model code reads it"
+
+
+def _fp8(m: Any) -> bool:
+    return bool(getattr(m, "fp8", None))
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(v or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+# One entry per field, found by bench/recipe_census.py over Bridge 0.6.2's recipes (model fields set away from their
+# megatron-core / provider default, or that a recipe sets without the class declaring them).
+FIELD_CLASSES: dict[str, FieldClass] = {
+    # identity and bookkeeping
+    "model.hf_model_id": _neutral(_META), "model.hf_model_revision": _neutral(_META),
+    "model.hf_text_config": _neutral("the Hugging Face text config the provider's fields (which the plan reads) were "
+                                     "copied from"),
+    "model.bos_token_id": _neutral(_META), "model.eos_token_id": _neutral(_META),
+    "model.audio_token_id": _neutral(_META), "model.image_token_id": _neutral(_META),
+    "model.video_token_id": _neutral(_META), "model.vision_start_token_id": _neutral(_META),
+    "model.vision_end_token_id": _neutral(_META), "model.pretrained_model_name": _neutral(_META),
+    "model.return_dict": _neutral("how the forward returns its outputs"),
+    "model.add_encoder": _neutral("whether this pipeline stage builds the encoder part (the vision path's stage)"),
+    "model.add_decoder": _neutral("whether this pipeline stage builds the decoder part"),
+    "model.interleaved_attn_pattern": _neutral("which layers use the sliding window (see model.window_size)"), "model.hetereogenous_dist_checkpoint": _neutral("a checkpoint format"),
+    "model.init_method_std": _neutral("weight initialisation scale"),
+    "model.use_cpu_initialization": _neutral("where weights are initialised before they move to the GPU"),
+    "model.init_model_with_meta_device": _neutral("where weights are first created (meta device, with Megatron "
+                                                  "FSDP); the trained weights are the same"),
+    "model.calculate_per_token_loss": _neutral("how the loss is normalised"),
+    "model.mtp_loss_scaling_factor": _neutral("a loss weight"), "model.moe_aux_loss_coeff": _neutral("a loss weight"),
+    "model.mtp_eval_in_bf16": _neutral("evaluation only"),
+    "model.moe_pad_experts_for_cuda_graph_inference": _neutral("inference only"),
+    "model.use_te_rng_tracker": _neutral("which RNG tracker seeds dropout"),
+    "model.high_priority_a2a_comm_stream": _neutral("stream priority of the expert all-to-all"),
+    "model.batch_p2p_comm": _neutral("how pipeline sends and receives are batched"),
+    "model.tp_only_amax_red": _neutral("which group reduces FP8 amax values"),
+    "model.moe_a2a_overlap": _neutral(_DEAD), "model.cp_partition_mode": _neutral(_DEAD),
+    "model.actual_vocab_size": _neutral(_DEAD + " (vocab_size, which the plan reads, sizes the embedding)"),
+    "model.fp8_param_gather": _neutral(_DEAD + " on the model (it is a ddp / mixed_precision field there)"),
+    # numerics that keep no extra state
+    "model.rotary_base": _neutral(_ROPE), "model.rotary_percent": _neutral(_ROPE),
+    "model.rotary_interleaved": _neutral(_ROPE), "model.rotary_scaling_factor": _neutral(_ROPE),
+    "model.rope_scaling": _neutral(_ROPE), "model.rope_scaling_factor": _neutral(_ROPE),
+    "model.mscale": _neutral(_ROPE), "model.mscale_all_dim": _neutral(_ROPE), "model.mrope_section": _neutral(_ROPE),
+    "model.original_max_position_embeddings": _neutral(_ROPE),
+    "model.yarn_rotary_scaling_factor": _neutral(_ROPE), "model.yarn_original_max_position_embeddings": _neutral(_ROPE),
+    "model.yarn_beta_fast": _neutral(_ROPE), "model.yarn_beta_slow": _neutral(_ROPE),
+    "model.yarn_correction_range_round_to_int": _neutral(_ROPE), "model.yarn_mscale": _neutral(_ROPE),
+    "model.yarn_mscale_all_dim": _neutral(_ROPE), "model.csa_compress_rotary_base": _neutral(_ROPE),
+    "model.rope_scaling_high_freq_factor": _neutral(_ROPE), "model.rope_scaling_low_freq_factor": _neutral(_ROPE),
+    "model.rope_scaling_original_max_position_embeddings": _neutral(_ROPE),
+    "model.layernorm_epsilon": _neutral("a norm's epsilon"),
+    "model.layernorm_zero_centered_gamma": _neutral("a reparametrized norm weight (w + 1): the same weight and "
+                                                    "saved input"),
+    "model.softmax_scale": _neutral("a scale of the attention logits"),
+    "model.query_pre_attn_scalar": _neutral("a scale of the attention logits"),
+    "model.glu_linear_offset": _neutral("an offset inside the GLU activation"),
+    "model.softmax_type": _neutral("attention sinks / off-by-one softmax add one learnable offset per head "
+                                   "(attention.py:820-845); TE's fused kernel saves it with its softmax statistics "
+                                   "(backends.py FusedAttnFunc.forward aux_ctx_tensors), the unfused path one extra "
+                                   "score column (UnfusedDotProductAttention.forward :629-655): 1/s of the s x s term"),
+    "model.norm_topk_prob": _neutral("routing arithmetic"),
+    "model.moe_router_score_function": _neutral("routing arithmetic"),
+    "model.moe_router_topk_scaling_factor": _neutral("routing arithmetic"),
+    "model.moe_router_pre_softmax": _neutral("routing arithmetic"),
+    "model.moe_router_num_groups": _neutral("group-limited routing: which experts are chosen, not how many"),
+    "model.moe_router_group_topk": _neutral("group-limited routing: which experts are chosen, not how many"),
+    "model.moe_router_enable_expert_bias": _neutral("one fp32 bias value per expert"),
+    "model.moe_router_bias_update_rate": _neutral("how fast the expert bias moves: routing arithmetic"),
+    "model.moe_router_force_load_balancing": _neutral("random router logits that balance the experts: the even "
+                                                      "routing the plan assumes, made exact"),
+    "model.moe_n_hash_layers": _neutral("hash routing in the first MoE layers: the same experts and token counts"),
+    "model.window_size": _neutral("sliding-window attention changes only which scores the kernel computes: "
+                                  "TEDotProductAttention gets the window as an argument (attention.py:1065-1074), and "
+                                  "TE's fused and flash kernels save the same q, k, v, output and softmax statistics at "
+                                  "any window (TE v2.17.1 attention/dot_product_attention/backends.py "
+                                  "FusedAttnFunc.forward :1559-1569); the unfused backend masks the same s x s scores "
+                                  "(UnfusedDotProductAttention.forward :567-684)"),
+    "model.window_attn_skip_freq": _neutral("which layers use the window (attention.py:1065-1074); each keeps the "
+                                            "same tensors as a full-attention layer (model.window_size)"),
+    "model.cache_mla_latents": _neutral("an inference cache: megatron-core refuses it in training "
+                                        "(multi_latent_attention.py:323-324 'cache_mla_latents conflicts with "
+                                        "training'; absorbed MLA asserts it off, absorbed_mla.py:191)"),
+    "model.mamba_chunk_size": _neutral("the chunked scan's chunk states are recomputed in backward "
+                                       "(ssd_combined.py), so what is kept does not depend on the chunk size"),
+    # kernel and fusion choices over the same saved tensors
+    "model.apply_rope_fusion": _neutral("a fused rotary kernel; the unfused one saves only the shared cos/sin"),
+    "model.bias_dropout_fusion": _neutral("a fused bias-dropout-add kernel over the tensors the plan counts"),
+    "model.persist_layer_norm": _neutral("a persistent layer-norm kernel"),
+    "model.moe_permute_fusion": _neutral("a fused token permutation over the permuted tokens the plan counts"),
+    "model.moe_router_fusion": _neutral("a fused router top-k kernel"),
+    "model.fused_single_qkv_rope": _neutral("a fused qkv-split and rotary kernel"),
+    "model.mla_down_proj_fusion": _neutral("MLA's q and kv down projections as one GEMM of the same weights"),
+    "model.gradient_accumulation_fusion": _neutral("weight gradients accumulated straight into main_grad, as "
+                                                   "planned"),
+    "model.transformer_layer_spec": _neutral("the module spec the provider builds from its fields; a spec that adds "
+                                             "modules is named by the fields that enable them"),
+    # set from fields the plan reads
+    "model.pipeline_dtype": _neutral("dtype of the pipeline's send/receive buffers, set from params_dtype"),
+    "model.autocast_dtype": _neutral("set from bf16 / fp16, which the plan reads"),
+    "model.should_pad_vocab": _neutral("whether vocab_size is padded, which the plan follows (from_config.model_vocab)"),
+    # named by another entry
+    "model.moe_hybridep_num_sms_preprocessing": _neutral("how many SMs HybridEP's preprocessing kernel runs on: "
+                                                         "the same buffers and routing maps (buffers.flex_* count them)"),
+    "model.moe_permute_fusion_into_hybridep": _neutral("HybridEP allocates the permuted tokens once on both its paths "
+                                                       "(the flex dispatcher's terms: activations.dispatcher_terms)"),
+    "model.moe_paged_stash_buffer_size_factor_cuda": _covered("model.moe_paged_stash", "the paged stash's GPU buffer"),
+    "model.moe_paged_stash_buffer_size_factor_cpu": _covered("model.moe_paged_stash", "the paged stash's host buffer"),
+    "model.dsa_indexer_k_norm_epsilon": _neutral("a norm's epsilon"),
+    "model.dsa_indexer_rope_interleaved": _neutral(_ROPE),
+    "model.dsa_indexer_rotate_activation": _neutral("the Hadamard rotation (dsa.py rotate_activation :253-270) is "
+                                                    "its own inverse and saves nothing for backward"),
+    "model.csa_window_size": _covered("model.csa_compress_ratios", "compressed sparse attention's window"),
+    "model.num_residual_streams": _covered("model.enable_hyper_connections", "how many residual streams mHC keeps"),
+    "model.apply_dsa_kernel_fusion": _covered("model.enable_hyper_connections", "a DeepSeek-V4 attention setting "
+                                              "megatron-core 0.19.2 does not have (only the V4 recipes set it)"),
+    "model.mhc_sinkhorn_iterations": _covered("model.enable_hyper_connections", "mHC's Sinkhorn iterations"),
+    "model.o_groups": _covered("model.o_lora_rank", "the groups of the low-rank output projection"),
+    "model.vision_projector_config": _covered("model.vision_config", "the vision projector"),
+    "model.is_vision_language": _covered("model.vision_config", "the vision path"),
+    "model.freeze_vision_model": _covered("model.vision_config", "the vision encoder's gradients"),
+    "model.guidance_embed": _covered("model.num_single_layers", "FLUX's guidance embedding"),
+    **{f"model.{name}": _covered("model.num_single_layers", "a setting of FLUX's diffusion transformer") for name in (
+        "axes_dims_rope", "context_dim", "guidance_scale", "model_channels", "num_joint_layers", "vec_in_dim")},
+    **{f"model.{name}": _covered("model.crossattn_emb_size", "a setting of Wan's diffusion transformer") for name in (
+        "in_channels", "freq_dim", "layernorm_across_heads", "out_channels", "patch_spatial", "patch_temporal",
+        "qkv_format", "text_dim", "text_len")},
+    **{f"model.{name}": _covered("model.vision_config", "a setting of the vision path") for name in (
+        "patch_size", "spatial_merge_size", "temporal_patch_size", "deepstack_visual_indexes", "vision_cuda_graph_impl",
+        "mm_tokens_per_image", "dist_train")},
+    "model.num_global_key_value_heads": _covered("model.global_head_dim", "Gemma 4's full-attention KV heads"),
+    "model.attention_k_eq_v": _covered("model.global_head_dim", "Gemma 4's full-attention layers reuse K as V"),
+    "model.global_rotary_percent": _neutral(_ROPE),
+    "model.text_config": _neutral("the Hugging Face text config the provider's fields (which the plan reads) were "
+                                  "copied from"),
+    **{f"model.{name}": _covered("model.vision_config", "a setting of the vision path") for name in (
+        "num_position_embeddings", "out_hidden_size", "vision_soft_tokens_per_image")},
+    "model.language_max_sequence_length": _covered("model.vision_config", "the language model's sequence in a "
+                                                   "vision-language model, image tokens included"),
+    # small, or where the plan already over-counts
+    "model.attention_softmax_in_fp32": FieldClass(
+        "bounded", "only torch's non-fused softmax reads it; the plan counts that softmax in fp32 "
+        "(activations.py attention_scores_bytes), an over-count when it runs in bf16 (fused_softmax.py:313-336)"),
+    "model.moe_router_dtype": FieldClass(
+        "conditional", "the plan counts the router's logits in fp32 (activations.py moe_router); bf16 ones are "
+        "smaller, but fp64 ones (router.py:103-108) are twice what is planned", when=lambda m, v: v == "fp64"),
+    "model.moe_router_load_balancing_type": FieldClass(
+        "bounded", "the load-balancing loss's per-token expert scores: tokens x experts values, like the router's"),
+    "model.moe_router_padding_for_quantization": FieldClass(
+        "bounded", "pads each expert's tokens to a multiple of 16/32 (transformer_config.py:750): at most 31 more "
+                   "tokens per local expert"),
+    "model.moe_router_padding_for_fp8": FieldClass(
+        "bounded", "pads each expert's tokens to a multiple of 16: at most 15 more tokens per local expert"),
+    "model.add_qkv_bias": FieldClass("bounded", "(heads + 2 x groups) x head_dim bias values per layer"),
+    "model.scatter_embedding_sequence_parallel": FieldClass(
+        "bounded", "off, the embedding output stays whole on each tensor-parallel rank: one seq x mbs x hidden "
+                   "tensor in the compute dtype instead of its 1/TP shard"),
+    "model.fine_grained_offloading_max_inflight_offloads": FieldClass(
+        "bounded", "caps the offloaded copies still pending on the GPU per group (transformer_config.py:1286)"),
+    "model.delay_offload_until_cuda_graph": FieldClass(
+        "bounded", "offloads once the CUDA graph has run: the offloaded tensors stay until that layer's graph ends"),
+    "model.overlap_p2p_comm": FieldClass("bounded", "one more receive buffer of one microbatch's stage input"),
+    # changes memory only together with another setting
+    "model.deallocate_pipeline_outputs": FieldClass(
+        "conditional", "with pipeline parallelism and the flag off, every in-flight microbatch's stage output keeps "
+        "its data after the send (schedules.py:166-190); the plan assumes Bridge's and Megatron-LM's True "
+        "(gpt_provider.py:161, training/argument_utils.py:305)",
+        when=lambda m, v: v is False and _int(getattr(m, "pipeline_model_parallel_size", 1)) > 1),
+    "model.cp_comm_type": FieldClass(
+        "conditional", "context-parallel attention other than the p2p ring (a2a, allgather, a2a+p2p) exchanges and "
+        "keeps other K/V and activation buffers than the ones planned",
+        when=lambda m, v: v not in (None, "p2p") and _int(getattr(m, "context_parallel_size", 1)) > 1),
+    "model.head_dim": FieldClass(
+        "conditional", "an attention head size the plan does not read when it differs from kv_channels (which it "
+        "reads)", when=lambda m, v: v is not None and v != getattr(m, "kv_channels", v)),
+    "model.keep_mtp_spec_in_bf16": FieldClass(
+        "conditional", "with FP8 the MTP layers stay bf16 (their weights, GEMM inputs)", when=lambda m, v: bool(v) and _fp8(m)),
+    "model.fp8_output_proj": FieldClass(
+        "conditional", "with MXFP8 the output projection runs in FP8 (transformer_config.py:614-617): its input is kept "
+        "in FP8 and its weight gets an FP8 copy", when=lambda m, v: bool(v) and _fp8(m)),
+    "model.hf_config": FieldClass(
+        "conditional", "the Hugging Face config the provider keeps builds a vision encoder when it has a vision_config "
+        "(Ministral 3: its weights, gradients, optimizer state and activations are not planned)",
+        when=lambda m, v: getattr(v, "vision_config", None) is not None),
+    "model.parallel_output": FieldClass(
+        "conditional", "off, the output logits are gathered over the tensor-parallel group: every rank holds the whole "
+        "vocabulary's logits, not its 1/TP shard", when=lambda m, v: v is False and _int(getattr(
+            m, "tensor_model_parallel_size", 1)) > 1),
+    "model.decoder_sparse_step": FieldClass(
+        "conditional", "MoE on every n-th layer only, which the plan reads from moe_layer_freq", when=lambda m, v: _int(v) > 1),
+    "model.external_cuda_graph": FieldClass(
+        "conditional", "a deprecated alias: finalize turns it into cuda_graph_impl=transformer_engine "
+        "(transformer_config.py:2365-2380), which the plan reads only once the config is finalized",
+        when=lambda m, v: bool(v) and str(getattr(m, "cuda_graph_impl", "none")) == "none"),
+}
+
+
+def _declared_default(cls: type, name: str) -> tuple[bool, Any, str]:
+    """(found?, default, module of the declaring class) of dataclass field ``name`` as its first declaring class
+    declares it (the base-most class of ``cls``'s MRO whose dataclass fields hold it): a provider that changes a
+    megatron-core default (Qwen3's ``qk_layernorm=True``) sets a feature as much as a recipe that changes it does."""
+    import dataclasses
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        found = {f.name: f for f in dataclasses.fields(klass)}.get(name)
+        if found is None:
+            continue
+        if found.default is not dataclasses.MISSING:
+            return True, found.default, klass.__module__
+        if found.default_factory is not dataclasses.MISSING:
+            try:
+                return True, found.default_factory(), klass.__module__
+            except Exception:  # noqa: BLE001 — a factory that needs arguments: no default to compare with
+                return False, None, klass.__module__
+        return False, None, klass.__module__
+    return False, None, ""
+
+
+def _set(value: Any) -> bool:
+    try:
+        return value is not None and value is not False and not (isinstance(value, (int, float, str, list, tuple, dict))
+                                                                   and not value)
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _differs(value: Any, default: Any) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:  # noqa: BLE001 — a value whose comparison fails (a tensor): compared by identity
+        return value is not default
+
+
+def non_default_fields(section: Any) -> tuple[tuple[str, Any], ...]:
+    """``(field, value)`` of a config dataclass (a model provider) for every field whose value differs from its
+    first declared default, every field a model provider adds to megatron-core's config that is set at all (Gemma 4's
+    ``global_kv_channels=512`` is its provider's default, and still an architecture the plan must know), and every
+    public attribute it carries that its class does not declare (a recipe that sets ``use_fused_mhc`` on a provider
+    without that field)."""
+    import dataclasses
+    if section is None or not dataclasses.is_dataclass(section):
+        return ()
+    declared = {f.name for f in dataclasses.fields(section)}
+    out = []
+    for name in sorted(declared):
+        value = getattr(section, name, None)
+        has_default, default, module = _declared_default(type(section), name)
+        provider_field = not module.startswith("megatron.core")
+        if (has_default and _differs(value, default)) or (not has_default and value is not None) \
+                or (provider_field and _set(value)):
+            out.append((name, value))
+    out += [(name, value) for name, value in sorted(vars(section).items())
+            if not name.startswith("_") and name not in declared]
+    return tuple(out)
+
+
+def _short(value: Any) -> str:
+    shown = _shown(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def unclassified_fields(cfg: Any) -> tuple[tuple[str, str], ...]:
+    """``(path, value)`` for every model field set away from its default that the plan does not read
+    (MODEL_READS), NOT_MODELLED does not list and FIELD_CLASSES does not classify: nobody has yet decided whether
+    it changes memory (bench/recipe_census.py reports them)."""
+    known = MODEL_READS | {u.path for u in NOT_MODELLED} | set(FIELD_CLASSES)
+    return tuple((f"model.{name}", _short(value)) for name, value in non_default_fields(getattr(cfg, "model", None))
+                 if f"model.{name}" not in known)
+
+
+def conditional_unmodelled(cfg: Any) -> tuple[str, ...]:
+    """``field=value: reason`` for every "conditional" FIELD_CLASSES entry whose condition holds in ``cfg``: memory
+    the plan does not follow, like ``not_modelled`` (whose entries take the field's value alone)."""
+    model = getattr(cfg, "model", None)
+    out = []
+    for path, fc in FIELD_CLASSES.items():
+        if fc.kind != "conditional" or fc.when is None or model is None:
+            continue
+        value = _read(cfg, path)
+        try:
+            hit = fc.when(model, value)
+        except Exception:  # noqa: BLE001 — a value of an unexpected type is named rather than judged
+            hit = True
+        if hit:
+            out.append(f"{path}={_short(value)}: {fc.reason}")
+    return tuple(out)
