@@ -113,9 +113,12 @@ def test_tensor_parallel_bytes_under_sequence_parallelism():
     ring = 3 / 4
     assert w.tp_f == pytest.approx(TOKENS * 2 * (2 * H * 2 * ring))   # attention and MLP blocks
     assert w.tp_b == pytest.approx(TOKENS * 2 * (3 * H * 2 * ring))
+    # without SP one all-reduce each way per block (twice a ring's bytes): the row-parallel output's in forward
+    # (mappings.py _ReduceFromModelParallelRegion), the column-parallel input gradient's in backward
+    # (_CopyToModelParallelRegion)
     no_sp = lw(lay=replace(lay, sp=False))
-    assert no_sp.tp_f == pytest.approx(TOKENS * 2 * (2 * H * 2 * ring))   # one all-reduce each way, twice the bytes
-    assert no_sp.tp_b == pytest.approx(TOKENS * 2 * (2 * 2 * H * 2 * ring))
+    assert no_sp.tp_f == pytest.approx(TOKENS * 2 * (2 * H * 2 * ring))
+    assert no_sp.tp_b == pytest.approx(TOKENS * 2 * (2 * H * 2 * ring))
 
 
 def test_lora_regather_adds_three_collectives_per_regathered_target():
@@ -213,8 +216,11 @@ def test_gpu_table_and_its_sources():
     assert K.price(job, rec, 8).gpu == "A100 SXM4" and K.price(job, rec, 10).gpu == "B200/GB200"
 
 
-def test_rank_key_orders_by_the_high_end():
-    assert K.rank_key(0.0, 0.12) > K.rank_key(0.09, 0.10)
+def test_rank_key_orders_by_the_middle_then_the_high_end():
+    """The middle of a range is the estimate with no assumption favoured; between equal middles the narrower
+    range (the one resting less on overlaps) first."""
+    assert K.rank_key(0.0, 0.12) < K.rank_key(0.09, 0.10)
+    assert K.rank_key(0.04, 0.06) < K.rank_key(0.0, 0.10)          # same middle: the lower high end first
     assert sorted([(0.0, 0.3), (0.1, 0.1), (0.0, 0.1)], key=lambda r: K.rank_key(*r)) == [(0.0, 0.1), (0.1, 0.1),
                                                                                           (0.0, 0.3)]
 
@@ -241,3 +247,151 @@ def test_ladder_takes_the_cheapest_fitting_option_and_keeps_tp_doubling_last():
                {"cost": {"rank_key": [0.05, 0.0]}, "total": 2}]
     assert [o["total"] for o in L._cheapest(options)] == [2, 3, 1]   # cost first, then the memory it leaves
     assert "TP x2" in L.LAST_RESORT and any(r.label == "TP x2" for r in L.LADDER_RUNGS)
+
+
+# ----------------------------------------------------------------------------- the roofline, NCCL, the host
+def test_collectives_follow_nccls_ring_model():
+    """NCCL v2.30.7 tuning.cc: base latency + one step latency per ring step (n - 1 for all-gather/reduce-scatter,
+    2(n - 1) for all-reduce, the steps crossing nodes at the network's), the fastest protocol; bytes at the
+    protocol's share of the link (LL half, capped; LL128 0.92; Simple all)."""
+    from mbmem_overlays.memory.cost.gpus import NCCL_BASE_LATENCY, NCCL_STEP_LATENCY
+    nvl, net = NCCL_STEP_LATENCY["nvlink"], NCCL_STEP_LATENCY["network"]
+    bw = 370.8e9
+    # a tiny all-gather over 8 ranks: LL's latency, 6.6 + 7 x 0.6 us, its bytes at LL's capped bandwidth
+    assert S.collective_seconds("ag", 8.0, 1, 8, 1, bw, 141e9) == pytest.approx(
+        NCCL_BASE_LATENCY[0] + 7 * nvl[0] + 8.0 / min(0.5 * bw, 141e9))
+    # a large one: Simple, its latency plus the bytes at the whole bandwidth; ten of them cost ten times one
+    big = 1e9
+    one = S.collective_seconds("ag", big, 1, 8, 1, bw, 141e9)
+    assert one == pytest.approx(NCCL_BASE_LATENCY[2] + 7 * nvl[2] + big / bw)
+    assert S.collective_seconds("ag", 10 * big, 10, 8, 1, bw, 141e9) == pytest.approx(10 * one)
+    # an all-reduce has twice the steps; across 2 nodes two of them at the network's step latency
+    ar = S.collective_seconds("ar", big, 1, 16, 2, 50e9, 141e9)
+    assert ar == pytest.approx(NCCL_BASE_LATENCY[2] + (30 - 2) * nvl[2] + 2 * net[2] + big / 50e9)
+    assert S.collective_seconds("rs", 0.0, 3, 8, 1, bw) == 0.0
+
+
+def test_nvlink_is_priced_at_nccls_own_link_figure():
+    """topo.h SM90_NVLINK_BW 20.6 GB/s per link x 18 links (H100); the stated peak stays in the table beside it."""
+    sp = S._all_speeds(9)[0][0]
+    assert sp.bw["nvlink"] == pytest.approx(18 * 20.6e9)
+    assert K.GPUS[9].nvlink == pytest.approx(450e9) and K.GPUS[8].nvlink_nccl == pytest.approx(12 * 20.0e9)
+
+
+def test_compute_bound_bound_covers_every_gpu():
+    """work.COMPUTE_BOUND_INTENSITY is above every GPU's steepest ridge point (its fastest tensor rate x the highest
+    efficiency / its slowest HBM): a GEMM above it is compute-bound everywhere, and is timed linearly."""
+    for g in K.GPUS.values():
+        for part in (0, 1):
+            peak = max(g.fp8[part], g.bf16[part])
+            assert peak * max(K.EFFICIENCY) / min(g.hbm) < W.COMPUTE_BOUND_INTENSITY
+
+
+def test_gemm_roofline_times_a_small_gemm_by_its_bytes():
+    """M x K x N: 2MKN FLOPs; forward reads MK + KN and writes MN; a GEMM of few rows (tokens per expert) is
+    bandwidth-bound: its time is its bytes at HBM bandwidth, not its FLOPs at the efficiency."""
+    f, fb, wb, fp8 = W.gemm(16, 4096, 4096, False, 2, 4)
+    assert f == 2 * 16 * 4096 * 4096 and fb == (16 * 4096 + 4096 * 4096) * 2 + 16 * 4096 * 2
+    assert wb == (16 * 4096 + 16 * 4096) * 2 + 2 * 4096 * 4096 * 4 and not fp8
+    ph = W._phase([(f, fb, False)], 0.0)
+    assert ph[W.PH_SMALL] and ph[W.PH_F16] == 0          # below the intensity bound: the roofline decides
+    sp = S._all_speeds(9)[0][0]
+    assert S._phase_seconds(ph, 1 / sp.p8, 1 / sp.p16, 1 / sp.hbm) == pytest.approx(fb / sp.hbm)
+    big = W.gemm(4096, 4096, 4096, False, 2, 4)
+    assert W._phase([big[:2] + (False,)], 0.0)[W.PH_F16] == big[0]    # compute-bound: linear in its FLOPs
+
+
+def test_fp8_quantizes_the_row_parallel_inputs_and_gradients():
+    """Under FP8 TE quantizes what no fused norm produced (the attention output, the activation) and each output
+    gradient: read the compute dtype, write FP8 data and its transpose, 3 x D bytes per element."""
+    bf = {r.name: r for r in lw().regions}
+    f8 = {r.name: r for r in lw(st=replace(BF16, fp8=True)).regions}
+    assert f8["proj"].hbm - bf["proj"].hbm == pytest.approx(3 * 2 * TOKENS * H)
+    assert f8["act"].hbm - bf["act"].hbm == pytest.approx(3 * 2 * TOKENS * F)
+    assert all(e for r in (f8["qkv"], f8["fc1"]) for *_, e in r.gemms)
+
+
+def test_tp_overlap_hides_each_collective_behind_its_paired_gemm_at_best():
+    """With TP comm overlap a collective hides behind the GEMMs of its own region (TE userbuffers pair the
+    all-gather with its consumer, the reduce-scatter with its producer): what exceeds them stays exposed."""
+    lay = replace(ONE, world=8, tp=8, sp=True)
+    w = lw(lay=lay)
+    sp = S._all_speeds(9)[0][0]
+    ctx = S.Ctx((8, 1, sp.bw["nvlink"]), (1, 1, sp.bw["nvlink"]), (1, 1, sp.bw["nvlink"]), sp.ll_max)
+    t = S.layer_times(w, sp, ctx)
+    tpf, tpf_h = t[3], t[6]
+    gemm_f = sum(S._phase_seconds(ph_f, 1 / sp.p8, 1 / sp.p16, 1 / sp.hbm) for ph_f, *_ in S._summary(w).tp_regions)
+    comm = [S._colls_seconds(cf, 8, 1, sp.bw["nvlink"], sp.ll_max) for _, _, cf, _, _ in S._summary(w).tp_regions]
+    assert tpf == pytest.approx(sum(comm)) and 0 <= tpf_h < tpf
+    assert tpf_h == pytest.approx(sum(max(0.0, c - S._phase_seconds(ph, 1 / sp.p8, 1 / sp.p16, 1 / sp.hbm))
+                                      for c, (ph, *_) in zip(comm, S._summary(w).tp_regions)))
+    assert gemm_f > 0
+
+
+TINY = Shape(layers=4, hidden=64, ffn=256, heads=2, groups=2, head_dim=32, vocab=512, gated=True)
+TINY_LAY = Layout(world=1, seq=16, mbs=1, gbs=2)
+
+
+def test_a_layer_shorter_than_its_launches_is_host_bound_and_cuda_graphs_remove_them():
+    """Each region's kernels are launched by the host at gpus.LAUNCH_SECONDS: a tiny layer's step is its launches;
+    TE-scoped graphs of attn and mlp replay each scope with one launch, a full-iteration graph with none."""
+    from mbmem_overlays.memory.cost.gpus import LAUNCH_SECONDS
+    eager = (TINY, TINY_LAY, BF16, CostInputs())
+    t = K.times(eager, 9)[0]
+    parts = dict(t.parts)
+    launches = sum(r.kernels[0] + r.kernels[1] for r in W.layer_work(TINY, TINY_LAY, BF16, "attn+mlp").regions)
+    assert parts["host"] > parts["compute"] and parts["host"] > 0
+    graphed = (TINY, TINY_LAY, replace(BF16, graph_scopes=("attn", "mlp")), CostInputs())
+    g = dict(K.times(graphed, 9)[0].parts)
+    assert g["host"] < parts["host"]
+    one_layer = W.layer_work(TINY, TINY_LAY, replace(BF16, graph_scopes=("attn", "mlp")), "attn+mlp")
+    assert all(r.graphed for r in one_layer.regions)
+    assert S._summary(one_layer).launches == (0, 0, 0) and S._summary(one_layer).graphs == (2, 2, 0)
+    full = (TINY, TINY_LAY, BF16, CostInputs(graph_full_iteration=True))
+    assert dict(K.times(full, 9)[0].parts)["host"] == 0
+    assert K.price(eager, graphed, 9).high < 0
+    # a large layer's GPU work hides its launches: graphs change nothing there
+    big = (DENSE, ONE, BF16, CostInputs())
+    assert dict(K.times(big, 9)[0].parts)["host"] == 0
+    assert launches * LAUNCH_SECONDS > 0
+
+
+def test_recomputing_a_memory_bound_module_costs_its_bytes():
+    """moe_act's replay is one elementwise kernel: its time is its bytes at HBM bandwidth (and its launch)."""
+    moe = Shape(layers=4, hidden=H, ffn=F, heads=NH, groups=NH, head_dim=D, vocab=32000, gated=True, experts=8,
+                moe_ffn=512, topk=2, moe_layers=4)
+    w = lw(moe, kind="attn+moe", st=replace(BF16, recompute="selective", modules=("moe_act",)))
+    sp = S._all_speeds(9)[0][0]
+    ctx = S.Ctx((1, 1, sp.bw["nvlink"]), (1, 1, sp.bw["nvlink"]), (1, 1, sp.bw["nvlink"]), sp.ll_max)
+    assert S.layer_times(w, sp, ctx)[2] == pytest.approx(w.rm / sp.hbm)
+
+
+def test_deferred_output_wgrad_leaves_the_steady_state():
+    """defer_embedding_wgrad_compute: the output layer's weight gradient of the deferred microbatches is not in its
+    steady-state backward (it runs after the schedule)."""
+    full = W.output_layer_work(DENSE, ONE, BF16)
+    half = W.output_layer_work(DENSE, ONE, BF16, wgrad_share=0.5)
+    sp = S._all_speeds(9)[0][0]
+    i = (1 / sp.p8, 1 / sp.p16, 1 / sp.hbm)
+    assert S._phase_seconds(S._summary(half).bwd, *i) < S._phase_seconds(S._summary(full).bwd, *i)
+    assert S._phase_seconds(S._summary(half).fwd, *i) == S._phase_seconds(S._summary(full).fwd, *i)
+
+
+def test_data_parallel_buckets_count_collectives():
+    """distributed_data_parallel.py:66-72: with overlap_grad_reduce the gradients go in buckets of max(40M, 1M x dp)
+    parameters, one collective each; without it one."""
+    lay = replace(ONE, world=4, gbs=8)
+    st = replace(BF16, dist_optimizer=True)
+    on = K.demand(DENSE, lay, st, CostInputs(overlap_grad_reduce=True)).ranks[0]
+    off = K.demand(DENSE, lay, st, CostInputs()).ranks[0]
+    params = on.opt_params * 4
+    assert on.dp_buckets == max(1, -(-int(params) // 40_000_000)) and off.dp_buckets == 1
+
+
+def test_candidates_differing_only_in_the_optimizer_share_their_layer_work():
+    """layer_work is cached on the settings a layer reads (work.OPTIMIZER_ONLY aside): a search's candidates that
+    differ only in the optimizer share one LayerWork, and its timing."""
+    a = W.layer_work(DENSE, ONE, BF16, "attn+mlp")
+    b = W.layer_work(DENSE, ONE, replace(BF16, dist_optimizer=True, optimizer_offload=0.5), "attn+mlp")
+    c = W.layer_work(DENSE, ONE, replace(BF16, fp8=True), "attn+mlp")
+    assert a is b and a is not c

@@ -5,7 +5,7 @@ The savings come from the memory model (memory/model.py ``estimate``/``from_conf
 the overrides and overlays the log's launch command shows, at the world size the log shows, and each remedy's step-time cost from the
 cost model beside it (memory/cost/: a range with its FLOPs, bytes per link and bubble, ``Remedy.step_cost``);
 remedies are then ranked by the numbers: those whose saving covers the failed request's shortfall first,
-cheapest first by that cost (the high end of its range), then the others by saving.
+cheapest first by that cost (memory/cost/ rank_key), then the others by saving.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def _shortfall(f) -> float | None:
 
 def _rank(remedies: list[C.Remedy], shortfall: float | None) -> list[C.Remedy]:
     """Remedies the model cannot price keep their place in front; the priced ones: covering the shortfall
-    first, cheapest first by the cost model (memory/cost/ rank_key: the high end of the step-time range, then the
-    low end; the ladder's order breaks ties), then the rest by saving, largest first; a remedy saving nothing
+    first, cheapest first by the cost model (memory/cost/ rank_key: the middle of the step-time range, then its
+    high end; the ladder's order breaks ties), then the rest by saving, largest first; a remedy saving nothing
     last."""
     fixed = [r for r in remedies if r.saves is None]
     priced = [r for r in remedies if r.saves is not None]

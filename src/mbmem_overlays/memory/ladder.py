@@ -357,7 +357,7 @@ def _cost(before_cfg: Any, after_cfg: Any, world: int, arch: int | None) -> dict
 
 
 def _cheapest(options: list[dict]) -> list[dict]:
-    """Options ordered by their cost (memory/cost/ rank_key: the high end of the range, then the low end), then by
+    """Options ordered by their cost (memory/cost/ rank_key: the middle of the range, then its high end), then by
     the memory they leave."""
     return sorted(options, key=lambda o: (tuple(o["cost"]["rank_key"]), o["total"]))
 

@@ -3,7 +3,7 @@
 Two passes. ``search`` enumerates on the memory model's dataclasses alone (tens of thousands of plans per
 second), with the rules that decide most combinations written out on the dataclasses. ``search_validated``
 then realizes the cheapest ones (by the step-time cost of going from the user's configuration to each,
-memory/cost/: the high end of its range first), one by one, exactly as ``train.py`` would (the user's overrides and
+memory/cost/ rank_key), one by one, exactly as ``train.py`` would (the user's overrides and
 overlays, our engine, Bridge's validation), drops what is refused or no longer fits once applied, and
 keeps going until ``top`` have passed; each result carries the command that reproduces it, its saving against
 the user's own configuration and the fit verdict. An overlay set is not offered when one of its overlays saves
@@ -83,7 +83,7 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
     ``cfg`` already carries the user's overrides and overlays (``fixed``: those overlays, never varied);
     ``locked`` pins the layout fields the user set; ``arch``: the GPUs' compute capability (memory/cost/gpus.py;
     None: 9). Each row's ``cost_range`` is (low, high), the step-time cost of going from ``cfg`` to it (cost
-    model, memory/cost/), and rows are ranked by its high end, then its low end, then memory; with ``priced``
+    model, memory/cost/), and rows are ranked by it (memory/cost/ rank_key), then by memory; with ``priced``
     the rows returned carry ``cost``, the cost with its parts (memory/cost/ Cost.as_dict). ``top=None`` returns
     every row."""
     locked = locked or {}

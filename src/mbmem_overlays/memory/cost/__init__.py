@@ -7,9 +7,11 @@ candidates. Every term names the code that does the work (megatron-core 0.19.2 a
 v2.17.1, Megatron Bridge 0.6.2); docs/cost-model.md lists them with the GPU table and the bench that holds the
 model against NVIDIA's measured throughput effects (bench/cost_accuracy.py).
 
-- ``gpus``: the GPUs (keyed by compute capability, ``--gpu-arch``), their stated peaks with sources, EFFICIENCY
+- ``gpus``: the GPUs (keyed by compute capability, ``--gpu-arch``), their stated peaks with sources, EFFICIENCY,
+  NCCL's own link figures and latency model (NCCL_SOURCE), the host's time per launch (LAUNCH_SECONDS)
 - ``inputs``: CostInputs and the overlaps Bridge's setup turns on per layout
-- ``work``: one layer's demand per microbatch, region by region, and what each recompute label replays
+- ``work``: one layer's demand per microbatch, region by region (GEMM shapes, memory-bound bytes, collectives
+  with their count, host launches), and what each recompute label replays
 - ``step``: a step's time per assumption, and ``price(before, after)``: a :class:`Cost`
 """
 
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .gpus import EFFICIENCY, EFFICIENCY_SOURCE, GPUS, Gpu, gpu  # noqa: F401
+from .gpus import (EFFICIENCY, EFFICIENCY_SOURCE, GPUS, LAUNCH_SECONDS, LAUNCH_SOURCE, NCCL_SOURCE, Gpu,  # noqa: F401
+                   gpu)
 from .inputs import CostInputs, cost_inputs  # noqa: F401
 from .step import Cost, Job, cost_range, demand, evaluate, flops_share, price, rank_key, times  # noqa: F401
 

@@ -28,6 +28,10 @@ class Gpu:
     host_dram: tuple[float, float]     # host DRAM bytes/s available per GPU (the system's, over its GPUs)
     nvlink_domain: int                 # GPUs one NVLink domain holds (a node of the reference system)
     sources: tuple[str, ...]
+    # NCCL's own figure for what NVLink delivers per GPU (its per-link bandwidth x the GPU's links), and its cap on
+    # the LL protocol's bandwidth (see NCCL_SOURCE); 0: the stated peak
+    nvlink_nccl: float = 0.0
+    nccl_ll_max: float = 0.0
 
 
 GPUS: dict[int, Gpu] = {
@@ -39,7 +43,9 @@ GPUS: dict[int, Gpu] = {
                     "1,555 GB/s (40GB) / 2,039 GB/s (80GB), NVLink 600 GB/s, PCIe Gen4 64 GB/s (both directions)",
                     "NVIDIA DGX A100 datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
                     "nvidia-dgx-a100-datasheet.pdf): 8x ConnectX-6 200 Gb/s HDR (one per GPU), 2x AMD EPYC 7742 "
-                    "(8 channels DDR4-3200 each: 2 x 204.8 GB/s)")),
+                    "(8 channels DDR4-3200 each: 2 x 204.8 GB/s)",
+                    "A100: 12 third-generation NVLinks; NCCL SM80_NVLINK_BW 20.0 GB/s per link (NCCL_SOURCE)"),
+           nvlink_nccl=12 * 20.0 * GIGA, nccl_ll_max=87.7 * GIGA),
     9: Gpu("H100/H200 SXM", bf16=(989.4 * TERA, 989.4 * TERA), fp8=(1978.9 * TERA, 1978.9 * TERA),
            hbm=(3350 * GIGA, 4800 * GIGA), nvlink=450 * GIGA, host_link=(64 * GIGA, 64 * GIGA), network=50 * GIGA,
            host_dram=(614.4 * GIGA / 8, 614.4 * GIGA / 8), nvlink_domain=8,
@@ -49,7 +55,9 @@ GPUS: dict[int, Gpu] = {
                     "NVIDIA H200 (nvidia.com/en-us/data-center/h200/): the same Tensor Core figures, HBM3e 4.8 TB/s",
                     "NVIDIA DGX H100 user guide (docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html): "
                     "8x ConnectX-7 400 Gb/s for the compute fabric (one per GPU), 2x Intel Xeon Platinum 8480C "
-                    "(Intel ark: 8 channels DDR5-4800 each: 2 x 307.2 GB/s)")),
+                    "(Intel ark: 8 channels DDR5-4800 each: 2 x 307.2 GB/s)",
+                    "H100: 18 fourth-generation NVLinks; NCCL SM90_NVLINK_BW 20.6 GB/s per link (NCCL_SOURCE)"),
+           nvlink_nccl=18 * 20.6 * GIGA, nccl_ll_max=141.0 * GIGA),
     10: Gpu("B200/GB200", bf16=(2250 * TERA, 2500 * TERA), fp8=(4500 * TERA, 5000 * TERA),
             hbm=(7700 * GIGA, 8000 * GIGA), nvlink=900 * GIGA, host_link=(64 * GIGA, 450 * GIGA), network=50 * GIGA,
             host_dram=(716.8 * GIGA / 8, 512 * GIGA / 2), nvlink_domain=8,
@@ -59,7 +67,9 @@ GPUS: dict[int, Gpu] = {
                      "NVIDIA GB200 NVL72 (nvidia.com/en-us/data-center/gb200-nvl72/): BF16 2.5, FP8 5 PFLOPS dense "
                      "per GPU, HBM3e 8 TB/s, NVLink-C2C 900 GB/s (both directions) to a Grace CPU shared by two GPUs "
                      "(LPDDR5X up to 512 GB/s); the NVL72 NVLink domain (72 GPUs) is not used: 8 assumed",
-                     "per-part figures as collected in glennklockwood.com/garden/processors/B200")),
+                     "per-part figures as collected in glennklockwood.com/garden/processors/B200",
+                     "B200: 18 fifth-generation NVLinks; NCCL SM100_NVLINK_BW 40.1 GB/s per link (NCCL_SOURCE)"),
+            nvlink_nccl=18 * 40.1 * GIGA, nccl_ll_max=2 * 141.0 * GIGA),
 }
 
 # The fraction of a tensor-core peak the GEMMs and attention kernels reach: megatron-core 0.19.2's own published
@@ -72,6 +82,36 @@ GPUS: dict[int, Gpu] = {
 EFFICIENCY = (0.41, 0.48)
 EFFICIENCY_SOURCE = ("megatron-core 0.19.2 METADATA (Performance Benchmarking): 41% to 47-48% end-to-end MFU on H100; "
                      "used as the tensor-core efficiency of every kernel, bandwidths at their stated peaks")
+
+
+# Collectives (step.py collective_seconds): NCCL's own tuning model, NVIDIA/nccl v2.30.7 (the version torch
+# 2.14.1 installs here: nvidia_nccl_cu13-2.30.7), src/graph/tuning.cc and src/graph/topo.h:
+# - bandwidth: NCCL's topology figure for one NVLink (topo.h:21-24 SM80_NVLINK_BW 20.0, SM90_NVLINK_BW 20.6,
+#   SM100_NVLINK_BW 40.1 GB/s) times the GPU's links (Gpu.nvlink_nccl; against the datasheets' 25 / 25 / 50 GB/s
+#   per link and direction: 80%, 82%, 80%), the same for every collective on that GPU; across nodes the NIC's
+#   stated rate (NCCL reads the NIC's speed). Per protocol (tuning.cc:327-329): LL at half of it, capped at
+#   llMaxBws (:177-182: Ampere 87.7, Hopper 141 GB/s; Blackwell twice Hopper), LL128 at 0.92 of it, Simple all;
+# - latency of a ring collective (tuning.cc:384-412): baseLat (:151, ring LL / LL128 / Simple 6.6 / 14.0 / 8.4 us)
+#   plus one hwLat per ring step (NVLink :159 0.6 / 1.9 / 3.4 us, network :171 2.7 / 4.0 / 14.0 us; the steps
+#   crossing nodes at the network's), nsteps = 2(n - 1) for an all-reduce, n - 1 for an all-gather or a
+#   reduce-scatter (:289-291);
+# - NCCL runs each collective with its fastest protocol for the size: the model takes the smallest of the three.
+NCCL_BASE_LATENCY = (6.6e-6, 14.0e-6, 8.4e-6)          # ring LL, LL128, Simple
+NCCL_STEP_LATENCY = {"nvlink": (0.6e-6, 1.9e-6, 3.4e-6), "network": (2.7e-6, 4.0e-6, 14.0e-6)}
+NCCL_PROTOCOL_BW = (0.5, 0.92, 1.0)
+NCCL_SOURCE = ("NVIDIA/nccl v2.30.7-1 src/graph/topo.h:21-24 (NVLink bandwidth per link by compute capability), "
+               "src/graph/tuning.cc:151-182 (base and per-step ring latencies, LL bandwidth caps), :289-291 "
+               "(ring steps), :327-329 (protocol bandwidth), :384-412 (latency of a ring collective)")
+
+# Host time per kernel launch (step.py): PyTorch's own published per-call overhead of a torch function on
+# torch.Tensor, "on the order of 2 microseconds" (pytorch/pytorch benchmarks/overrides_benchmark/README.md), taken
+# for every launch the host makes for a layer (work.py KERNELS) and for one CUDA graph replay. It is the
+# dispatcher's floor: the Python of the modules around each op (TE's quantizer and module setup, autograd) is
+# not in it, so host time is a lower bound.
+LAUNCH_SECONDS = 2e-6
+LAUNCH_SOURCE = ("pytorch/pytorch benchmarks/overrides_benchmark/README.md: overhead for torch functions on "
+                 "torch.Tensor 'on the order of 2 microseconds'; per host launch (work.py KERNELS) and per graph "
+                 "replay")
 
 
 def gpu(arch: int | None) -> tuple[Gpu, str]:

@@ -28,6 +28,9 @@ class CostInputs:
     optimizer_offload_overlap: bool = False   # optimizer.overlap_cpu_optimizer_d2h_h2d
     dispatcher: str = "alltoall"              # moe_token_dispatcher_type
     fp8_param_gather: bool = False            # FP8 weights are all-gathered in FP8 (1 byte)
+    # a full-iteration CUDA graph (cuda_graph_impl "local" with the full_iteration scope: FullCudaGraphWrapper)
+    # replays the whole forward-backward: no per-kernel host launches (per-layer scopes are Settings.graph_scopes)
+    graph_full_iteration: bool = False
 
 
 def tp_overlap(ci: CostInputs, lay: Layout) -> bool:
@@ -68,6 +71,11 @@ def cost_inputs(cfg: Any) -> CostInputs:
     fp8_gather = bool(getattr(ddp, "fp8_param_gather", False)) or bool(getattr(mp, "fp8_param_gather", False))
     ep = bool(getattr(m, "overlap_moe_expert_parallel_comm", False)) or bool(
         getattr(co, "overlap_moe_expert_parallel_comm", False))
+    impl = str(getattr(m, "cuda_graph_impl", None) or "none")
+    scopes = getattr(m, "cuda_graph_scope", None) or getattr(m, "cuda_graph_modules", None) or ()
+    if isinstance(scopes, str):
+        scopes = [scopes]
+    full_iteration = impl == "local" and any("full_iteration" in str(x) for x in scopes)
     return CostInputs(
         tp_comm_overlap=tp_req, comm_overlap_setup=co is not None,
         user_overlap_grad_reduce=getattr(co, "overlap_grad_reduce", None),
@@ -78,4 +86,4 @@ def cost_inputs(cfg: Any) -> CostInputs:
         overlap_p2p_comm=bool(getattr(m, "overlap_p2p_comm", False)), ep_overlap=ep,
         optimizer_offload_overlap=bool(getattr(opt, "overlap_cpu_optimizer_d2h_h2d", False)),
         dispatcher=str(getattr(m, "moe_token_dispatcher_type", "alltoall") or "alltoall"),
-        fp8_param_gather=fp8_gather)
+        fp8_param_gather=fp8_gather, graph_full_iteration=full_iteration)
