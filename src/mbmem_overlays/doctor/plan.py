@@ -18,14 +18,15 @@ GiB = 1 << 30
 SKIP_OVERRIDE_PREFIXES = ("recipe", "run.", "hydra", "mem.", "+")
 
 
-def make_planner(recipe: str | None) -> Callable:
+def make_planner(recipe: str | None, arch: int | None = None) -> Callable:
+    """``arch``: the GPUs' compute capability (--gpu-arch; None: the GPU the recipe is named for, else 9)."""
     def planner(remedies: list[C.Remedy], ctx, f) -> tuple[list[C.Remedy], str, Callable | None]:
         name = recipe or f.recipe
         if not name:
             return remedies, "savings not computed: the recipe is not in the log; give --recipe", None
         try:
             from ..bridge.overrides import apply_overrides
-            from ..bridge.recipes import load_recipe, world_size_for
+            from ..bridge.recipes import gpu_arch_for, load_recipe, world_size_for
             from ..bridge.stack import prepare
             from ..core.engine import apply_overlay, plan_overlays
             from ..core.errors import OverlayError
@@ -41,6 +42,7 @@ def make_planner(recipe: str | None) -> Callable:
             world, _ = world_size_for(cfg, ctx.world)
         except Exception as exc:  # noqa: BLE001 — any failure to build the recipe is reported, never raised
             return remedies, f"savings not computed: recipe {name!r} could not be built ({type(exc).__name__}: {exc})", None
+        gpu = gpu_arch_for(name, arch)
         base_overlays = list(ctx.overlays)
         base_params = {k: C._typed(v) for k, v in C.params_in(ctx.launch).items()}
 
@@ -50,7 +52,8 @@ def make_planner(recipe: str | None) -> Callable:
                 if extra_sets:
                     apply_overrides(work, extra_sets)
                 apply_overlay(work, overlays, env={}, params=params, world_size=world, locked=locked)
-                return M.estimate(*M.from_config(work, world)).footprint
+                # read as Bridge's setup will run it (from_config: bridge/as_run.py)
+                return M.estimate(*M.from_config(work, world, arch=gpu["compute_capability"])).footprint
             except (OverlayError, ValueError, TypeError, AttributeError):
                 return None
 
@@ -67,6 +70,8 @@ def make_planner(recipe: str | None) -> Callable:
         shortfall = _shortfall(f)
         ranked = _rank(remedies, shortfall)
         text = (f"savings from the memory model on {name}, world size {world}"
+                + (f", GPUs of compute capability {gpu['compute_capability']} ({gpu['platform'].upper()}, from "
+                   f"{gpu['from']})" if gpu["platform"] and gpu["from"] != "--gpu-arch" else "")
                 + (f"; the failed request was short by {shortfall / GiB:.2f} GiB" if shortfall else ""))
 
         base_sets = C.overrides_in(ctx.launch)

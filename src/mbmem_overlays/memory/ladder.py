@@ -40,7 +40,7 @@ from typing import Any
 
 from ..core.catalog import Catalog
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST, full_recompute_cost, optimizer_offload_cost
-from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, realize, settings, toggles,
+from .steps import (Candidate, Rejected, Start, explain_rejection, realize, settings, toggles,
                     train_command)
 
 RECOMPUTE_OVERLAYS = ("selective_recompute", "full_recompute")
@@ -50,12 +50,22 @@ MIN_SAVING = 1 << 20   # a candidate the plan prices at less than 1 MiB saved is
 
 @dataclass
 class State:
-    """The ladder so far: the accepted candidate, its realized config and report."""
+    """The ladder so far: the accepted candidate, its realized config and report; ``arch`` the GPUs' compute
+    capability; ``inputs`` the memory model's (Shape, Layout, Settings) of ``cfg`` as Bridge's setup will run it
+    (from_config: bridge/as_run.py), read once per accepted step."""
     start: Start
     cand: Candidate
     cfg: Any
     report: Any
     world: int
+    arch: int = 9
+    inputs: Any = None
+
+    def planned(self):
+        if self.inputs is None:
+            from . import model as P
+            self.inputs = P.from_config(self.cfg, self.world, arch=self.arch)
+        return self.inputs
 
 
 class SavesNothing(str):
@@ -128,7 +138,7 @@ def _data_parallel_shards(state: State) -> tuple[int, str]:
     """(ranks one optimizer instance shards over, the layout in words): what the distributed optimizer and FSDP
     can split, dense or expert (model.data_parallel_shards)."""
     from . import model as P
-    _, lay, st = P.from_config(state.cfg, state.world)
+    _, lay, st = state.planned()
     dense, expert = P.data_parallel_shards(lay, st)
     return max(dense, expert if getattr(_model(state), "num_moe_experts", None) else 1), f"DP x CP is {lay.dp * lay.cp}"
 
@@ -140,7 +150,7 @@ def bf16_moments(state: State) -> Proposal:
                                                       "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"))
     if taken:
         return taken
-    st = P.from_config(state.cfg, state.world)[2]
+    st = state.planned()[2]
     if st.lora_rank:
         return SavesNothing("LoRA trains only the adapters: their optimizer state is negligible")
     if st.precision_aware and st.state_bytes <= P.BF16:
@@ -170,7 +180,7 @@ def fine_grained_offload(state: State) -> Proposal:
     taken = _own(state, "fine_grained_offload", ("model.fine_grained_activation_offloading",))
     if taken:
         return taken
-    shape, lay, st = P.from_config(state.cfg, state.world)
+    shape, lay, st = state.planned()
     b = P.estimate(shape, lay, st)
     largest = max(("parameters", "gradients", "optimizer", "activations"), key=lambda k: getattr(b, k))
     if largest != "activations":
@@ -344,12 +354,14 @@ def _shown(value: Any) -> Any:
 
 def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locked: dict | None = None,
               recipe: str = "<recipe>", *, start: Start | None = None, catalog: Catalog | None = None,
-              validate: bool = True) -> dict[str, Any]:
+              validate: bool = True, arch: int = 9) -> dict[str, Any]:
     """The memory-tuning skill's ladder, step by step, until the plan fits.
 
     ``cfg`` is the recipe with the user's overrides written; ``start`` carries the user's --set words and
-    overlays (``recipe``/``locked`` are the short form when there are none). Every accepted step has passed
-    our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's."""
+    overlays (``recipe``/``locked`` are the short form when there are none); ``arch`` the GPUs' compute capability.
+    Every accepted step has passed our rules and, with ``validate``, Bridge's validation; the returned ``command``
+    is the last one's. Each realized config is planned as Bridge's setup will run it, set up once."""
+    from . import model as P
     start = start or Start(recipe, locked=dict(locked or {}))
     catalog = catalog or Catalog(list(start.overlay_dirs))
     limit = capacity * (1 - margin)
@@ -359,9 +371,9 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     except Rejected as exc:
         return {"capacity_bytes": int(capacity), "margin": margin, "fits": False, "steps": [],
                 "error": f"your starting point is rejected: {exc.reason}", "command": None}
-    state = State(start, base, work, report, world)
+    state = State(start, base, work, report, world, arch)
     probes: dict = {}   # explain_rejection's realized probes, shared by the rungs
-    first = breakdown_of(work, world)
+    first = P.estimate(*state.planned())
     total = first.footprint
     rows: list[dict[str, Any]] = [{"step": "baseline", "overlays": list(start.overlays), "total_bytes": int(total),
                                    "fits": total <= limit, "validation": _verdict(report), "breakdown": first}]
@@ -382,9 +394,10 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
                 reasons.append(explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                                  cache=probes))
                 continue
-            b = breakdown_of(cfg2, world)
+            inputs2 = P.from_config(cfg2, world, arch=arch)
+            b = P.estimate(*inputs2)
             new_total = b.footprint
-            option = (cand, cost, cfg2, report2, new_total, b)
+            option = (cand, cost, cfg2, report2, new_total, b, inputs2)
             if best is None or new_total < best[4]:
                 best = option
             if new_total <= limit:
@@ -393,7 +406,7 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
         if best is None:
             rows.append({"step": rung.label, "skipped": f"rejected: {reasons[0]}", "kind": "rejected"})
             continue
-        cand, cost, cfg2, report2, new_total, b = best
+        cand, cost, cfg2, report2, new_total, b, inputs2 = best
         changed = toggles(cfg, settings(state.report, state.cand), settings(report2, cand))
         key = tuple((t, repr(new)) for t, _, new in changed)
         label = _label(rung, state.cand, cand)
@@ -414,11 +427,10 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
                      "changes": [{"target": t, "old": _shown(o), "new": _shown(n)} for t, o, n in changed],
                      "total_bytes": int(new_total), "saving_bytes": int(saving), "cost": cost,
                      "fits": new_total <= limit, "validation": _verdict(report2), "breakdown": b})
-        state = State(start, cand, cfg2, report2, world)
+        state = State(start, cand, cfg2, report2, world, arch, inputs2)
         total = new_total
-    from . import model as P
     from .ranges import uncertainty, verdict
-    shape, lay, st = P.from_config(state.cfg, world)
+    shape, lay, st = state.planned()
     ranges = uncertainty(shape, lay, st)
     fit_verdict, unless = verdict(total <= limit, ranges, limit)
     return {"capacity_bytes": int(capacity), "margin": margin, "steps": rows, "fits": total <= limit,

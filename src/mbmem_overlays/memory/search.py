@@ -74,13 +74,16 @@ def _refused(s: set[str], pp: int, tp: int, dist: bool) -> bool:
 
 
 def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int | None = 5, *,
-           locked: dict[str, Any] | None = None, fixed: tuple[str, ...] = ()) -> tuple[list[dict], int, float]:
+           locked: dict[str, Any] | None = None, fixed: tuple[str, ...] = (), arch: int = 9
+           ) -> tuple[list[dict], int, float]:
     """Enumerate TP x PP x VPP x CP x DP x overlay sets; keep those the model says fit; rank by cost.
 
     ``cfg`` already carries the user's overrides and overlays (``fixed``: those overlays, never varied);
-    ``locked`` pins the layout fields the user set. ``top=None`` returns every row."""
+    ``locked`` pins the layout fields the user set; ``arch``: the GPUs' compute capability. ``top=None`` returns
+    every row. The config is set up as Bridge runs it once (from_config: bridge/as_run.py); every candidate is a
+    variation of the dataclasses read from it."""
     locked = locked or {}
-    shape, base_lay, base_st = P.from_config(cfg, world)
+    shape, base_lay, base_st = P.from_config(cfg, world, arch=arch)
     options = [o for o in OPTIONS if o not in fixed]
     if base_st.lora_rank > 0 and "lora_sp_regather" not in fixed:
         options.append("lora_sp_regather")
@@ -164,7 +167,8 @@ def candidate_for(row: dict, locked: dict[str, Any], layers: int, moe: bool = Fa
 
 
 def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin: float = 0.05, top: int = 5, *,
-                     catalog: Catalog | None = None, validate: bool = True, max_checks: int = 200) -> dict[str, Any]:
+                     catalog: Catalog | None = None, validate: bool = True, max_checks: int = 200,
+                     arch: int = 9) -> dict[str, Any]:
     """``search``, then each row realized and validated, cheapest first, until ``top`` pass.
 
     Returns {"results", "evaluated", "seconds", "checked", "dropped", "dropped_reasons"}; a result has its
@@ -175,9 +179,10 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
         apply_overlay(mine, list(start.overlays), env=launch_env(), params=start.params, locked=start.locked, catalog=catalog)
     except OverlayError as exc:
         raise Rejected(f"your overlays are rejected on this recipe: {first_line(exc)}") from None
-    rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays)
+    rows, evaluated, seconds = search(mine, world, capacity, margin, None, locked=start.locked, fixed=start.overlays,
+                                      arch=arch)
     limit = capacity * (1 - margin)
-    own = breakdown_of(mine, world).footprint   # the user's configuration as planned: what each result saves
+    own = breakdown_of(mine, world, arch=arch).footprint   # the user's configuration as planned: what each result saves
     probes: dict = {}
     results: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
@@ -195,12 +200,12 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
             dropped[explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                       cache=probes)] += 1
             continue
-        b = breakdown_of(work, world)
+        shape, lay, st = P.from_config(work, world, arch=arch)   # set up once (bridge/as_run.py), read twice
+        b = P.estimate(shape, lay, st)
         if b.footprint > limit:
             dropped["does not fit once the overlays resolve their parameters (memory model on the applied config)"] += 1
             continue
         v = report.validation
-        shape, lay, st = P.from_config(work, world)
         fit_verdict, unless = verdict(True, uncertainty(shape, lay, st, b), limit)
         results.append({**row, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
                         "total_bytes": int(b.footprint), "modelled_bytes": row["total_bytes"],
