@@ -27,9 +27,10 @@ What it does differently from ``runtime_config_update``, and why:
   reads.
 - A check that this host cannot run does not stop it. Transformer Engine's version is asked as on the GPU nodes
   (megatron_args.te_version: the installed TE, else v2.17.1, the one Bridge 0.6.x pins), so comm_overlap's TP
-  overlap and delayed-wgrad checks pass as they would there. A model check that needs TE itself (the fused RoPE or
-  permutation kernels: validation.TE_ONLY_CHECKS) is passed with that one setting off in a scratch copy and the
-  setting put back afterwards: the memory-relevant setup is applied even then, and a note says so.
+  overlap and delayed-wgrad checks pass as they would there. A model check that needs what this host lacks
+  (``host_checks``: the fused RoPE or permutation kernels of TE, validation.TE_ONLY_CHECKS; this host's
+  gradient-accumulation-fusion default) is passed with that one setting off in a scratch copy and the setting put
+  back afterwards: the memory-relevant setup is applied even then, and a note says so.
 - A step Bridge refuses for a reason of the user's (a real rejection) is left out with a note; the plan reads the
   config without it. Bridge's validation (``validate=True``, bridge/validation.py) reports the rejection itself.
 
@@ -123,6 +124,7 @@ def as_run(cfg: Any, world: int, env: dict[str, str] | None = None) -> AsRun:
                 _comm_overlap(work, notes)
             _finalize_in_place(work, "ddp", notes)
             _finalize_in_place(work, "optimizer", notes)
+            _cuda_graph_guard(work, notes)
             _finalize_model(work, notes)
             _distributed_optimizer(work, notes)
     mark_as_run(work, world, tuple(notes.refused), tuple(notes.host))
@@ -204,12 +206,29 @@ def _te_only(exc: BaseException) -> str:
         m in str(exc) for m in TE_MARKERS) else ""
 
 
+def _cuda_graph_guard(work: Any, notes: _Notes) -> None:
+    """validate()'s ``validate_cuda_graph_configuration(self.model)`` before the model's finalize (config.py:1259-1261,
+    utils/cuda_graph.py): with ``cuda_graph_impl`` still "none" it clears the graph modules and scope. That matters:
+    a recipe that asks for graphs through the deprecated ``external_cuda_graph`` with a ``cuda_graph_scope``
+    (Qwen3-30B-A3B's partial-graph MXFP8 recipe) has its scope cleared here, and finalize then turns the flag into
+    TE graphs of the whole layer."""
+    from megatron.bridge.training import config as bridge_config
+    guard = getattr(bridge_config, "validate_cuda_graph_configuration", None)
+    model = getattr(work, "model", None)
+    if guard is None or model is None:
+        return
+    try:
+        guard(model)
+    except Exception as exc:  # noqa: BLE001 — a graph combination Bridge does not support
+        notes.add(f"Bridge's CUDA-graph check refuses this config ({_one_line(exc)})", exc)
+
+
 def _finalize_model(work: Any, notes: _Notes) -> None:
     """validate()'s ``self.model.finalize()`` (config.py:1262; models/transformer_config.py finalize: the
     pipeline dtype, sequence parallel off at TP 1, the expert TP default, then megatron-core's
-    TransformerConfig.__post_init__) on a scratch copy, adopted when it passes. A check that needs Transformer
-    Engine (validation.TE_ONLY_CHECKS) is passed with its one model setting off in the scratch copy, and the setting
-    is put back afterwards, as the GPU nodes keep it; any other refusal leaves the model as the recipe set it."""
+    TransformerConfig.__post_init__) on a scratch copy, adopted when it passes. A check that needs what this host
+    lacks (``host_checks``) is passed with its one model setting changed in the scratch copy, and the setting is put
+    back afterwards, as the GPU nodes keep it; any other refusal leaves the model as the recipe set it."""
     model = getattr(work, "model", None)
     if model is None or not hasattr(model, "finalize"):
         return
@@ -234,7 +253,7 @@ def _finalize_model(work: Any, notes: _Notes) -> None:
             setattr(trial, name, getattr(model, name))
         if aside:
             notes.add("model.finalize() ran with " + ", ".join(f"model.{n}={v!r}" for n, v in aside.items())
-                      + " (its check needs what this host does not have: Transformer Engine); the recipe's "
+                      + " (its check needs what this host does not have); the recipe's "
                       + ", ".join(f"model.{n}={getattr(model, n)!r}" for n in aside) + " is kept, as on the GPU "
                       "nodes", host=True)
         work.model = trial
@@ -339,33 +358,41 @@ def _te_as_on_gpu_nodes():
 def bridge_runtime_update(cfg: Any, world: int) -> tuple[Any | None, dict[str, Any], str | None]:
     """(copy after Bridge's own ``runtime_config_update``, the settings put aside for it, why it could not run):
     the oracle ``as_run`` is checked against (tests/test_plan_as_run.py, bench/plan_as_run.py). Run as
-    bridge/validation.py runs it: ``WORLD_SIZE`` set, ``os.environ`` restored afterwards, a placeholder pretrained
-    checkpoint for PEFT; Transformer Engine's version asked as on the GPU nodes (``_te_as_on_gpu_nodes``, as
-    megatron_args asks validate_args); and a check that needs TE itself passed with its setting off, which the second
-    value names so that the caller sets it on its side too (the two sides stay comparable). The copy is marked as
-    run (``mark_as_run``): planning it reads it as it is."""
+    bridge/validation.py runs it: ``WORLD_SIZE`` set, ``os.environ`` restored afterwards, placeholder folders for the
+    paths Bridge checks exist (a PEFT recipe's pretrained checkpoint, a fast-cache dataset's data cache); Transformer
+    Engine's version asked as on the GPU nodes (``_te_as_on_gpu_nodes``, as megatron_args asks validate_args), the
+    flex dispatcher's GPU query skipped (``_no_gpu_query``); and a check that needs what this host lacks
+    (``host_checks``) passed with its setting off, which the second value names so that the caller sets it on its side
+    too (the two sides stay comparable). The copy is marked as run (``mark_as_run``): planning it reads it as it
+    is."""
     import shutil
     import tempfile
 
-    from megatron.bridge.training.config import runtime_config_update
+    from megatron.bridge.training import config as bridge_config
 
     from .validation import TE_MARKERS, _preserved_environ
-    checks = host_checks()
+    # the flex dispatcher's check asks the GPU (validate_flex_dispatcher_backend, the last step of validate(), after
+    # everything a plan reads is set): skipped here rather than answered by another dispatcher
+    checks = tuple((m, s) for m, s in host_checks() if "NVIDIA driver" not in m)
     put_aside: dict[str, Any] = {}
     base = copy.deepcopy(cfg)
-    placeholder = None
-    if read(base, "peft", None) is not None and read(base, "checkpoint.pretrained_checkpoint", None) is None:
-        placeholder = tempfile.mkdtemp(prefix="mbmem-placeholder-checkpoint-")
-        write(base, "checkpoint.pretrained_checkpoint", placeholder)
+    placeholders = []   # paths Bridge checks exist, which a plan has no need of (validation.py does the same)
+    for path, needed in (("checkpoint.pretrained_checkpoint", read(base, "peft", None) is not None),
+                         ("dataset.data_cache_path", bool(read(base, "dataset.dataloader_fast_cache_load", False)
+                                                          or read(base, "dataset.dataloader_defer_npy_index_mmap",
+                                                                  False)))):
+        if needed and read(base, path, MISSING) is None:
+            placeholders.append((path, tempfile.mkdtemp(prefix="mbmem-placeholder-")))
+            write(base, path, placeholders[-1][1])
     try:
         for _ in range(len(checks) + 1):
             attempt = copy.deepcopy(base)
-            with _preserved_environ(), _te_as_on_gpu_nodes(), contextlib.redirect_stdout(io.StringIO()), \
-                    warnings.catch_warnings():
+            with _preserved_environ(), _te_as_on_gpu_nodes(), _no_gpu_query(bridge_config), \
+                    contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 os.environ["WORLD_SIZE"] = str(int(world))
                 try:
-                    runtime_config_update(attempt)
+                    bridge_config.runtime_config_update(attempt)
                 except Exception as exc:  # noqa: BLE001
                     for marker, safe in checks:
                         first = next(iter(safe))
@@ -381,10 +408,25 @@ def bridge_runtime_update(cfg: Any, world: int) -> tuple[Any | None, dict[str, A
                                                 else "")
                         return None, put_aside, why
                     continue
-            if placeholder is not None:
-                write(attempt, "checkpoint.pretrained_checkpoint", None)
+            for path, _ in placeholders:
+                write(attempt, path, None)
             return mark_as_run(attempt, world), put_aside, None
         return None, put_aside, "too many TE-only checks"
     finally:
-        if placeholder is not None:
-            shutil.rmtree(placeholder, ignore_errors=True)
+        for _, folder in placeholders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _no_gpu_query(bridge_config):
+    """Bridge's flex-dispatcher check reads the GPU's properties (flex_dispatcher_backend.py:103-120), which a CPU host
+    does not have: for the oracle it does nothing, and is put back on exit."""
+    original = getattr(bridge_config, "validate_flex_dispatcher_backend", None)
+    if original is None:
+        yield
+        return
+    bridge_config.validate_flex_dispatcher_backend = lambda model_config: None
+    try:
+        yield
+    finally:
+        bridge_config.validate_flex_dispatcher_backend = original
