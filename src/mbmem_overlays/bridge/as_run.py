@@ -359,8 +359,8 @@ def bridge_runtime_update(cfg: Any, world: int) -> tuple[Any | None, dict[str, A
     """(copy after Bridge's own ``runtime_config_update``, the settings put aside for it, why it could not run):
     the oracle ``as_run`` is checked against (tests/test_plan_as_run.py, bench/plan_as_run.py). Run as
     bridge/validation.py runs it: ``WORLD_SIZE`` set, ``os.environ`` restored afterwards, placeholder folders for the
-    paths Bridge checks exist (a PEFT recipe's pretrained checkpoint, a fast-cache dataset's data cache); Transformer
-    Engine's version asked as on the GPU nodes (``_te_as_on_gpu_nodes``, as megatron_args asks validate_args), the
+    paths Bridge checks are given (a PEFT recipe's pretrained checkpoint, a fast-cache dataset's path_to_cache);
+    Transformer Engine's version asked as on the GPU nodes (``_te_as_on_gpu_nodes``, as megatron_args asks validate_args), the
     flex dispatcher's GPU query skipped (``_no_gpu_query``); and a check that needs what this host lacks
     (``host_checks``) passed with its setting off, which the second value names so that the caller sets it on its side
     too (the two sides stay comparable). The copy is marked as run (``mark_as_run``): planning it reads it as it
@@ -378,9 +378,9 @@ def bridge_runtime_update(cfg: Any, world: int) -> tuple[Any | None, dict[str, A
     base = copy.deepcopy(cfg)
     placeholders = []   # paths Bridge checks exist, which a plan has no need of (validation.py does the same)
     for path, needed in (("checkpoint.pretrained_checkpoint", read(base, "peft", None) is not None),
-                         ("dataset.data_cache_path", bool(read(base, "dataset.dataloader_fast_cache_load", False)
-                                                          or read(base, "dataset.dataloader_defer_npy_index_mmap",
-                                                                  False)))):
+                         # BlendedMegatronDatasetConfig.__post_init__ asserts --data-cache-path with these
+                         ("dataset.path_to_cache", bool(read(base, "dataset.fast_cache_load", False)
+                                                         or read(base, "dataset.defer_npy_index_mmap", False)))):
         if needed and read(base, path, MISSING) is None:
             placeholders.append((path, tempfile.mkdtemp(prefix="mbmem-placeholder-")))
             write(base, path, placeholders[-1][1])

@@ -71,7 +71,8 @@ def make_planner(recipe: str | None, arch: int | None = None) -> Callable:
         ranked = _rank(remedies, shortfall)
         text = (f"savings from the memory model on {name}, world size {world}"
                 + (f", GPUs of compute capability {gpu['compute_capability']} ({gpu['platform'].upper()}, from "
-                   f"{gpu['from']})" if gpu["platform"] and gpu["from"] != "--gpu-arch" else "")
+                   f"{gpu['from']})" if gpu["platform"] and gpu["from"] != "--gpu-arch"
+                   and gpu["compute_capability"] != 9 else "")
                 + (f"; the failed request was short by {shortfall / GiB:.2f} GiB" if shortfall else ""))
 
         base_sets = C.overrides_in(ctx.launch)
