@@ -188,6 +188,18 @@ def test_a_setup_bridge_refuses_is_left_out_and_the_plan_says_so(bridge):
 
 
 @pytest.mark.bridge
+def test_what_finalize_writes_for_unset_still_follows_the_layout(bridge):
+    """finalize() writes microbatch_group_size_per_vp_stage = PP where the recipe leaves it unset; the plan reads
+    that as Layout's 0 ("the pipeline size"), so plan --search, which varies PP on the dataclasses, varies it too."""
+    from mbmem_overlays.bridge.as_run import as_run
+    from mbmem_overlays.memory import model as P
+    cfg = bridge.build_recipe("megatron.bridge.perf_recipes.llama.h100.llama3.llama3_70b_sft_32gpu_h100_fp8cs_config")
+    assert cfg.model.microbatch_group_size_per_vp_stage is None and cfg.model.pipeline_model_parallel_size == 4
+    assert as_run(cfg, 32).config.model.microbatch_group_size_per_vp_stage == 4
+    assert P.from_config(cfg, 32)[1].vp_group == 0
+
+
+@pytest.mark.bridge
 def test_comm_overlap_writes_what_the_plan_reads(bridge):
     """CommOverlapConfig.setup writes defer_embedding_wgrad_compute into the model (False unless the overlap config
     asks: comm_overlap.py _get_model_comm_overlap_cfgs), which the plan reads there."""

@@ -275,6 +275,12 @@ def mamba_heads(m: Any) -> int:
     return 2 * m.hidden_size // head_dim if head_dim else 0
 
 
+def _vp_group(value: Any, pp: int) -> int:
+    """Layout.vp_group: the microbatches of one virtual-pipeline group, 0 where it is the pipeline size (unset, or
+    what megatron-core's finalize wrote for unset)."""
+    return 0 if not value or int(value) == int(pp or 1) else int(value)
+
+
 def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None
                 ) -> tuple[Shape, Layout, Settings]:
     """The plan's inputs read from a Bridge ConfigContainer for ``world`` GPUs of compute capability ``arch``
@@ -345,8 +351,9 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
                  sp=bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1,
                  seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size,
                  chunk_layers=chunks,
-                 # model_parallel_config.py:431-445 (None: the pipeline size, set in __post_init__ :567-568)
-                 vp_group=int(getattr(m, "microbatch_group_size_per_vp_stage", None) or 0))
+                 # model_parallel_config.py:431-445 (None: the pipeline size, which finalize writes in __post_init__
+                 # :567-568). 0 is Layout's "the pipeline size": a layout search that varies PP then varies it too
+                 vp_group=_vp_group(getattr(m, "microbatch_group_size_per_vp_stage", None), pp))
     # The mixed-precision preset and the communication-overlap config are in the model, optimizer and DDP fields
     # now (as_run: MixedPrecisionConfig.setup, CommOverlapConfig.setup), so those fields alone say the precision
     grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
