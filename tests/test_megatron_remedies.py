@@ -249,8 +249,8 @@ def test_megatron_args_usage_errors_come_before_bridge(capsys):
     assert main(["recommend", "--megatron-args", str(GPT), "--json"]) == 2
     assert "--gpu-memory" in capsys.readouterr().out
     assert main(["recommend", "--recipe", "llama3_8b_pretrain", "--world-size", "8", "--gpu-memory", "80GiB",
-                 "--gpu-arch", "A100", "--json"]) == 2
-    assert "--gpu-arch works with --megatron-args" in capsys.readouterr().out
+                 "--tokenizer-vocab", "32000", "--json"]) == 2
+    assert "--tokenizer-vocab works with --megatron-args" in capsys.readouterr().out
 
 
 CAPACITY_OOM = ("[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total "

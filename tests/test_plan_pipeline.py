@@ -138,4 +138,4 @@ def test_megatron_lm_arguments_reach_the_schedule_and_the_attention(bridge):
     assert (lay.pp, lay.vpp, lay.microbatches, lay.vp_group) == (4, 3, 5, 5)
     assert not st.mcore_attention
     _, lay, st = P.from_config(load_job(argv[:-4] + ["--transformer-impl", "local"], world_size=1).config, 1)
-    assert lay.vp_group == 0 and st.mcore_attention
+    assert lay.vp_group == 0 and st.mcore_attention   # unset: the pipeline size (finalize writes it, 0 reads it)

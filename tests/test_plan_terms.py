@@ -349,20 +349,22 @@ def test_fp8_master_casts_sit_beside_the_fp32_gradient_copies(llama_fp8_tp8, lla
 def test_fp8_master_casts_only_where_the_step_quantizes(bridge):
     from types import SimpleNamespace as NS
 
-    def cfg(dist=True, reuse=False, dtype=None):
-        return NS(optimizer=NS(use_distributed_optimizer=dist, reuse_grad_buf_for_mxfp8_param_ag=reuse),
-                  ddp=NS(use_distributed_optimizer=dist), model=NS(params_dtype=dtype))
-
     import torch
-    mp = NS(params_dtype=torch.bfloat16, reuse_grad_buf_for_mxfp8_param_ag=False)
-    assert P.fp8_cast_copy_bytes(cfg(), True, False, False, mp) == P.BF16
-    assert P.fp8_cast_copy_bytes(cfg(), False, False, False, mp) == 0           # bf16 weights: a plain copy_
-    assert P.fp8_cast_copy_bytes(cfg(dist=False), True, False, False, mp) == 0  # no quantize_param_shard
-    assert P.fp8_cast_copy_bytes(cfg(), True, True, False, mp) == 0             # FusedAdam owns the masters
-    assert P.fp8_cast_copy_bytes(cfg(), True, False, True, mp) == 0             # Megatron FSDP's own path
-    assert P.fp8_cast_copy_bytes(cfg(reuse=True), True, False, False, mp) == 0  # MXFP8 via the grad buffer
-    fp32 = NS(params_dtype=torch.float32, reuse_grad_buf_for_mxfp8_param_ag=False)
-    assert P.fp8_cast_copy_bytes(cfg(), True, False, False, fp32) == 0          # .to(fp32) returns the tensor
+
+    # the config as Bridge's setup runs it (bridge/as_run.py): the preset's params_dtype and reuse flag are in the
+    # model, optimizer and DDP configs
+    def cfg(dist=True, reuse=False, dtype=torch.bfloat16):
+        return NS(optimizer=NS(use_distributed_optimizer=dist, reuse_grad_buf_for_mxfp8_param_ag=reuse),
+                  ddp=NS(use_distributed_optimizer=dist, reuse_grad_buf_for_mxfp8_param_ag=reuse),
+                  model=NS(params_dtype=dtype))
+
+    assert P.fp8_cast_copy_bytes(cfg(), True, False, False) == P.BF16
+    assert P.fp8_cast_copy_bytes(cfg(), False, False, False) == 0           # bf16 weights: a plain copy_
+    assert P.fp8_cast_copy_bytes(cfg(dist=False), True, False, False) == 0  # no quantize_param_shard
+    assert P.fp8_cast_copy_bytes(cfg(), True, True, False) == 0             # FusedAdam owns the masters
+    assert P.fp8_cast_copy_bytes(cfg(), True, False, True) == 0             # Megatron FSDP's own path
+    assert P.fp8_cast_copy_bytes(cfg(reuse=True), True, False, False) == 0  # MXFP8 via the grad buffer
+    assert P.fp8_cast_copy_bytes(cfg(dtype=torch.float32), True, False, False) == 0  # .to(fp32) returns the tensor
     # the recipe's own reading: FP8 primary weights off, and Megatron FSDP on
     bf16 = planned(bridge, LLAMA70_PERF, "mixed_precision.fp8_param_gather=false", world=32)[2]
     assert bf16.param_bytes == P.BF16 and bf16.fp8_cast_copy_bytes == 0

@@ -285,3 +285,59 @@ def model_summary(cfg: Any) -> dict[str, Any]:
                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
                peft=type(cfg.peft).__name__ if cfg.peft is not None else None)
     return out
+
+
+# The GPU a recipe is named for -> its compute capability major (NVIDIA's CUDA GPU table,
+# developer.nvidia.com/cuda-gpus: A100 8.0, H100/H200/GH200 9.0, B200/GB200 10.0, B300/GB300 10.3). Bridge names
+# its per-platform recipes by folder (recipes/qwen/gb200/, perf_recipes/llama/b300/) and in the function name
+# (llama3_8b_pretrain_8gpu_gb200_bf16_config). Rubin (r100, vr200) is not in that table: such a recipe is named for a
+# platform whose compute capability the plan does not know, and the default stays.
+PLATFORM_GPU_ARCH: dict[str, int | None] = {"a100": 8, "h100": 9, "h200": 9, "gh200": 9, "b200": 10, "gb200": 10,
+                                            "b300": 10, "gb300": 10, "r100": None, "vr200": None}
+_PLATFORM_WORD = re.compile(r"(?:^|_)(" + "|".join(sorted(PLATFORM_GPU_ARCH, key=len, reverse=True)) + r")(?=_|$)")
+
+
+def recipe_platform(name: str | None) -> tuple[str, int | None, str] | None:
+    """(platform, compute capability major or None when unknown, where it was read) of the GPU a recipe is named
+    for, or None when its name and module say none. Read from the function's name (``_gb200_``), else from its module
+    path (``recipes/qwen/gb200/...``; Bridge keeps its general recipes under ``<model>/h100/``), the module that
+    defines the function. ``name`` is what --recipe takes: a train.py recipe (its YAML's function), a dotted path or
+    a bare function name; when the name itself says no platform the function is looked up as building the recipe
+    looks it up (``_recipe_function``: imports Bridge; a name it refuses is read as text). The one lookup for every
+    command (plan, recommend, --search, doctor --plan) and bench/recipe_census.py."""
+    if not isinstance(name, str) or not name:
+        return None
+    function = recipe_function_name(name)
+    module, _, leaf = function.rpartition(".")
+    found = _PLATFORM_WORD.search(leaf.lower())
+    if found:
+        return found.group(1), PLATFORM_GPU_ARCH[found.group(1)], "the recipe's name"
+    try:   # the module that defines it (a package may re-export it): imports Bridge, as building the recipe does
+        module = _recipe_function(function).__module__ or module
+    except OverlayError:
+        pass
+    for part in module.lower().split("."):
+        if part in PLATFORM_GPU_ARCH:
+            return part, PLATFORM_GPU_ARCH[part], "the recipe's module path"
+    return None
+
+
+def gpu_arch_for(recipe: str | None, given: int | None, default: int = 9) -> dict[str, Any]:
+    """The GPUs a plan is made for: ``given`` (--gpu-arch) when not None, else the platform the recipe is named for
+    (``recipe_platform``), else ``default`` (9: H100/H200, what every plan assumed before). Returns
+    {"compute_capability", "from" ("--gpu-arch", where the platform was read, or "default"), "platform",
+    "assumption" (the sentence the plan's assumptions carry; None when --gpu-arch was given)}."""
+    if given is not None:
+        return {"compute_capability": int(given), "from": "--gpu-arch", "platform": None, "assumption": None}
+    found = recipe_platform(recipe)
+    if found is not None and found[1] is not None:
+        platform, arch, where = found
+        return {"compute_capability": arch, "from": where, "platform": platform,
+                "assumption": f"GPUs of compute capability {arch} ({platform.upper()}) assumed from {where}; "
+                              "--gpu-arch to change"}
+    lead = (f"the recipe is named for {found[0].upper()}, whose compute capability this plan does not know: "
+            if found is not None else "--gpu-arch not given: ")
+    return {"compute_capability": default, "from": "default", "platform": found[0] if found else None,
+            "assumption": f"{lead}GPUs of compute capability {default}"
+                          + {8: " (A100)", 9: " (H100/H200)", 10: " (B200/GB200)"}.get(default, "") + " assumed"
+                          + ("; --gpu-arch to change" if found is not None else "")}

@@ -46,7 +46,7 @@ def register(sub) -> None:
                    help="capacity per GPU (e.g. 80GiB), when the input does not show it")
     p.add_argument("--gpu-arch", metavar="ARCH",
                    help="with --plan: the GPUs' compute capability (9: H100/H200, 10: B200/GB200, 8: A100) or their "
-                        "name (default 9)")
+                        "name (default: the GPU the recipe is named for, ..._gb200_..., else 9)")
     p.add_argument("--margin", default="0.05", metavar="F",
                    help="headroom a healthy rank keeps free, a fraction of capacity in [0, 1) (default 0.05)")
     p.add_argument("--plot", metavar="FILE", help="run report: per-rank bars to FILE (.png, .pdf or .svg)")

@@ -171,7 +171,9 @@ def report(args, paths: list[str]) -> Outcome:
     plan = None
     if args.plan and best is not None:
         from ..doctor.snapshot.plan import compare_plan
-        plan = compare_plan(args.recipe, list(opts.overrides), opts.params, opts.world, best.report.moment)
+        from .common import gpu_arch_option
+        plan = compare_plan(args.recipe, list(opts.overrides), opts.params, opts.world, best.report.moment,
+                            arch=gpu_arch_option(getattr(args, "gpu_arch", None))[0])
     texts, objects, codes = [], [], []
     for r in reads:
         if r.error:

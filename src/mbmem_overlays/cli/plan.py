@@ -47,9 +47,10 @@ def add_memory_options(p, *, capacity_help: str, megatron: bool = False) -> None
         p.add_argument("--tokenizer-vocab", metavar="N",
                        help="with --megatron-args: the tokenizer's vocabulary when its files cannot be read here "
                             "(SentencePiece, Hugging Face)")
-        p.add_argument("--gpu-arch", metavar="ARCH",
-                       help="with --megatron-args: the GPUs' compute capability (9: H100/H200, 10: B200/GB200, "
-                            "8: A100) or their name; validate_args and the workspace sizes read it (default 9)")
+    p.add_argument("--gpu-arch", metavar="ARCH",
+                   help="the GPUs' compute capability (9: H100/H200, 10: B200/GB200, 8: A100) or their name; the "
+                        "workspace sizes (and with --megatron-args validate_args) read it. Default: the GPU a recipe "
+                        "is named for (..._gb200_... in its name, or its module's <model>.b200), else 9")
     p.add_argument("--overlay", "-O", action="append", default=[],
                    help="overlays you already use (comma-separated or repeated); every step and command keeps them")
     p.add_argument("--gpu-memory", metavar="SIZE", help=capacity_help)
@@ -102,9 +103,6 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
         found["arch"] = gpu_arch_option(args.gpu_arch)
     out.update({key: value for key, (value, _) in found.items()})
     problems: list[Problem] = [p for _, p in found.values() if p]
-    if getattr(args, "gpu_arch", None) is not None and getattr(args, "search", False):
-        problems.append(_problem("--gpu-arch", args.gpu_arch, "--search plans GPUs of compute capability "
-                                 f"{DEFAULT_GPU_ARCH} (H100/H200)", "drop --gpu-arch with --search"))
     if args.gpu_memory is None and capacity_required:
         problems.append(_problem("--gpu-memory", None, f"--gpu-memory is required {capacity_required}",
                                  "add the memory of one GPU, e.g. --gpu-memory 80GiB (or 80GB, 80G, bytes)"))
@@ -184,15 +182,40 @@ def run(args) -> int:
         return fail(args, exc, EXIT_REJECTED)
 
 
+def gpu_arch_for(recipe: str | None, given: int | None) -> dict[str, Any]:
+    """The GPUs a plan is made for (bridge/recipes.py ``gpu_arch_for``: --gpu-arch, else the platform the recipe is
+    named for, else DEFAULT_GPU_ARCH)."""
+    from ..bridge.recipes import gpu_arch_for as lookup
+    return lookup(recipe, given, DEFAULT_GPU_ARCH)
+
+
+def arch_json(gpu: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in gpu.items() if k != "assumption"}
+
+
+def arch_note(gpu: dict[str, Any]) -> str | None:
+    """The line recommend and --search print of the GPUs, where the recipe's platform says other than H100 (the
+    JSON's ``gpu_arch`` always says it)."""
+    named = gpu["platform"] and gpu["from"] != "--gpu-arch"
+    if named and (gpu["compute_capability"] != DEFAULT_GPU_ARCH or gpu["from"] == "default"):
+        return f"assumed: {gpu['assumption']}"
+    return None
+
+
 def run_plan(args, cfg, start, checked) -> int:
+    import dataclasses
+
     from ..memory.steps import build_plan, plan_figure, render_plan
+    gpu = gpu_arch_for(args.recipe, checked.get("arch"))
     plan = build_plan(cfg, list(start.overlays), world=checked["world"], recipe=args.recipe, params=start.params,
                       capacity=checked["capacity"], margin=checked["margin"], locked=start.locked,
-                      catalog=checked["catalog"], arch=checked.get("arch") or DEFAULT_GPU_ARCH)
+                      catalog=checked["catalog"], arch=gpu["compute_capability"])
+    if gpu["assumption"]:
+        plan = dataclasses.replace(plan, assumptions=plan.assumptions + (gpu["assumption"],))
     if args.plot:
         write_plot(args, lambda: plan_figure(plan))
     if args.json:
-        emit(args, {**plan.as_dict(), "plot": args.plot})
+        emit(args, {**plan.as_dict(), "gpu_arch": arch_json(gpu), "plot": args.plot})
     else:
         print(render_plan(plan, verbose=args.verbose))
         if args.plot:
@@ -205,10 +228,11 @@ def run_search(args, cfg, start, checked) -> int:
     from ..memory.search import layout_name, render_search, search_validated
     from ..memory.steps import Rejected, draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
+    gpu = gpu_arch_for(args.recipe, checked.get("arch"))
     try:
         with progress("searching layouts and validating the cheapest with Bridge"):
             found = search_validated(cfg, start, world, capacity, margin, checked["top"], catalog=checked["catalog"],
-                                     arch=checked.get("arch") or DEFAULT_GPU_ARCH)
+                                     arch=gpu["compute_capability"])
     except Rejected as exc:
         return fail(args, OverlayError([Problem(("overlay",), "--overlay", list(start.overlays), exc.reason,
                                                 "drop or change the overlay named above")]), EXIT_REJECTED)
@@ -220,11 +244,14 @@ def run_search(args, cfg, start, checked) -> int:
             capacity=capacity, margin=margin))
     if args.json:
         emit(args, {**{k: v for k, v in found.items() if k != "results"}, "capacity_bytes": int(capacity),
-                    "margin": margin, "world_size": world, "plot": args.plot if results else None,
+                    "margin": margin, "world_size": world, "gpu_arch": arch_json(gpu),
+                    "plot": args.plot if results else None,
                     "results": [{**{k: v for k, v in r.items() if k != "breakdown"},
                                  "breakdown": breakdown_dict(r["breakdown"])} for r in results]})
         return search_exit(found)
     print(render_search(found, capacity, margin))
+    if arch_note(gpu):
+        print(arch_note(gpu))
     if args.plot and results:
         print(f"plot: {args.plot}")
     return search_exit(found)
@@ -330,7 +357,8 @@ def run_megatron(args) -> int:
         return fail(args, exc, EXIT_USAGE)
     verdict = megatron_verdict(plan, job)
     if args.json:
-        emit(args, {**plan.as_dict(), "plot": args.plot, "megatron_args": {**job.as_dict(), "verdict": verdict},
+        emit(args, {**plan.as_dict(), "gpu_arch": arch_json(gpu_arch_for(None, checked["arch"])), "plot": args.plot,
+                    "megatron_args": {**job.as_dict(), "verdict": verdict},
                     "megatron_flags": flags.as_dict() if flags else None,
                     "megatron_flags_check": flags_check.as_dict() if flags_check is not None else None})
     else:
@@ -385,7 +413,8 @@ def run_megatron_search(args, job, checked: dict[str, Any]) -> int:
         return fail(args, exc, EXIT_USAGE)
     if args.json:
         emit(args, {**{k: v for k, v in found.items() if k != "results"}, "capacity_bytes": int(capacity),
-                    "margin": margin, "world_size": job.world_size, "plot": args.plot if results else None,
+                    "margin": margin, "world_size": job.world_size,
+                    "gpu_arch": arch_json(gpu_arch_for(None, checked["arch"])), "plot": args.plot if results else None,
                     "megatron_args": job.as_dict(),
                     "results": [{**{k: v for k, v in r.items() if k != "breakdown"},
                                  "breakdown": breakdown_dict(r["breakdown"])} for r in results]})
@@ -398,10 +427,10 @@ def run_megatron_search(args, job, checked: dict[str, Any]) -> int:
 
 
 def gpu_arch_assumptions(given: int | None) -> tuple[str, ...]:
-    """What the plan says of the GPU when --gpu-arch was not given."""
-    if given is not None:
-        return ()
-    return (f"--gpu-arch not given: GPUs of compute capability {DEFAULT_GPU_ARCH} (H100/H200) assumed",)
+    """What the plan of a Megatron-LM job (no recipe name to read a platform from) says of the GPU when --gpu-arch
+    was not given."""
+    text = gpu_arch_for(None, given)["assumption"]
+    return (text,) if text else ()
 
 
 def megatron_overlay_flags(job, overlays: list[str], catalog):

@@ -7,7 +7,8 @@ import sys
 from ..core.errors import OverlayError
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError, usage_problem
 from ..core.text import shown
-from .plan import add_memory_options, breakdown_dict, build_start, checked_args, emit, fail, write_plot
+from .plan import (add_memory_options, arch_json, arch_note, breakdown_dict, build_start, checked_args, emit, fail,
+                   gpu_arch_for, write_plot)
 
 
 def register(sub) -> None:
@@ -23,12 +24,10 @@ def run(args) -> int:
         return fail(args, UsageError([usage_problem("--recipe", None, "--recipe or --megatron-args is required",
                                                     "add --recipe NAME, or --megatron-args FILE for a Megatron-LM "
                                                     "job")]), EXIT_USAGE)
-    if args.gpu_arch is not None or args.tokenizer_vocab is not None:
-        flag, value = ("--gpu-arch", args.gpu_arch) if args.gpu_arch is not None else \
-            ("--tokenizer-vocab", args.tokenizer_vocab)
-        return fail(args, UsageError([usage_problem(flag, value, f"{flag} works with --megatron-args: recommend plans a "
-                                                    "recipe on GPUs of compute capability 9 (H100/H200)",
-                                                    f"drop {flag}, or give the job with --megatron-args")]),
+    if args.tokenizer_vocab is not None:   # a recipe's vocabulary is its tokenizer's, as Bridge builds it
+        return fail(args, UsageError([usage_problem("--tokenizer-vocab", args.tokenizer_vocab, "--tokenizer-vocab "
+                                                    "works with --megatron-args: a recipe's vocabulary is its own",
+                                                    "drop --tokenizer-vocab, or give the job with --megatron-args")]),
                     EXIT_USAGE)
     try:
         checked = checked_args(args, capacity_required="to know when the ladder may stop")
@@ -48,8 +47,10 @@ def recommend_and_print(args, cfg, start, checked) -> int:
     from ..memory.ladder import recommend, render_recommendation
     from ..memory.steps import draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
+    gpu = gpu_arch_for(args.recipe, checked.get("arch"))
     with progress("walking the memory ladder, each step validated with Bridge"):
-        rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"], arch=checked.get("arch"))
+        rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"],
+                        arch=gpu["compute_capability"])
     taken = [r for r in rec["steps"] if "breakdown" in r]
     if args.plot and taken:
         write_plot(args, lambda: draw_bars(
@@ -58,12 +59,14 @@ def recommend_and_print(args, cfg, start, checked) -> int:
             capacity=capacity, margin=margin))
     if args.json:
         steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
-        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": world,
+        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": world, "gpu_arch": arch_json(gpu),
                     "plot": args.plot if taken else None})
     elif rec.get("error"):
         print(shown(f"mbmem recommend: {rec['error']}", one_line=False), file=sys.stderr)
     else:
         print(render_recommendation(rec, verbose=args.verbose))
+        if arch_note(gpu):
+            print(arch_note(gpu))
         if args.plot and taken:
             print(f"plot: {args.plot}")
     # 0 a step fits, 1 nothing on the ladder fits, 4 the fit is unknown (a feature that changes memory is not

@@ -23,14 +23,15 @@ def make_planner(recipe: str | None, *, megatron: tuple | None = None, arch: int
                  overlay_dirs: list[str] | None = None) -> Callable:
     """``megatron``: (the Megatron-LM job the log's arguments give, or None; why not) from
     doctor/megatron_plan.py ``find_job``: for a log without a recipe, that job is priced instead, in its own flags
-    (``arch``: --gpu-arch; ``overlay_dirs``: --overlay-dir)."""
+    (``arch``: the GPUs' compute capability, --gpu-arch; None: the GPU the recipe is named for, else 9;
+    ``overlay_dirs``: --overlay-dir)."""
     def planner(remedies: list[C.Remedy], ctx, f) -> tuple[list[C.Remedy], str, Callable | None]:
         name = recipe or f.recipe
         if not name:
             return _megatron_or_unpriced(remedies, ctx, f, megatron, arch, overlay_dirs)
         try:
             from ..bridge.overrides import apply_overrides
-            from ..bridge.recipes import load_recipe, world_size_for
+            from ..bridge.recipes import gpu_arch_for, load_recipe, world_size_for
             from ..bridge.stack import prepare
             from ..core.engine import apply_overlay, plan_overlays
             from ..core.errors import OverlayError
@@ -47,6 +48,7 @@ def make_planner(recipe: str | None, *, megatron: tuple | None = None, arch: int
             world, _ = world_size_for(cfg, ctx.world)
         except Exception as exc:  # noqa: BLE001 — any failure to build the recipe is reported, never raised
             return remedies, f"savings not computed: recipe {name!r} could not be built ({type(exc).__name__}: {exc})", None
+        gpu = gpu_arch_for(name, arch)
         base_overlays = list(ctx.overlays)
         base_params = {k: C._typed(v) for k, v in C.params_in(ctx.launch).items()}
 
@@ -57,7 +59,9 @@ def make_planner(recipe: str | None, *, megatron: tuple | None = None, arch: int
                 if extra_sets:
                     apply_overrides(work, extra_sets)
                 apply_overlay(work, overlays, env={}, params=params, world_size=world, locked=locked)
-                shape, lay, st = M.from_config(work, world)
+                # read as Bridge's setup will run it (from_config: bridge/as_run.py); the cost model reads the
+                # user's overlap settings before Bridge's comm-overlap setup, which it models itself
+                shape, lay, st = M.from_config(work, world, arch=gpu["compute_capability"])
                 return M.estimate(shape, lay, st).footprint, (shape, lay, st, K.cost_inputs(work))
             except (OverlayError, ValueError, TypeError, AttributeError):
                 return None
@@ -74,12 +78,15 @@ def make_planner(recipe: str | None, *, megatron: tuple | None = None, arch: int
             r.saves = None if after is None else max(0.0, planned[0] - after[0])
             if after is not None:
                 try:
-                    r.step_cost = K.price(planned[1], after[1], arch).as_dict()
+                    r.step_cost = K.price(planned[1], after[1], gpu["compute_capability"]).as_dict()
                 except (ValueError, TypeError, ArithmeticError, KeyError):   # unpriced, never raised
                     r.step_cost = None
         shortfall = _shortfall(f)
         ranked = _rank(remedies, shortfall)
         text = (f"savings from the memory model on {name}, world size {world}"
+                + (f", GPUs of compute capability {gpu['compute_capability']} ({gpu['platform'].upper()}, from "
+                   f"{gpu['from']})" if gpu["platform"] and gpu["from"] != "--gpu-arch"
+                   and gpu["compute_capability"] != 9 else "")
                 + (f"; the failed request was short by {shortfall / GiB:.2f} GiB" if shortfall else ""))
         left_out = _left_out(cfg, base_overlays, base_params, world, locked)
         if left_out:   # memory/plan.py judge: what the plan does not model makes every remedy's fit unknown
@@ -127,7 +134,9 @@ def _megatron_or_unpriced(remedies, ctx, f, megatron, arch, overlay_dirs):
 
 
 def _left_out(cfg, overlays: list[str], params: dict, world: int, locked: dict) -> tuple:
-    """What the job in the log sets that the memory model does not follow (memory/coverage.py gaps)."""
+    """What the job in the log sets that the memory model does not follow (memory/coverage.py gaps), read as
+    Bridge's setup runs it (bridge/as_run.py), as the plan is."""
+    from ..bridge.as_run import as_run
     from ..core.engine import apply_overlay
     from ..memory.coverage import gaps, not_modelled
     work = copy.deepcopy(cfg)
@@ -135,7 +144,7 @@ def _left_out(cfg, overlays: list[str], params: dict, world: int, locked: dict) 
         apply_overlay(work, overlays, env={}, params=params, world_size=world, locked=locked)
     except Exception:  # noqa: BLE001 — the recipe as built is what is read then
         work = cfg
-    return gaps(not_modelled(work))
+    return gaps(not_modelled(as_run(work, world).config))
 
 
 def _shortfall(f) -> float | None:

@@ -238,9 +238,10 @@ class MegatronRunPlan(RunPlan):
 def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None, overlay_dirs: list[str] | None,
                      margin: float, logs: list[str] | None = None, arch: int | None = None,
                      megatron: tuple | None = None) -> Callable:
-    """``arch``: the GPUs' compute capability (--gpu-arch; None: DEFAULT_ARCH, H100/H200, and the plan says so).
-    ``megatron``: (the Megatron-LM job the logs' arguments give, or None; why not), doctor/megatron_plan.py
-    ``find_job``; without it, the first log's arguments dump is read here."""
+    """``arch``: the GPUs' compute capability (--gpu-arch; None: the GPU the recipe is named for, else DEFAULT_ARCH,
+    H100/H200; the plan says which: bridge/recipes.py gpu_arch_for). ``megatron``: (the Megatron-LM job the logs'
+    arguments give, or None; why not), doctor/megatron_plan.py ``find_job``; without it, the first log's arguments
+    dump is read here."""
     def planner(rep, ctx, f) -> RunPlan | None:
         name = recipe or f.recipe
         missing = []
@@ -404,20 +405,25 @@ def _plan(rep, ctx, f, name: str, world: int, sets: list[str], overlay_dirs: lis
         rep.plan_status = (f"not planned: the configuration rebuilt from the log (recipe {name}, "
                            f"{' '.join(words) or 'no overrides'}, world size {world}) is refused: {exc.reason}")
         return None
-    return _compare(rep, cfg, work, start, catalog, world, name, words, overlays, from_log, margin, arch=arch)
+    return _compare(rep, cfg, work, start, catalog, world, name, words, overlays, from_log, margin, arch=arch,
+                    recipe=name)
 
 
 def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[str], overlays: tuple,
-             from_log: list[str], margin: float, arch: int | None = None, env: dict | None = None) -> RunPlan:
+             from_log: list[str], margin: float, arch: int | None = None, env: dict | None = None,
+             recipe: str | None = None) -> RunPlan:
     """Each rank's memory line beside the plan of its stage and iteration, for a built configuration.
 
     ``work`` is the job as it ran (its overlays applied), what the lines are compared with; ``cfg`` is the recipe
     with the user's overrides only, what the returned plan realizes every remedy on (steps.realize): a remedy that
     removes an overlay must start from a config that never had that overlay's fields written, or its settings
     (e.g. optimizer.optimizer_cpu_offload=true) survive the removal and the change is priced as nothing."""
+    from ..bridge.recipes import gpu_arch_for
     from ..core.paths import read
     from ..memory import model as M
-    shape, lay, st = M.from_config(work, world, arch=arch or DEFAULT_ARCH, env=env)
+    gpu = gpu_arch_for(recipe, arch, DEFAULT_ARCH)   # --gpu-arch, else the GPU the recipe is named for, else 9
+    arch = gpu["compute_capability"]
+    shape, lay, st = M.from_config(work, world, arch=arch, env=env)
     base = stage_breakdowns(shape, lay, st)
     mapping = bool(read(work, "dist.use_tp_pp_dp_mapping", False))
     per_stage, tp_cp = world // lay.pp, lay.tp * lay.cp
@@ -462,8 +468,8 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
                 + (f" EP{lay.ep}" if lay.ep > 1 else ""))
     rep.plan = {"recipe": name, "world_size": world, "layout": lay_text, "words": list(words),
                 "overlays": list(overlays), "from_log": from_log,
-                "assumptions": list(PLAN_ASSUMPTIONS) + ([] if arch else [
-                    f"--gpu-arch not given: GPUs of compute capability {DEFAULT_ARCH} (H100/H200) assumed"]),
+                "assumptions": list(PLAN_ASSUMPTIONS) + ([gpu["assumption"]] if gpu["assumption"] else []),
+                "gpu_arch": {k: v for k, v in gpu.items() if k != "assumption"},
                 "stages": [{"stage": i, "planned_peak_bytes": int(b.total), "phase": b.phase} for i, b in enumerate(base)]}
     mean = f"; mean |error| {sum(errors) / len(errors):.1f}% over {len(errors)} rank(s)" if errors else ""
     rep.plan_status = (f"the memory model on recipe {name} at world size {world} ({lay_text}"
@@ -484,4 +490,4 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
     from ..memory.cost import cost_inputs
     base_job = (shape, lay, st, cost_inputs(work))
     return RunPlan(cfg, start, world, catalog, base, rep.capacity, margin, name,
-                   None if hot is None else hot.stage, measured, arch or DEFAULT_ARCH, env, base_job)
+                   None if hot is None else hot.stage, measured, arch, env, base_job)

@@ -111,24 +111,24 @@ def _dtype_bytes(dtype: Any, default: int) -> int:
     return {"torch.float32": FP32, "torch.bfloat16": BF16, "torch.float16": BF16, "torch.uint8": FP8}.get(name, default)
 
 
-def fp8_cast_copy_bytes(cfg: Any, fp8_params: bool, decoupled_grads: bool, fsdp_on: bool, mp: Any) -> int:
+def fp8_cast_copy_bytes(cfg: Any, fp8_params: bool, decoupled_grads: bool, fsdp_on: bool) -> int:
     """Settings.fp8_cast_copy_bytes: the params dtype's bytes when the step quantizes fp32 masters into FP8
     primary weights through TE's quantize_master_weights (fp8_master_cast_copies), else 0. That is the
     distributed optimizer's regular path with ddp.fp8_param_gather (distrib_optimizer.py:2815); not Megatron
     FSDP (its own copy_main_weights_to_model_weights), not the precision-aware path that lets FusedAdam own the
     masters (:2812-2813 returns first), not MXFP8 weights gathered through the gradient buffer
     (reuse_grad_buf_for_mxfp8_param_ag: the masters go to the param buffer instead, optimizer.py:800-806).
-    fp32 params cast to themselves (Tensor.to of the same dtype returns the tensor)."""
+    fp32 params cast to themselves (Tensor.to of the same dtype returns the tensor). ``cfg`` is set up as Bridge
+    runs it (bridge/as_run.py): the mixed-precision preset's params_dtype and reuse flag are in the model,
+    optimizer and DDP configs."""
     from ..core.paths import read
     dist = bool(getattr(cfg.optimizer, "use_distributed_optimizer", False) or read(cfg, "ddp.use_distributed_optimizer",
                                                                                    False))
     reuse = any(bool(getattr(c, "reuse_grad_buf_for_mxfp8_param_ag", False))
-                for c in (mp, cfg.optimizer, getattr(cfg, "ddp", None)) if c is not None)
+                for c in (cfg.optimizer, getattr(cfg, "ddp", None)) if c is not None)
     if not fp8_params or not dist or fsdp_on or decoupled_grads or reuse:
         return 0
-    dtype = getattr(mp, "params_dtype", None) if mp is not None else None
-    dtype = dtype or getattr(cfg.model, "params_dtype", None)
-    return 0 if _dtype_bytes(dtype, BF16) == FP32 else BF16
+    return 0 if _dtype_bytes(getattr(cfg.model, "params_dtype", None), BF16) == FP32 else BF16
 
 
 def vocab_size(cfg: Any) -> int:
@@ -323,20 +323,19 @@ def mamba_heads(m: Any) -> int:
     return 2 * m.hidden_size // head_dim if head_dim else 0
 
 
-def bf16_layer_span(m: Any, mp: Any, fp8: bool) -> tuple[int, int]:
+def bf16_layer_span(m: Any, fp8: bool) -> tuple[int, int]:
     """Shape.bf16_layers: (first, last) main-decoder layers an FP8 job builds and runs outside FP8, (0, 0) without
     FP8, where first_last_layers_bf16 changes nothing (get_fp8_context returns a nullcontext for every layer then,
     fp8_utils.py:792). transformer_config.py:628-637: num_layers_at_start/end_in_bf16 (default 1 each) count
-    only with first_last_layers_bf16. A mixed-precision preset wins: Bridge's setup copies each of its fields the
-    model config also has onto it (mixed_precision.py:127, update_config_with_precision_overrides :138-156), these
-    three included."""
+    only with first_last_layers_bf16. ``m`` is the model as Bridge's setup runs it (bridge/as_run.py), so a
+    mixed-precision preset's own three fields are already on it (mixed_precision.py:127,
+    update_config_with_precision_overrides :138-156)."""
     if not fp8:
         return 0, 0
-    src = mp if mp is not None and hasattr(mp, "first_last_layers_bf16") else m
-    if not bool(getattr(src, "first_last_layers_bf16", False)):
+    if not bool(getattr(m, "first_last_layers_bf16", False)):
         return 0, 0
-    return (max(0, int(getattr(src, "num_layers_at_start_in_bf16", 1) or 0)),
-            max(0, int(getattr(src, "num_layers_at_end_in_bf16", 1) or 0)))
+    return (max(0, int(getattr(m, "num_layers_at_start_in_bf16", 1) or 0)),
+            max(0, int(getattr(m, "num_layers_at_end_in_bf16", 1) or 0)))
 
 
 def moe_dispatcher(m: Any) -> tuple[str, str]:
@@ -360,6 +359,8 @@ def _env_int(env: dict[str, str] | None, cfg: Any, name: str) -> int:
         return max(0, int(value)) if value is not None else 0
     except (TypeError, ValueError):
         return 0
+
+
 def _refuse(path: str, value: Any, why: str, fix: str):
     from ..core.errors import OverlayError, Problem
     from ..core.text import bounded
@@ -409,16 +410,28 @@ def layout_limits(shape: Shape, lay: Layout) -> None:
                       f"the interleaved schedule the plan replays per stage (pipeline {lay.pp} x microbatch group "
                       f"{vp_group(lay)} x virtual stages {lay.vpp} = {work:,} steps) is past its limit of "
                       f"{MAX_PLAN_SCHEDULE:,}", "plan a job with fewer stages or a smaller group")
+def _vp_group(value: Any, pp: int) -> int:
+    """Layout.vp_group: the microbatches of one virtual-pipeline group, 0 where it is the pipeline size (unset, or
+    what megatron-core's finalize wrote for unset)."""
+    return 0 if not value or int(value) == int(pp or 1) else int(value)
 
 
 def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None
                 ) -> tuple[Shape, Layout, Settings]:
     """The plan's inputs read from a Bridge ConfigContainer for ``world`` GPUs of compute capability ``arch``
     (9: H100/H200, 10: B200/GB200, 8: A100) in a job environment ``env`` (what it reads: CUBLAS_WORKSPACE_CONFIG;
-    None: unset)."""
+    None: nothing known beyond the recipe's env_vars).
+
+    What is read is the config as Bridge's setup will run it (bridge/as_run.py ``as_run``: the mixed-precision
+    preset applied, the communication-overlap setup, the model, optimizer and DDP configs finalized, the recipe's
+    env_vars under ``env``), never the fields as the recipe left them: a copy already set up (``as_run``'s own) is
+    read as it is, anything else is set up first."""
+    from ..bridge.as_run import as_run
     from ..core.engine import View
     from ..core.paths import read
-    from ..core.rules import mixed_precision_config, regather_fallbacks
+    from ..core.rules import regather_fallbacks
+    run = as_run(cfg, world, env)
+    cfg, env = run.config, run.env
     m = cfg.model
     layers = m.num_layers
     plan_limits(m)
@@ -443,8 +456,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     hybrid = bool(getattr(m, "is_hybrid_model", False) and isinstance(pattern, str) and pattern)
     blocks = {b for kind in kinds + mtp_blocks for b in kind.split("+")}
     moe_layers = sum(1 for k in kinds if "moe" in k)
-    mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
-    fp8 = bool(getattr(mp, "fp8", None) or getattr(m, "fp8", None))
+    fp8 = bool(getattr(m, "fp8", None))
     vocab, pad = model_vocab(cfg)
     div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
     vocab = int(math.ceil(vocab / div) * div) if vocab and pad else vocab   # calculate_padded_vocab_size
@@ -490,7 +502,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         shared_gate=bool(getattr(m, "moe_shared_expert_gate", False)) and bool(
             getattr(m, "moe_shared_expert_intermediate_size", 0)) and bool(experts),
         moe_latent=int(getattr(m, "moe_latent_size", 0) or 0) if experts else 0,
-        bf16_layers=bf16_layer_span(m, mp, fp8))
+        bf16_layers=bf16_layer_span(m, fp8))
     chunks = segments if len(segments) > 1 else chunk_layers(m, layers)
     pp = m.pipeline_model_parallel_size
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
@@ -500,27 +512,25 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
                  sp=bool(m.sequence_parallel) and m.tensor_model_parallel_size > 1,
                  seq=m.seq_length, mbs=cfg.train.micro_batch_size, gbs=cfg.train.global_batch_size,
                  chunk_layers=chunks,
-                 # model_parallel_config.py:431-445 (None: the pipeline size, set in __post_init__ :567-568)
-                 vp_group=int(getattr(m, "microbatch_group_size_per_vp_stage", None) or 0))
+                 # model_parallel_config.py:431-445 (None: the pipeline size, which finalize writes in __post_init__
+                 # :567-568). 0 is Layout's "the pipeline size": a layout search that varies PP then varies it too
+                 vp_group=_vp_group(getattr(m, "microbatch_group_size_per_vp_stage", None), pp))
     layout_limits(shape, lay)
-    grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
-    if grad_fp32 is None:
-        grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
+    # The mixed-precision preset and the communication-overlap config are in the model, optimizer and DDP fields
+    # now (as_run: MixedPrecisionConfig.setup, CommOverlapConfig.setup), so those fields alone say the precision
+    grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
     opt = cfg.optimizer
     precision_aware = bool(getattr(opt, "use_precision_aware_optimizer", False))
     # megatron-core's use_precision_aware_optimizer_no_fp8_or_ds_fp8 (optimizer_config.py:404-411), with the
     # fp8_recipe Bridge's mixed-precision setup copies into the optimizer config (PRECISION_AWARE_PATH)
-    fp8_recipe = getattr(mp, "fp8_recipe", None) if mp is not None else getattr(opt, "fp8_recipe", None)
+    fp8_recipe = getattr(opt, "fp8_recipe", None)
     decoupled_grads = precision_aware and (
         _dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) != FP32 or fp8_recipe in (None, "delayed")
         or bool(getattr(opt, "optimizer_cpu_offload", False)))
     peft = getattr(cfg, "peft", None)
-    fp8_params = bool(getattr(m, "fp8_param", False) or getattr(mp, "fp8_param_gather", False))
-    overlap = getattr(cfg, "comm_overlap", None)
-    defer = getattr(overlap, "defer_embedding_wgrad_compute", None)
-    defer = bool(getattr(m, "defer_embedding_wgrad_compute", False) if defer is None else defer)
-    limit = getattr(overlap, "wgrad_deferral_limit", None)
-    limit = int(getattr(m, "wgrad_deferral_limit", 0) or 0) if limit is None else int(limit)
+    fp8_params = bool(getattr(m, "fp8_param", False))
+    defer = bool(getattr(m, "defer_embedding_wgrad_compute", False))
+    limit = int(getattr(m, "wgrad_deferral_limit", 0) or 0)
     fsdp_on = bool(read(cfg, "ddp.use_megatron_fsdp", False) or getattr(getattr(cfg, "dist", None),
                                                                        "use_megatron_fsdp", False))
     scopes = graph_scopes(m)
@@ -572,7 +582,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         logits_bytes=loss_bytes(m),
         cross_entropy_impl=cross_entropy_impl(m),
         step_upcasts_grads=not decoupled_grads,
-        fp8_cast_copy_bytes=fp8_cast_copy_bytes(cfg, fp8_params, decoupled_grads, fsdp_on, mp),
+        fp8_cast_copy_bytes=fp8_cast_copy_bytes(cfg, fp8_params, decoupled_grads, fsdp_on),
         deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
         if defer and lay.pp > 1 else 0,
         state_bytes=_dtype_bytes(getattr(opt, "exp_avg_dtype", None), FP32) if precision_aware else FP32,

@@ -45,7 +45,7 @@ from ..core.catalog import Catalog
 from . import cost as K
 from .cost import cost_text
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST, full_recompute_cost, optimizer_offload_cost
-from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, realize, settings, toggles,
+from .steps import (Candidate, Rejected, Start, explain_rejection, realize, settings, toggles,
                     train_command)
 
 RECOMPUTE_OVERLAYS = ("selective_recompute", "full_recompute")
@@ -56,12 +56,23 @@ MIN_SAVING = 1 << 20   # a candidate the plan prices at less than 1 MiB saved is
 
 @dataclass
 class State:
-    """The ladder so far: the accepted candidate, its realized config and report."""
+    """The ladder so far: the accepted candidate, its realized config and report; ``arch`` the GPUs' compute
+    capability; ``inputs`` the memory model's (Shape, Layout, Settings) of ``cfg`` as Bridge's setup will run it
+    (from_config: bridge/as_run.py), read once per accepted step."""
     start: Start
     cand: Candidate
     cfg: Any
     report: Any
     world: int
+    arch: int = 9
+    env: dict[str, str] | None = None   # the job's environment (a Megatron-LM job's own), None: the recipe's
+    inputs: Any = None
+
+    def planned(self):
+        if self.inputs is None:
+            from . import model as P
+            self.inputs = P.from_config(self.cfg, self.world, arch=self.arch, env=self.env)
+        return self.inputs
 
 
 class SavesNothing(str):
@@ -134,7 +145,7 @@ def _data_parallel_shards(state: State) -> tuple[int, str]:
     """(ranks one optimizer instance shards over, the layout in words): what the distributed optimizer and FSDP
     can split, dense or expert (model.data_parallel_shards)."""
     from . import model as P
-    _, lay, st = P.from_config(state.cfg, state.world)
+    _, lay, st = state.planned()
     dense, expert = P.data_parallel_shards(lay, st)
     return max(dense, expert if getattr(_model(state), "num_moe_experts", None) else 1), f"DP x CP is {lay.dp * lay.cp}"
 
@@ -146,7 +157,7 @@ def bf16_moments(state: State) -> Proposal:
                                                       "optimizer.exp_avg_dtype", "optimizer.exp_avg_sq_dtype"))
     if taken:
         return taken
-    st = P.from_config(state.cfg, state.world)[2]
+    st = state.planned()[2]
     if st.lora_rank:
         return SavesNothing("LoRA trains only the adapters: their optimizer state is negligible")
     if st.precision_aware and st.state_bytes <= P.BF16:
@@ -176,7 +187,7 @@ def fine_grained_offload(state: State) -> Proposal:
     taken = _own(state, "fine_grained_offload", ("model.fine_grained_activation_offloading",))
     if taken:
         return taken
-    shape, lay, st = P.from_config(state.cfg, state.world)
+    shape, lay, st = state.planned()
     b = P.estimate(shape, lay, st)
     largest = max(("parameters", "gradients", "optimizer", "activations"), key=lambda k: getattr(b, k))
     if largest != "activations":
@@ -369,7 +380,8 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
 
     ``cfg`` is the recipe with the user's overrides written; ``start`` carries the user's --set words and
     overlays (``recipe``/``locked`` are the short form when there are none). Every accepted step has passed
-    our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's.
+    our rules and, with ``validate``, Bridge's validation; the returned ``command`` is the last one's. Each realized
+    config is planned as Bridge's setup will run it (from_config: bridge/as_run.py), set up once.
 
     Each step carries its ``cost`` from the cost model (memory/cost/, on GPUs of compute capability ``arch``;
     None: 9, or the target's) and the documented words (``documented``). The rungs are walked in the skill's order
@@ -382,10 +394,14 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     fields to each accepted step and to the result."""
     start = start or Start(recipe, locked=dict(locked or {}))
     catalog = catalog or Catalog(list(start.overlay_dirs))
-    arch = arch if arch is not None or target is None else target.arch
+    arch = arch if arch is not None else (9 if target is None else target.arch)
+    env = None if target is None else target.env
     do = realize if target is None else target.realize
     verdict_of = _verdict if target is None else target.verdict
-    plan_of = breakdown_of if target is None else target.breakdown
+
+    def plan_of(realized: Any, world: int) -> Any:
+        """The most-loaded GPU of a realized config on the job's GPUs and environment."""
+        return breakdown_of(realized, world, arch=arch, env=env) if target is None else target.breakdown(realized, world)
     limit = capacity * (1 - margin)
     base = Candidate()
     try:
@@ -393,7 +409,7 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
     except Rejected as exc:
         return {"capacity_bytes": int(capacity), "margin": margin, "fits": False, "steps": [],
                 "error": f"your starting point is rejected: {exc.reason}", "command": None}
-    state = State(start, base, work, report, world)
+    state = State(start, base, work, report, world, arch, env)
     probes: dict = {}   # explain_rejection's realized probes, shared by the rungs
     first = plan_of(work, world)
     total = first.footprint
@@ -468,12 +484,12 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
             row["alternatives"] = [{"step": _label(o["rung"], state.cand, o["cand"]), "total_bytes": int(o["total"]),
                                     "cost": o["cost"], "documented": o["words"]} for o in alternatives]
         rows.append(row)
-        state = State(start, cand, cfg2, report2, world)
+        state = State(start, cand, cfg2, report2, world, arch, env)
         total = new_total
     from . import model as P
     from .coverage import gaps, not_modelled
     from .ranges import uncertainty
-    shape, lay, st = P.from_config(state.cfg, world)
+    shape, lay, st = state.planned()
     ranges = uncertainty(shape, lay, st)
     # The ladder climbs on the modelled part (it stops where that fits); the verdict says what it leaves out.
     fit = P.judge(total, limit, ranges, gaps(not_modelled(state.cfg)), P.estimate(shape, lay, st))

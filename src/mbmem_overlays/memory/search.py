@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from ..bridge.as_run import as_run
 from ..core.catalog import Catalog
 from ..core.engine import apply_overlay
 from ..core.errors import OverlayError
@@ -30,7 +31,7 @@ from . import levers
 from . import model as P
 from .coverage import UP, gaps, not_modelled
 from .ranges import uncertainty
-from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, first_line, launch_env, realize,
+from .steps import (Candidate, Rejected, Start, explain_rejection, first_line, launch_env, realize,
                     train_command)
 
 # The Bridge fields a layout sets; a field the user set with --set is pinned to the user's value.
@@ -85,9 +86,10 @@ def search(cfg: Any, world: int, capacity: float, margin: float = 0.05, top: int
     None: 9). Each row's ``cost_range`` is (low, high), the step-time cost of going from ``cfg`` to it (cost
     model, memory/cost/), and rows are ranked by it (memory/cost/ rank_key), then by memory; with ``priced``
     the rows returned carry ``cost``, the cost with its parts (memory/cost/ Cost.as_dict). ``top=None`` returns
-    every row."""
+    every row. The config is set up as Bridge runs it once (from_config: bridge/as_run.py); every candidate is a
+    variation of the dataclasses read from it."""
     locked = locked or {}
-    shape, base_lay, base_st = P.from_config(cfg, world)
+    shape, base_lay, base_st = P.from_config(cfg, world, arch=9 if arch is None else arch)
     ci = K.cost_inputs(cfg)
     own = (shape, base_lay, base_st, ci)
     options = [o for o in OPTIONS if o not in fixed]
@@ -180,9 +182,14 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
     ``target``: a job that is not launched as a recipe (memory/megatron.py ``MegatronTarget``): it realizes and
     validates each row, and its command and fields replace the train.py command (as in ladder.recommend)."""
     catalog = catalog or Catalog(list(start.overlay_dirs))
-    arch = arch if arch is not None or target is None else target.arch
+    arch = arch if arch is not None else (9 if target is None else target.arch)
+    env = None if target is None else target.env
     do = realize if target is None else target.realize
-    plan_of = breakdown_of if target is None else target.breakdown
+
+    def as_planned(realized: Any) -> tuple[Any, tuple]:
+        """(the config as Bridge's setup runs it, the plan's inputs read from it) on the job's GPUs and environment."""
+        run = as_run(realized, world, env)
+        return run, P.from_config(run.config, world, arch=arch, env=env)
     mine = copy.deepcopy(cfg)
     try:  # the user's overlays, for the model's starting settings (the layout is checked per row below)
         apply_overlay(mine, list(start.overlays), env=launch_env() if target is None else dict(target.env),
@@ -193,7 +200,8 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
                                       arch=arch, priced=False)
     mine_job = K.job_of(mine, world, arch=arch)
     limit = capacity * (1 - margin)
-    own = plan_of(mine, world).footprint   # the user's configuration as planned: what each result saves
+    mine_run, mine_inputs = as_planned(mine)
+    own = P.estimate(*mine_inputs).footprint   # the user's configuration as planned: what each result saves
     probes: dict = {}
     results: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
@@ -211,13 +219,13 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
             dropped[explain_rejection(cfg, start, cand, world, exc, catalog=catalog, validate=validate,
                                       cache=probes)] += 1
             continue
-        b = plan_of(work, world)
+        run, (shape, lay, st) = as_planned(work)   # set up once (bridge/as_run.py), read by each reader below
+        b = P.estimate(shape, lay, st)
         if b.footprint > limit:
             dropped["does not fit once the overlays resolve their parameters (memory model on the applied config)"] += 1
             continue
         v = report.validation
-        shape, lay, st = P.from_config(work, world)
-        fit = P.judge(b.footprint, limit, uncertainty(shape, lay, st, b), gaps(not_modelled(work)), b)
+        fit = P.judge(b.footprint, limit, uncertainty(shape, lay, st, b), gaps(not_modelled(run.config)), b)
         # the cost of the applied config against the user's own (the overlays' resolved parameters included)
         cost = K.price(mine_job, K.job_of(work, world, arch=arch), arch).as_dict()
         results.append({**row, "cost": cost, "overlays": list(dict.fromkeys([*start.overlays, *cand.overlays])),
@@ -230,7 +238,7 @@ def search_validated(cfg: Any, start: Start, world: int, capacity: float, margin
                         **({} if target is None else target.extra(report))})
     # What the user's own configuration sets that the plan does not model: with nothing found, whether any layout
     # could fit is unknown unless what is left out can only add memory (every layout was over the limit already).
-    mine_gaps = gaps(not_modelled(mine))
+    mine_gaps = gaps(not_modelled(mine_run.config))
     if results:
         fit = "unknown" if any(r["fit"] == "unknown" for r in results) else "fits"
     else:

@@ -16,6 +16,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..bridge.as_run import as_run
 from ..core.catalog import Catalog, train_recipe_arg
 from ..core.engine import apply_overlay
 from ..core.errors import OverlayError
@@ -154,9 +155,10 @@ def explain_rejection(cfg: Any, start: Start, cand: Candidate, world: int, exc: 
     return f"{' with '.join(causes)}: {why}" if causes else why
 
 
-def breakdown_of(cfg: Any, world: int) -> P.Breakdown:
-    """The memory model's most-loaded GPU for a realized config."""
-    return P.estimate(*P.from_config(cfg, world))
+def breakdown_of(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | None = None) -> P.Breakdown:
+    """The memory model's most-loaded GPU for a realized config, read as Bridge's setup will run it
+    (from_config: bridge/as_run.py)."""
+    return P.estimate(*P.from_config(cfg, world, arch=arch, env=env))
 
 
 def settings(report: Any, cand: Candidate) -> dict[str, Any]:
@@ -226,10 +228,12 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
     apply_overlay(copy.deepcopy(cfg), names, env=rules_env, params=params, world_size=world, locked=locked,
                   catalog=catalog)  # all at once
     from . import cost as K
-    inputs = [P.from_config(cfg, world, arch=arch, env=env)]   # each step's (shape, layout, settings)
+    # Each step is planned as Bridge's setup will run it (bridge/as_run.py): set up once, read by every reader below
+    run = as_run(cfg, world, env)
+    inputs = [P.from_config(run.config, world, arch=arch, env=env)]   # each step's (shape, layout, settings)
     steps = [P.Step("baseline", P.estimate(*inputs[0]))]
-    previous = (*inputs[0], K.cost_inputs(cfg))   # the cost model's job before each step
-    work = copy.deepcopy(cfg)
+    previous = (*inputs[0], K.cost_inputs(cfg))   # the cost model's job before each step (cost/inputs.py reads the
+    # user's comm_overlap and the DDP fields before Bridge's CommOverlapConfig.setup, as it models that setup itself)
     applied: list[str] = []
     for name in names:
         applied.append(name)
@@ -237,17 +241,20 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
         apply_overlay(work, applied, env=rules_env, params={k: v for k, v in (params or {}).items()
                                                      if k.split(".")[0] in applied or k in applied}, world_size=world,
                       locked=locked, catalog=catalog)
-        shape, lay, st = P.from_config(work, world, arch=arch, env=env)
+        run = as_run(work, world, env)
+        shape, lay, st = P.from_config(run.config, world, arch=arch, env=env)
         inputs.append((shape, lay, st))
         b = P.estimate(shape, lay, st)
         note = P.STEP_NOTES.get(name) or step_note(name, shape, lay, st, steps[-1].breakdown.total - b.total)
         job = (shape, lay, st, K.cost_inputs(work))
         steps.append(P.Step(name, b, note, K.price(previous, job, arch).as_dict()))
         previous = job
-    shape, lay, st = P.from_config(work, world, arch=arch, env=env)
-    return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
+    shape, lay, st = inputs[-1]
+    setup = tuple(f"Bridge's setup of this config: {n}" for n in run.refused)
+    return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(run.config, world),
+                  assumptions=P.ASSUMPTIONS + setup,
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
-                  not_modelled=not_modelled(work), applicable=applying(inputs))
+                  not_modelled=not_modelled(run.config), applicable=applying(inputs))
 
 
 def layout_text(lay: P.Layout) -> str:

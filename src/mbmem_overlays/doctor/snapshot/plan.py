@@ -26,10 +26,11 @@ class PlanComparison:
 
 
 def compare_plan(recipe: str, overrides: list[str], params: dict[str, Any], world: int | None,
-                 moment: Moment | None) -> PlanComparison:
+                 moment: Moment | None, arch: int | None = None) -> PlanComparison:
+    """``arch``: the GPUs' compute capability (--gpu-arch; None: the GPU the recipe is named for, else 9)."""
     try:
         from ...bridge.overrides import apply_overrides
-        from ...bridge.recipes import load_recipe, world_size_for
+        from ...bridge.recipes import gpu_arch_for, load_recipe, world_size_for
         from ...bridge.stack import prepare
         from ...core.engine import plan_overlays
         from ...core.errors import OverlayError
@@ -41,7 +42,9 @@ def compare_plan(recipe: str, overrides: list[str], params: dict[str, Any], worl
         cfg = load_recipe(recipe)
         locked = apply_overrides(cfg, overrides) if overrides else {}
         world, assumed = world_size_for(cfg, world)
-        plan = model_.estimate(*model_.from_config(cfg, world))
+        gpu = gpu_arch_for(recipe, arch)
+        # read as Bridge's setup will run it (from_config: bridge/as_run.py)
+        plan = model_.estimate(*model_.from_config(cfg, world, arch=gpu["compute_capability"]))
     except Exception as exc:  # noqa: BLE001 — a recipe that does not build is reported, never raised
         return PlanComparison((f"plan: not computed, recipe {recipe!r} could not be built "
                                f"({type(exc).__name__}: {str(exc)[:300]})",), None)
@@ -77,7 +80,8 @@ def compare_plan(recipe: str, overrides: list[str], params: dict[str, Any], worl
     lines.append("  (the snapshot is one rank; the plan is the most-loaded one. Categories come from the stacks: "
                  "see the category list above for what 'other' holds)")
     data = {"recipe": recipe, "world_size": world, "world_size_assumed": assumed, "plan_rank": plan.rank,
-            "plan_phase": plan.phase, "components": rows}
+            "plan_phase": plan.phase, "components": rows,
+            "gpu_arch": {k: v for k, v in gpu.items() if k != "assumption"}}
     return PlanComparison(tuple(lines), data, validator)
 
 
