@@ -45,7 +45,7 @@ from ..core.catalog import Catalog
 from . import cost as K
 from .cost import cost_text
 from .costs import COSTS, DP_HALVING_COST, TP_DOUBLING_COST, full_recompute_cost, optimizer_offload_cost
-from .steps import (Candidate, Rejected, Start, explain_rejection, realize, settings, toggles,
+from .steps import (Candidate, Rejected, Start, breakdown_of, explain_rejection, realize, settings, toggles,
                     train_command)
 
 RECOMPUTE_OVERLAYS = ("selective_recompute", "full_recompute")
