@@ -75,3 +75,16 @@ def bounded(text: object, limit: int = MAX_MESSAGE_CHARS) -> str:
     if len(s) <= limit:
         return s
     return f"{s[:limit]} ... ({len(s) - limit:,} more characters not shown)"
+
+
+# Where a shell command ends: a pipe, a list operator or a redirection (`torchrun ... 2>&1 | tee run.log`, `... > log
+# &`). The words after it belong to another command or name a file; they are never the job's arguments (no training
+# script's flag value is one of these words).
+_SHELL_OPERATOR = re.compile(r"^(?:\|&?|\|\||&&?|;;?|\d*(?:>>?|<|>&|<&)(?:&?\d+|-)?|&>>?)$|^\d*>>?\S|^&>")
+
+
+def first_command(words: list[str]) -> list[str]:
+    """The words of the first simple command of a split command line (shell operators stay words when a line is
+    split: `|`, `|&`, `2>&1`, `>log`)."""
+    cut = next((k for k, w in enumerate(words) if _SHELL_OPERATOR.match(w)), None)
+    return list(words) if cut is None else list(words[:cut])
