@@ -1463,6 +1463,14 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
 
 def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     words = source if isinstance(source, JobWords) else job_words(source)
+    deepspeed = _deepspeed(words)
+    if deepspeed:
+        raise MegatronArgsError(
+            f"a Megatron-DeepSpeed job ({deepspeed}): DeepSpeed's ZeRO partitions the optimizer state, gradients and "
+            "weights its own way, and its fork's arguments are not megatron-core's; the plan reads Megatron-LM jobs "
+            "only", "plan it with DeepSpeed's own estimators (deepspeed.runtime.zero.stage_1_and_2 / stage3 "
+            "estimate_zero*_model_states_mem_needs), or give the Megatron-LM job it corresponds to "
+            "(--use-distributed-optimizer shards the optimizer state as ZeRO-1 does)", rejected=True)
     job_env = job_environment({**words.env, **(env or {})})
     if world_size is not None:
         world, world_from = int(world_size), "given"
@@ -1488,14 +1496,6 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
         unknown_names = others
     else:
         argv, translated = legacy_argv(argv, parser)
-    deepspeed = _deepspeed(argv, dump, words)
-    if deepspeed:
-        raise MegatronArgsError(
-            f"a Megatron-DeepSpeed job ({deepspeed}): DeepSpeed's ZeRO partitions the optimizer state, gradients and "
-            "weights its own way, and its fork's arguments are not megatron-core's; the plan reads Megatron-LM jobs "
-            "only", "plan it with DeepSpeed's own estimators (deepspeed.runtime.zero.stage_1_and_2 / stage3 "
-            "estimate_zero*_model_states_mem_needs), or give the Megatron-LM job it corresponds to "
-            "(--use-distributed-optimizer shards the optimizer state as ZeRO-1 does)", rejected=True)
     argv, args, unknown, placeholder_notes, dropped_notes = _validated(argv, words.form, world, job_env, arch, parser)
     notes += dropped_notes
     notes += placeholder_notes
@@ -1560,11 +1560,11 @@ _DEEPSPEED_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config", "
 _DEEPSPEED_NAMES = ("deepspeed", "deepspeed_config", "zero_stage")
 
 
-def _deepspeed(argv: Sequence[str], dump: Mapping[str, str], words: JobWords) -> str:
+def _deepspeed(words: JobWords) -> str:
     """What says the job is Megatron-DeepSpeed's ("--deepspeed, --zero-stage=2"), "" when nothing does."""
-    seen = [w for w in argv if w.partition("=")[0] in _DEEPSPEED_FLAGS]
+    seen = [w for w in words.argv if w.partition("=")[0] in _DEEPSPEED_FLAGS]
     if words.form == FORM_DUMP:
-        seen += [f"{n} {dump[n]}" for n in _DEEPSPEED_NAMES if not _absent(dump.get(n))]
+        seen += [f"{n} {words.dump[n]}" for n in _DEEPSPEED_NAMES if not _absent(words.dump.get(n))]
     if any(os.path.basename(w) == "deepspeed" for w in words.launcher_words[:4]):
         seen.insert(0, "the deepspeed launcher")
     return ", ".join(dict.fromkeys(seen[:4]))

@@ -83,8 +83,16 @@ def bounded(text: object, limit: int = MAX_MESSAGE_CHARS) -> str:
 _SHELL_OPERATOR = re.compile(r"^(?:\|&?|\|\||&&?|;;?|\d*(?:>>?|<|>&|<&)(?:&?\d+|-)?|&>>?)$|^\d*>>?\S|^&>")
 
 
+_GLUED_OPERATOR = re.compile(r"^(.*[^;|&])(?:;;?|\|\|?|&&)$")   # `--lr 1e-4; sleep 1`: the operator ends a word
+
+
 def first_command(words: list[str]) -> list[str]:
     """The words of the first simple command of a split command line (shell operators stay words when a line is
-    split: `|`, `|&`, `2>&1`, `>log`)."""
-    cut = next((k for k, w in enumerate(words) if _SHELL_OPERATOR.match(w)), None)
-    return list(words) if cut is None else list(words[:cut])
+    split: `|`, `|&`, `2>&1`, `>log`, or end one: `1e-4;`)."""
+    for k, w in enumerate(words):
+        if _SHELL_OPERATOR.match(w):
+            return list(words[:k])
+        glued = _GLUED_OPERATOR.match(w)
+        if glued:
+            return [*words[:k], glued.group(1)]
+    return list(words)
