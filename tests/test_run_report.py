@@ -368,7 +368,15 @@ def test_plan_says_what_the_log_lacks(tmp_path):
     planner = make_run_planner(None, [], None, None, 0.05)
     from mbmem_overlays.doctor.diagnose import _context
     ctx = _context(f, None, None)
-    assert planner(rep, ctx, f) is None and "the recipe (give --recipe)" in rep.plan_status
+    # Megatron-LM's memory lines without its arguments: what is missing is the job's flags, not a recipe
+    assert planner(rep, ctx, f) is None and "the job's Megatron-LM arguments" in rep.plan_status
+    assert "mbmem plan --megatron-args" in rep.plan_status
+    log = tmp_path / "bridge.log"   # Bridge's memory line alone: a recipe is what is missing
+    log.write_text(next(line for line in (RUNS / "bridge_at_risk.log").read_text().splitlines()
+                        if "mem-allocated-gigabytes" in line) + "\n")
+    bridge = scan([str(log)])
+    rep = RR.build(bridge)
+    assert planner(rep, _context(bridge, None, None), bridge) is None and "the recipe (give --recipe)" in rep.plan_status
 
 
 def test_the_json_says_why_nothing_was_planned(tmp_path):
@@ -380,7 +388,7 @@ def test_the_json_says_why_nothing_was_planned(tmp_path):
     with contextlib.redirect_stdout(buf):
         main(["doctor", str(RUNS / "megatron_lm_old_prefixes.log"), "--plan", "--json"])
     status = json.loads(buf.getvalue())["run"]["plan_status"]
-    assert status.startswith("not planned: the log does not show the recipe (give --recipe)")
+    assert status.startswith("not planned: the log does not show the job's Megatron-LM arguments")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         main(["doctor", str(RUNS / "megatron_lm_old_prefixes.log"), "--json"])

@@ -48,6 +48,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..core import safeyaml
+from ..core.text import first_command
 from ..core.values import MAX_INT, MAX_PLAN_LAYERS, MAX_PLAN_PIPELINE, MAX_PLAN_SCHEDULE, ascii_int
 
 FORM_COMMAND = "command line"
@@ -60,6 +61,14 @@ MAX_WORDS = 4_096          # words of a job (Megatron-LM has ~900 flags; argpars
 MAX_DUMP_LINES = 20_000    # lines between a dump's header and its end (one per argument, ~1,100 in 0.19.2)
 DUMP_HEADER = "------------------------ arguments ------------------------"   # arguments.py _print_args
 DUMP_END = "-------------------- end of arguments ---------------------"
+# Megatron-LM's 2020 releases (v1.0, NVIDIA/Megatron-LM 94e2ca575c, 2020-03-27, to 98989693a2, 2020-12-02, which
+# lengthened both lines and the names' padding from 32 to 48) print a shorter header and end line. GPT-NeoX's NeoXArgs
+# print the same short header, but each value is followed by dots and "default" or "updated": such a dump is not
+# Megatron-LM's (its names and meanings are another framework's), and is not read as one.
+DUMP_HEADER_2020 = re.compile(r"(?<!-)-{20} arguments -{20}(?!-)")
+_DUMP_HEADERS = re.compile(r"(?<!-)(?:-{24} arguments -{24}|-{20} arguments -{20})(?!-)")
+_DUMP_END_LINE = re.compile(r"-{8,} end of arguments -{8,}")
+_NEOX_VALUE = re.compile(r"\.{2,}(?:default|updated)\s*$")
 _DUMP_LINE = re.compile(r"^\s+([A-Za-z_][A-Za-z0-9_]*) \.* (.*)$")   # '  {name} {dots} {value}', dots may be ''
 _ENV_WORD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 GPT2_VOCAB = 50257          # GPT-2's vocab.json (GPT2BPETokenizer), used when the vocab file is not readable here
@@ -138,6 +147,7 @@ class JobWords:
     script: str = ""                    # pretrain_gpt.py, pretrain_mamba.py ... ("" when not named)
     dump: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))   # name -> printed value
     notes: tuple[str, ...] = ()
+    launcher_words: tuple[str, ...] = ()  # a command line's words before the script's flags (the launcher's)
 
 
 @dataclass(frozen=True)
@@ -156,10 +166,12 @@ class MegatronJob:
     ignored: tuple[str, ...] = ()        # recognised flags of the groups that cannot change memory
     assumptions: tuple[str, ...] = ()
     args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))   # validated namespace
+    translated: tuple[FlagNote, ...] = ()     # an older Megatron-LM release's names, read in 0.19.2's (legacy_values)
 
     def as_dict(self) -> dict[str, Any]:
         return {"form": self.form, "world_size": self.world_size, "world_from": self.world_from,
                 "family": self.family, "argv": list(self.argv),
+                "translated": [n.as_dict() for n in self.translated],
                 "unknown": [n.as_dict() for n in self.unknown],
                 "unsupported": [n.as_dict() for n in self.unsupported],
                 "not_modelled": [n.as_dict() for n in self.not_modelled],
@@ -245,8 +257,8 @@ def _within(raw: bytes, limit: int, name: str) -> str:
     if len(raw) <= limit:
         return _decode(raw)
     text = _decode(raw[:limit])
-    start = text.find(DUMP_HEADER)
-    if start >= 0 and text.find(DUMP_END, start) >= 0:
+    header = dump_header(text)
+    if header is not None and _DUMP_END_LINE.search(text, header.end()):
         return text
     raise MegatronArgsError(f"{name} is over {limit >> 20} MiB and its head holds no whole arguments dump: a command "
                             "line or MODEL_ARGS YAML that long is not read (cutting it would drop the flags after the "
@@ -257,6 +269,24 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+MAX_DUMP_HEADERS = 64      # header lines looked at for the first Megatron-LM dump (a log holds one per restart)
+
+
+def dump_header(text: str) -> re.Match | None:
+    """The header of the first Megatron-LM arguments dump in ``text``: the one printed since December 2020, or
+    2020's shorter one when its lines are Megatron-LM's (``'  {name} {dots} {value}'``; GPT-NeoX's NeoXArgs print
+    the same short header with ``....default`` / ``....updated`` after each value). None when there is none."""
+    for k, m in enumerate(_DUMP_HEADERS.finditer(text)):
+        if k >= MAX_DUMP_HEADERS:
+            return None
+        if m.group().startswith("-" * 24):
+            return m
+        following = text[m.end():m.end() + 4096].splitlines()[1:9]
+        if following and not any(_NEOX_VALUE.search(line) for line in following):
+            return m
+    return None
+
+
 # ----------------------------------------------------------------------------- 2. words, pure
 def job_words(source: str | Sequence[str] | Mapping[str, Any]) -> JobWords:
     """The job's Megatron-LM words from any of the three forms (text, an argv list, or a parsed mapping)."""
@@ -264,7 +294,7 @@ def job_words(source: str | Sequence[str] | Mapping[str, Any]) -> JobWords:
         return yaml_words(source)
     if not isinstance(source, str):
         return command_words(list(source))
-    if DUMP_HEADER in source:
+    if dump_header(source) is not None:
         return dump_words(source)
     if re.search(r"^(MODEL_ARGS|\s*--[\w-]+)\s*:(\s|$)", source, re.M):   # a YAML key, never a shell word
         try:
@@ -352,16 +382,21 @@ def command_words(source: str | list[str]) -> JobWords:
         env[name] = value
         i += 1
     words = words[i:]
+    words = first_command(words)
     script_at = next((k for k, w in enumerate(words) if w.endswith(".py") and not w.startswith("-")), None)
     world, launcher, script = None, "", ""
+    before: list[str] = []
     if script_at is not None:
         script = os.path.basename(words[script_at])
-        world, launcher = _launcher_world(words[:script_at])
+        before = words[:script_at]
+        world, launcher = _launcher_world(before)
         words = words[script_at + 1:]
     elif words and not words[0].startswith("-"):
         first_flag = next((k for k, w in enumerate(words) if w.startswith("--")), len(words))
-        world, launcher = _launcher_world(words[:first_flag])
-    return JobWords(FORM_COMMAND, tuple(words), MappingProxyType(env), world, launcher, script)
+        before = words[:first_flag]
+        world, launcher = _launcher_world(before)
+    return JobWords(FORM_COMMAND, tuple(words), MappingProxyType(env), world, launcher, script,
+                    launcher_words=tuple(before))
 
 
 # A word as bash reads it: unquoted characters, a backslash and the character it escapes, a single-quoted run,
@@ -424,17 +459,20 @@ def _launcher_world(words: list[str]) -> tuple[int | None, str]:
 def dump_values(text: str) -> tuple[dict[str, str], int]:
     """(name -> printed value, number of dumps) from the first ``arguments`` dump of a log.
 
-    Megatron-LM prints ``'  {name} {dots} {value}'`` with ``48 - len(name)`` dots, sorted, between the
-    header and ``end of arguments`` (arguments.py _print_args); a launcher may prefix every line (``[default0]:``,
+    Megatron-LM prints ``'  {name} {dots} {value}'`` with ``48 - len(name)`` dots (``32 - len(name)`` in 2020),
+    sorted, between the header and ``end of arguments`` (arguments.py _print_args); a launcher may prefix every line (``[default0]:``,
     ``0: ``), which is taken from the header line and stripped. A line of another rank's output inside the
     dump is skipped."""
-    lines = text.splitlines()
-    count = sum(1 for line in lines if DUMP_HEADER in line)
-    start = next(k for k, line in enumerate(lines) if DUMP_HEADER in line)
-    prefix = lines[start][:lines[start].index(DUMP_HEADER)]
+    header = dump_header(text)
+    if header is None:
+        raise MegatronArgsError("no Megatron-LM arguments dump in the text", "give the head of the job's log")
+    count = sum(1 for _ in zip(_DUMP_HEADERS.finditer(text), range(MAX_DUMP_HEADERS)))
+    line_start = text.rfind("\n", 0, header.start()) + 1
+    prefix = text[line_start:header.start()]
+    lines = text[header.end():].splitlines()
     values: dict[str, str] = {}
-    for line in lines[start + 1:start + 1 + MAX_DUMP_LINES]:
-        if DUMP_END in line:
+    for line in lines[1:1 + MAX_DUMP_LINES]:
+        if _DUMP_END_LINE.search(line):
             break
         if prefix and line.startswith(prefix):
             line = line[len(prefix):]
@@ -596,6 +634,106 @@ def _dump_argv(values: Mapping[str, str], parser: argparse.ArgumentParser) -> tu
             continue
         argv += words
     return argv, others, notes
+
+
+# ----------------------------------------------------------------------------- older releases' names
+# Arguments Megatron-LM renamed or replaced (the history of NVIDIA/Megatron-LM's megatron/arguments.py): a dump or a
+# command line of an older release names them. megatron-core 0.19.2's parser does not know some of them and refuses
+# the others in validate_args ("--batch-size argument is no longer valid, use --micro-batch-size instead", an exit()
+# for --checkpoint-activations), so each is read as the job's own release ran it, written in 0.19.2's words, and
+# listed (MegatronJob.translated): an old job is planned as it ran, never as if the setting were absent.
+#   model_parallel_size: the only (tensor) model parallelism until pipeline parallelism (v1.0, 2020-04; 0.19.2's
+#     validate_args: "use --tensor-model-parallel-size instead"); intra_/inter_layer_model_parallel_size: tensor and
+#     pipeline parallelism until 52a5f2f272 (2020-10-20, "Intra-layer MP -> Tensor MP, Inter-layer MP -> Pipeline MP").
+#   batch_size: the micro-batch until 9019bbf400 (2020-12-06, "Rename --batch-size to --micro-batch-size").
+#   checkpoint_activations (+ checkpoint_num_layers, default 1): every transformer layer's input kept and the layers
+#     recomputed in uniform chunks of checkpoint_num_layers, until c1e0689d92 (2021-08-10); validate_args itself then
+#     read the flag as activations-checkpoint-method uniform, and from bbab79f869 (2022-05-16) as
+#     recompute_granularity full + recompute_method uniform, until 3e71ad9c62 (2023-04-26) made it an exit().
+#   activations_checkpoint_method / activations_checkpoint_num_layers: full recompute by that method, renamed
+#     recompute_method / recompute_num_layers (with recompute_granularity full) by bbab79f869 (2022-05-16).
+#   distribute_checkpointed_activations: renamed distribute_saved_activations by d19e8ad7ab (2022-05-16).
+_RENAMED = {"model_parallel_size": "tensor_model_parallel_size",
+            "intra_layer_model_parallel_size": "tensor_model_parallel_size",
+            "inter_layer_model_parallel_size": "pipeline_model_parallel_size",
+            "batch_size": "micro_batch_size",
+            "distribute_checkpointed_activations": "distribute_saved_activations"}
+_RECOMPUTE_LAYERS_OLD = ("activations_checkpoint_num_layers", "checkpoint_num_layers")
+_SWITCHES_OLD = ("checkpoint_activations", "distribute_checkpointed_activations")
+_LEGACY = frozenset(_RENAMED) | frozenset(("checkpoint_activations", "activations_checkpoint_method",
+                                           *_RECOMPUTE_LAYERS_OLD))
+
+
+def _absent(text: Any) -> bool:
+    return text is None or str(text) in ("None", "False", "")
+
+
+def legacy_values(values: Mapping[str, str], present: frozenset[str] = frozenset()
+                  ) -> tuple[dict[str, str], list[FlagNote]]:
+    """(values in megatron-core 0.19.2's names, what was translated) for ``values`` keyed by argument name (a dump's
+    printed texts; a command line's old flags, "True" for a switch): an older release's name is read as that release
+    ran it (the table above). A 0.19.2 name the job sets itself (in ``values`` or ``present``) wins over an old one;
+    old names the job leaves unset are dropped."""
+    out = {k: v for k, v in values.items() if k not in _LEGACY}
+    notes: list[FlagNote] = []
+    old = method = None
+    if not _absent(values.get("activations_checkpoint_method")):
+        old, method = "activations_checkpoint_method", str(values["activations_checkpoint_method"])
+    elif str(values.get("checkpoint_activations")) == "True":
+        old, method = "checkpoint_activations", "uniform"
+    if old and _absent(out.get("recompute_granularity")) and "recompute_granularity" not in present:
+        layers = next((str(values[k]) for k in _RECOMPUTE_LAYERS_OLD if not _absent(values.get(k))), "1")
+        out["recompute_granularity"], out["recompute_method"] = "full", method
+        if _absent(out.get("recompute_num_layers")) and "recompute_num_layers" not in present:
+            out["recompute_num_layers"] = layers
+        notes.append(FlagNote("--" + old.replace("_", "-"), "" if old == "checkpoint_activations" else method,
+                              "an older Megatron-LM's full recompute, read as it ran: --recompute-granularity full "
+                              f"--recompute-method {method} --recompute-num-layers "
+                              f"{out.get('recompute_num_layers', layers)}"))
+    for name, new in _RENAMED.items():
+        if _absent(values.get(name)) or not _absent(out.get(new)) or new in present:
+            continue
+        out[new] = values[name]
+        notes.append(FlagNote("--" + name.replace("_", "-"), "" if name in _SWITCHES_OLD else str(values[name]),
+                              f"an older Megatron-LM's name, read as --{new.replace('_', '-')}"))
+    return out, notes
+
+
+def legacy_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[FlagNote]]:
+    """A command line's older Megatron-LM flags (``--checkpoint-activations``, ``--batch-size``,
+    ``--activations-checkpoint-method``, ...) rewritten in megatron-core 0.19.2's words (:func:`legacy_values`), after
+    the job's other words, which keep their order."""
+    flags = {"--" + n.replace("_", "-"): n for n in _LEGACY}
+    if not any(w.startswith("--") and w.partition("=")[0] in flags for w in argv):
+        return list(argv), []
+    kept: list[str] = []
+    old: dict[str, str] = {}
+    k = 0
+    while k < len(argv):
+        flag, eq, inline = argv[k].partition("=")
+        name = flags.get(flag) if argv[k].startswith("--") else None
+        if name is None:
+            kept.append(argv[k])
+            k += 1
+        elif name in _SWITCHES_OLD:
+            old[name], k = "True", k + 1
+        elif eq:
+            old[name], k = inline, k + 1
+        elif k + 1 < len(argv):
+            old[name], k = argv[k + 1], k + 2
+        else:                      # a value-taking flag without its value: left for the parser to refuse
+            kept.append(argv[k])
+            k += 1
+    dest_of = {o: a.dest for a in parser._actions for o in a.option_strings}
+    present = frozenset(d for w in kept if w.startswith("-") and (d := dest_of.get(w.partition("=")[0])))
+    translated, notes = legacy_values(old, present)
+    actions = actions_by_dest(parser)
+    words: list[str] = []
+    for dest, value in translated.items():
+        action = actions.get(dest)
+        if action is not None:
+            words += flag_words(action, True if action.nargs == 0 else value) or []
+    return kept + words, notes
 
 
 # Arguments validate_args writes from another one, which it then refuses to be given alongside it (arguments.py
@@ -1325,6 +1463,14 @@ def load_job(source: str | Sequence[str] | Mapping[str, Any] | JobWords, *, worl
 
 def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     words = source if isinstance(source, JobWords) else job_words(source)
+    deepspeed = _deepspeed(words)
+    if deepspeed:
+        raise MegatronArgsError(
+            f"a Megatron-DeepSpeed job ({deepspeed}): DeepSpeed's ZeRO partitions the optimizer state, gradients and "
+            "weights its own way, and its fork's arguments are not megatron-core's; the plan reads Megatron-LM jobs "
+            "only", "plan it with DeepSpeed's own estimators (deepspeed.runtime.zero.stage_1_and_2 / stage3 "
+            "estimate_zero*_model_states_mem_needs), or give the Megatron-LM job it corresponds to "
+            "(--use-distributed-optimizer shards the optimizer state as ZeRO-1 does)", rejected=True)
     job_env = job_environment({**words.env, **(env or {})})
     if world_size is not None:
         world, world_from = int(world_size), "given"
@@ -1342,14 +1488,20 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     notes = list(words.notes)
     argv = list(words.argv)
     unknown_names: list[str] = []
+    dump = dict(words.dump)
     if words.form == FORM_DUMP:
-        argv, others, dump_notes = _dump_argv(words.dump, parser)
+        dump, translated = legacy_values(words.dump)
+        argv, others, dump_notes = _dump_argv(dump, parser)
         notes += dump_notes
         unknown_names = others
-    args, unknown, placeholder_notes = parse_and_validate(argv, world, job_env, arch, parser)
+    else:
+        argv, translated = legacy_argv(argv, parser)
+    argv, args, unknown, placeholder_notes, dropped_notes = _validated(argv, words.form, world, job_env, arch, parser)
+    notes += dropped_notes
     notes += placeholder_notes
     if words.form == FORM_DUMP:     # names neither a flag nor set by validate_args: another version's argument
-        unknown = [n for n in unknown_names if n not in vars(args)]
+        # (one the dump prints unset, None or False, is not the job's setting)
+        unknown = [n for n in unknown_names if n not in vars(args) and not _absent(dump.get(n))]
     family = model_family(args, script or words.script)
     size, how = tokenizer_vocab(args, vocab)
     padded = padded_vocab(size, args)
@@ -1359,7 +1511,10 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     given = _given_dests(argv, parser)
     unsupported, ignored = [], []
     for dest in given:
-        if dest in used:
+        # validate_args deletes the deprecated aliases it has read into another argument (recompute_activations ->
+        # recompute_granularity selective, ...); use_rotary_position_embeddings sets position_embedding_type
+        # (arguments.py validate_args, "Legacy RoPE arguments")
+        if dest in used or dest not in vars(args) or _ALIAS_OF.get(dest) in used:
             continue
         if groups.get(dest) in NEUTRAL_GROUPS:
             ignored.append(flag_of(actions[dest]))
@@ -1388,9 +1543,78 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     return MegatronJob(
         config=cfg, world_size=world, world_from=world_from, form=words.form, argv=tuple(argv),
         env=MappingProxyType(dict(job_env)), family=family,
-        unknown=_unknown_notes(unknown, words.form, words.dump),
+        unknown=_unknown_notes(unknown, words.form, dump), translated=tuple(translated),
         unsupported=tuple(unsupported), ignored=tuple(ignored),
         assumptions=tuple(assumptions), args=MappingProxyType(dict(vars(args))))
+
+
+# Flags validate_args reads into another argument and keeps (arguments.py validate_args, "Legacy RoPE arguments":
+# use_rotary_position_embeddings sets position_embedding_type 'rope').
+_ALIAS_OF = {"use_rotary_position_embeddings": "position_embedding_type"}
+# The argparse groups a dump's values may be dropped from when megatron-core 0.19.2 refuses them (_load_job): those
+# that cannot change memory during training, and inference's (read by the inference engine, not by training).
+DUMP_NEUTRAL_GROUPS = NEUTRAL_GROUPS | {"inference"}
+# Megatron-DeepSpeed's own arguments (megatron/arguments.py of microsoft/Megatron-DeepSpeed: deepspeed.add_config_
+# arguments adds --deepspeed and --deepspeed_config; _add_zero_args --zero-stage), and its launcher.
+_DEEPSPEED_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config", "--zero-stage", "--deepspeed-activation-checkpointing")
+_DEEPSPEED_NAMES = ("deepspeed", "deepspeed_config", "zero_stage")
+
+
+def _deepspeed(words: JobWords) -> str:
+    """What says the job is Megatron-DeepSpeed's ("--deepspeed, --zero-stage=2"), "" when nothing does."""
+    seen = [w for w in words.argv if w.partition("=")[0] in _DEEPSPEED_FLAGS]
+    if words.form == FORM_DUMP:
+        seen += [f"{n} {words.dump[n]}" for n in _DEEPSPEED_NAMES if not _absent(words.dump.get(n))]
+    if any(os.path.basename(w) == "deepspeed" for w in words.launcher_words[:4]):
+        seen.insert(0, "the deepspeed launcher")
+    return ", ".join(dict.fromkeys(seen[:4]))
+
+
+MAX_DUMP_RETRIES = 8
+
+
+def _short(text: str, limit: int = 240) -> str:
+    from ..core.text import bounded
+    return bounded(text, limit)
+
+_NAMED_FLAG = re.compile(r"--[A-Za-z][\w-]{0,80}|\bargs\.([A-Za-z_]\w{0,80})")
+
+
+def _validated(argv: list[str], form: str, world: int, env: Mapping[str, str], arch: int,
+               parser: argparse.ArgumentParser) -> tuple[list[str], argparse.Namespace, list[str], list[str], list[str]]:
+    """parse_and_validate, and for a dump (which prints every argument with its own release's default) the
+    arguments megatron-core 0.19.2 refuses that cannot change training memory (DUMP_NEUTRAL_GROUPS: an inference or
+    learning-rate default of another release, e.g. 23.04's inference_batch_times_seqlen_threshold 512, which
+    0.19.2's validate_args says "requires --pipeline-model-parallel-size > 1", or 2020's float --warmup) left at
+    0.19.2's defaults, one refusal at a time, each said; any other refusal stands. Returns (argv as validated, the
+    namespace, unknown words, notes of placeholders, notes of what was left at its default)."""
+    groups = group_of(parser)
+    by_option = {o: a.dest for a in parser._actions for o in a.option_strings}
+    first: MegatronArgsError | None = None
+    dropped: list[str] = []
+    for _ in range(MAX_DUMP_RETRIES + 1):
+        try:
+            args, unknown, placeholder_notes = parse_and_validate(argv, world, env, arch, parser)
+            break
+        except MegatronArgsError as exc:
+            first = first or exc
+            if form != FORM_DUMP:
+                raise
+            segments = argv_segments(argv, parser)
+            given = {dest: seg for dest, seg in segments if dest is not None}
+            named = [by_option.get(m.group(0)) if m.group(0).startswith("--") else m.group(1)
+                     for m in _NAMED_FLAG.finditer(exc.message)]
+            dest = next((d for d in named if d in given and groups.get(d) in DUMP_NEUTRAL_GROUPS), None)
+            if dest is None:
+                raise first from None
+            dropped.append(f"{given[dest][0].partition('=')[0]} {_value_words(given[dest])}".strip())
+            argv = [w for d, seg in segments if d != dest for w in seg]
+    else:
+        raise first from None
+    notes = [f"the dump's {'; '.join(dropped)}: left at megatron-core 0.19.2's default (an argument that cannot change "
+             f"training memory, printed with its own release's value, which 0.19.2 refuses: {_short(first.message)})"] \
+        if dropped and first is not None else []
+    return argv, args, unknown, placeholder_notes, notes
 
 
 def _given_dests(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:

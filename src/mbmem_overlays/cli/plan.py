@@ -481,7 +481,9 @@ def megatron_job_lines(job) -> list[str]:
     """What the job is and which of its flags the plan does not follow (not modelled, unknown, unsupported)."""
     lines = [f"Megatron-LM job: {job.form}, {job.family}, world size {job.world_size} ({job.world_from}), "
              f"parsed and validated by megatron-core 0.19.2's own arguments.py"]
-    sections = (("not modelled (change memory; the plan does not follow them)", job.not_modelled),
+    sections = (("an older Megatron-LM's names, read as that release ran them (megatron-core 0.19.2's words)",
+                 getattr(job, "translated", ())),
+                ("not modelled (change memory; the plan does not follow them)", job.not_modelled),
                 ("unknown (not flags of megatron-core 0.19.2's parser; not planned)", job.unknown),
                 ("unsupported (recognised, not carried into the plan)", job.unsupported))
     for title, notes in sections:

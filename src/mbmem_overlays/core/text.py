@@ -75,3 +75,24 @@ def bounded(text: object, limit: int = MAX_MESSAGE_CHARS) -> str:
     if len(s) <= limit:
         return s
     return f"{s[:limit]} ... ({len(s) - limit:,} more characters not shown)"
+
+
+# Where a shell command ends: a pipe, a list operator or a redirection (`torchrun ... 2>&1 | tee run.log`, `... > log
+# &`). The words after it belong to another command or name a file; they are never the job's arguments (no training
+# script's flag value is one of these words).
+_SHELL_OPERATOR = re.compile(r"^(?:\|&?|\|\||&&?|;;?|\d*(?:>>?|<|>&|<&)(?:&?\d+|-)?|&>>?)$|^\d*>>?\S|^&>")
+
+
+_GLUED_OPERATOR = re.compile(r"^(.*[^;|&])(?:;;?|\|\|?|&&)$")   # `--lr 1e-4; sleep 1`: the operator ends a word
+
+
+def first_command(words: list[str]) -> list[str]:
+    """The words of the first simple command of a split command line (shell operators stay words when a line is
+    split: `|`, `|&`, `2>&1`, `>log`, or end one: `1e-4;`)."""
+    for k, w in enumerate(words):
+        if _SHELL_OPERATOR.match(w):
+            return list(words[:k])
+        glued = _GLUED_OPERATOR.match(w)
+        if glued:
+            return [*words[:k], glued.group(1)]
+    return list(words)

@@ -23,6 +23,7 @@ from ..core.catalog import (  # the engine's own parameter check
     train_recipe_arg,
 )
 from ..core.errors import OverlayError
+from ..core.text import first_command
 
 MEM_LIST = re.compile(r"^\+{1,2}mem=\[?([^\]]*)\]?$")
 MEM_PARAM = re.compile(r"^\+{0,2}mem\.(\w+)\.(\w+)=(.*)$")
@@ -74,6 +75,7 @@ def parse_launch(text: str | None, where: str = "", recipe: str | None = None) -
             tokens = shlex.split(text)
         except ValueError:  # unbalanced quotes in a logged line
             tokens = text.split()
+        tokens = first_command(tokens)   # `... 2>&1 | tee run.log`: the rest is another command's
         script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), None)
         if script is not None:
             name = tokens[script].rsplit("/", 1)[-1]

@@ -273,7 +273,9 @@ def config_notes(f: Findings, ctx: Context) -> list[str]:
                      f"{cited}; set mem.cpu_offload.num_layers to >= 1 "
                      "(it must stay below num_layers) or drop the overlay")
     rg = f.config.get("recompute_granularity")
-    if rg and str(rg.value).lower() == "selective" and str(f.config.get("recompute_modules", rg).value) in ("[]", "None"):
+    # recompute_modules None is megatron-core's default, ["core_attn"] (TransformerConfig.__post_init__,
+    # transformer_config.py:1763-1764): only an empty list recomputes nothing
+    if rg and str(rg.value).lower() == "selective" and str(f.config.get("recompute_modules", rg).value) == "[]":
         notes.append(f"recompute_granularity is selective with no recompute_modules: nothing is recomputed {at(rg.where)}")
     tp = f.layout.get("tp")
     if tp and tp > 1 and _flag(f, "sequence_parallel") is False:
@@ -480,7 +482,8 @@ def diagnose(f: Findings, recipe: str | None = None, planner: Any = None, *, cap
             cmd, check = _next_command(ctx, remedies[0], catalog, catalog_error, f, validator, dirs)
         elif cmd:
             check = check_text or "not a training command: nothing to validate"
-        fields = base if verdict != "reported" else {**base, "why_not": []}  # "not first" is OOM advice
+        # "not first" is advice against remedies for an OOM: none when nothing failed
+        fields = base if verdict in ("diagnosed", "unsure") else {**base, "why_not": []}
         return Diagnosis(kind, verdict, summary, confidence, cmd, check, reasons,
                          [_remedy_dict(r, priced.get(id(r))) for r in remedies],
                          unknown=list(unknown), rank=rank, also=list(also), savings=savings, **fields)
@@ -805,8 +808,8 @@ def _why_not(f: Findings) -> list[str]:
     if pp and pp > 1:
         out.append(f"not CPU offloading: activation offload is blocked with PP={pp} > 1 (megatron-core); "
                    "optimizer_offload works with any PP but costs ~1.9x-4.2x step time")
-    if pp and f.layout.get("dp"):
-        out.append(f"PP={pp * 2} would fit more easily but halves DP ({f.layout['dp']} -> {max(1, f.layout['dp'] // 2)}): "
+    if pp and (f.layout.get("dp") or 0) >= 2:   # at DP 1 a doubled PP needs twice the GPUs: not a trade to weigh
+        out.append(f"PP={pp * 2} would fit more easily but halves DP ({f.layout['dp']} -> {f.layout['dp'] // 2}): "
                    "~6% throughput")
     return out
 

@@ -29,7 +29,7 @@ class FoundJob:
 def megatron_dump(paths: list[str]) -> tuple[str, str] | None:
     """(path, text) of the first log whose head holds Megatron-LM's ``arguments`` dump (read again, bounded, by
     bridge/megatron_args.py read_source; standard input cannot be read twice), None when none does."""
-    from ..bridge.megatron_args import DUMP_HEADER, MegatronArgsError, read_source
+    from ..bridge.megatron_args import MegatronArgsError, dump_header, read_source
     for path in paths:
         if path == "-":
             continue
@@ -37,7 +37,7 @@ def megatron_dump(paths: list[str]) -> tuple[str, str] | None:
             text = read_source(path)
         except MegatronArgsError:
             continue
-        if DUMP_HEADER in text:
+        if dump_header(text) is not None:
             return path, text
     return None
 
@@ -68,9 +68,12 @@ def find_job(paths: list[str], f, world_size: int | None, arch: int | None) -> t
         try:
             words = job_words(text)
             world = world_size or (None if words.launcher_world else (f.world.value if f.world else None))
-            job = with_coverage(load_job(words, world_size=world, arch=arch or DEFAULT_ARCH))
+            # the tokenizer's size the job printed ("padded vocab (size: N)") is the one it trained with
+            vocab = f.vocab.value if getattr(f, "vocab", None) is not None else None
+            job = with_coverage(load_job(words, world_size=world, arch=arch or DEFAULT_ARCH, vocab=vocab))
         except MegatronArgsError as exc:
-            why.append(f"{source}: {exc.message}")
+            fix = "" if not exc.fix or world_size or exc.flag != "--world-size" else f" ({exc.fix})"
+            why.append(f"{source}: {exc.message}{fix}")
             continue
         return FoundJob(job, source, prefix), ""
     return None, "; ".join(why)
@@ -175,6 +178,8 @@ def status(found: FoundJob, base: float, shortfall: float | None, arch: int | No
             + ("" if arch else " (--gpu-arch not given)") + f": the plan's peak {base / GiB:.2f} GiB"
             + (f"; the failed request was short by {shortfall / GiB:.2f} GiB" if shortfall else "")
             + "; each remedy's flags parsed and validated by megatron-core 0.19.2's validate_args")
+    if job.translated:
+        text += "; " + "; ".join(n.text() for n in job.translated)
     if job.not_modelled:
         text += "; NOT MODELLED: " + ", ".join(n.flag for n in job.not_modelled)
     if job.unknown:

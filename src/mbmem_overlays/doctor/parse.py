@@ -53,6 +53,7 @@ CONTEXT_TRIGGERS = (
     b"SBATCH", b"--nodes", b"erminated", b"num_workers", b"MiB /", b"total_memory=", b"_mapping", b"Non-default",
     b"nproc", b"nnodes", b"ntasks",   # launcher lines that end in the script's name (no ".py " to find them by)
     b" arguments ---",                # the header of Megatron-LM's arguments dump
+    b"padded vocab",                  # Megatron-LM's tokenizer size: " > padded vocab (size: N) with K dummy tokens"
 )
 TRIGGERS = FAILURE_TRIGGERS + CONTEXT_TRIGGERS + FOLDED_TRIGGERS
 
@@ -111,6 +112,7 @@ class Findings:
     world: Seen | None = None                                                 # value: int; line says how
     command: Seen | None = None                                               # value: the launch command text
     megatron_args: Seen | None = None                                         # where Megatron-LM's arguments dump starts
+    vocab: Seen | None = None      # value: the tokenizer's vocabulary Megatron-LM printed before padding it (int)
     recipe: str | None = None
     slurm_job: str | None = None
     inference_engine: Seen | None = None
@@ -271,7 +273,7 @@ def parse_line(line: str, where: str, f: Findings, fragments: dict[str, str], st
                 f.config_errors.append((rule, where, clip(body)))
                 f.cite(where, line)
             break
-    _context(body, where, f)
+    _context(body, where, f, after)
 
 
 MAX_THEORY = 8
@@ -457,9 +459,22 @@ def _task_ranks(text: str, limit: int = 4096) -> list[int]:
     return out[:limit]
 
 
-def _context(body: str, where: str, f: Findings) -> None:
-    if f.megatron_args is None and " arguments ---" in body and P.MEGATRON_ARGS_DUMP.search(body):
+def _megatron_2020(after: bytes) -> bool:
+    """Whether the lines after 2020's short dump header are Megatron-LM's (``'  {name} {dots} {value}'``), not
+    GPT-NeoX's, whose NeoXArgs print the same header with ``....default`` / ``....updated`` after each value."""
+    lines = after[:4096].decode("utf-8", errors="replace").splitlines()[:8]
+    return bool(lines) and any(P.DUMP_VALUE_LINE.match(x) for x in lines) and not any(
+        P.NEOX_VALUE.search(x) for x in lines)
+
+
+def _context(body: str, where: str, f: Findings, after: bytes = b"") -> None:
+    if f.megatron_args is None and " arguments ---" in body and (
+            P.MEGATRON_ARGS_DUMP.search(body) or (P.MEGATRON_ARGS_DUMP_2020.search(body) and _megatron_2020(after))):
         f.megatron_args = Seen("arguments dump", where, clip(body))
+    if f.vocab is None and "padded vocab" in body and (vm := P.PADDED_VOCAB.search(body)):
+        size = ascii_int(vm.group(1), 9)
+        if size:
+            f.vocab = Seen(size, where, clip(body))
     # The OOM message's own hint ("try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid
     # fragmentation"), whole or wrapped, is not the job's setting.
     if "ALLOC_CONF" in body and "try setting" not in body and "avoid fragmentation" not in body \
@@ -602,8 +617,14 @@ def _command(body: str, where: str, f: Findings) -> None:
         return
     m = P.LAUNCH.search(body)
     if not m or not P.SCRIPT.search(body, m.end()):
-        return
-    text = body[m.start():].strip()
+        # the command a launcher ran, echoed without its launcher (`pretrain_gpt.py --num-layers 24 ...`, srun's
+        # `[host:0]:` prefix, `bash -x`'s `+ `): a line that starts with a script and its flags
+        bare = P.BARE_SCRIPT.match(body)
+        if not bare:
+            return
+        text = body[bare.start("cmd"):].strip()
+    else:
+        text = body[m.start():].strip()
     if f.command is None or "train.py" in text or "recipe" in text:
         f.command = Seen(text, where, clip(body))
         f.cite(where, body)

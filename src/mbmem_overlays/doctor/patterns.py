@@ -231,10 +231,17 @@ CONFIG_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vi
 CONFIG_VALUE = re.compile(r"(?a)(?<![\w])(" + "|".join(CONFIG_KEYS) + r")(?![\w])"
                           r"(?:\s{0,4}[=:]\s{0,4}|\s{1,4}\.{2,80}\s{1,4}|\s{1,4})"
                           r"(\[[^\]\n]{0,200}\]|'[^'\n]{0,60}'|\"[^\"\n]{0,60}\"|[\w.+-]{1,40})")
-# The header of the arguments dump Megatron-LM prints before training (arguments.py _print_args, since 2021; the
-# one bridge/megatron_args.py reads): the job's whole configuration is in the log (doctor --plan reads it). The
-# shorter header of 2020's Megatron-LM is GPT-NeoX's too, and says nothing about which framework ran.
+# The header of the arguments dump Megatron-LM prints before training (arguments.py _print_args, since December
+# 2020; bridge/megatron_args.py reads it): the job's whole configuration is in the log (doctor --plan reads it). The
+# shorter header of 2020's Megatron-LM is GPT-NeoX's too: it marks a Megatron-LM dump only when the lines after it
+# are Megatron-LM's ('  {name} {dots} {value}'), not NeoXArgs' ('  {name} {dots} {value}{dots}default').
 MEGATRON_ARGS_DUMP = re.compile(r"(?<!-)-{24} arguments -{24}(?!-)")
+# Megatron-LM's tokenizer size before padding (training/tokenizer/tokenizer.py _vocab_size_with_padding, every release
+# since 2019): " > padded vocab (size: 50257) with 47 dummy tokens (new size: 50304)".
+PADDED_VOCAB = re.compile(r"(?a)padded vocab \(size: (\d{1,9})\) with \d{1,9} dummy tokens \(new size: \d{1,9}\)")
+MEGATRON_ARGS_DUMP_2020 = re.compile(r"(?<!-)-{20} arguments -{20}(?!-)")
+DUMP_VALUE_LINE = re.compile(r"^(?:\S{0,64}: ?)?\s{1,4}[A-Za-z_]\w{0,120} \.* \S")
+NEOX_VALUE = re.compile(r"\.{2,}(?:default|updated)\s*$")
 MEGATRON_LM_SIZES = re.compile(r"(?a)(?<![\w-])(tensor|pipeline|data|context|expert)-(?:model-)?parallel size: (\d{1,6})")
 LAYOUT_SHORT = re.compile(r"(?a)(?<![\w])(TP|PP|VPP|CP|EP|DP)\s{0,2}[=:]\s{0,2}(\d{1,6})\b")
 # "export PYTORCH_CUDA_ALLOC_CONF=a:b", "PYTORCH_CUDA_ALLOC_CONF: a:b", and a printed dict
@@ -243,6 +250,8 @@ ALLOC_SET = re.compile(r"(?:^|[\s'\"{])(?:export\s{1,4})?(PYTORCH_(?:CUDA_|HIP_)
                        r"([^'\"\s,}]{1,300}(?:,[^'\"\s,}]{1,300}){0,30})")
 LAUNCH = re.compile(r"(?<![\w/.-])(srun|torchrun|python3?|uv run|mpirun|deepspeed|accelerate launch|bash)\s")
 SCRIPT = re.compile(r"[\w./-]{0,200}\.py\b")
+# A training script and its flags at the start of a line, without a launcher word (an echoed command).
+BARE_SCRIPT = re.compile(r"\s{0,8}(?:\+{1,3}\s)?(?P<cmd>[\w./-]{1,200}\.py\s{1,8}--[A-Za-z])")
 SLURM_JOB = re.compile(r"\bSLURM_JOB_ID\s{0,2}[=:]\s{0,2}(\d{1,12})\b|\bStepId=(\d{1,12})\b|\bslurm-(\d{1,12})\.out\b|"
                        r"\bjob (\d{1,12})\b")
 # Colocated inference engines reserving their share at start-up (vLLM's worker and SGLang's memory pool errors).

@@ -232,6 +232,11 @@ class MegatronRunPlan(RunPlan):
         command = (change.command(self.prefix) if self.prefix and not any("$" in w for w in change.argv)
                    else change.text())
         out = {"command": command, "check": change.check, "megatron": change.as_dict()}
+        if work is None and r.name in ("expandable_segments", "max_split_size_mb"):
+            # as RunPlan._price for the overlay: the allocator setting returns the reserved-but-unallocated gap,
+            # outside the allocated-memory plan; the measured max allocated stays
+            hot = self.measured.get(self.hot_stage)
+            out.update(planned_hot_bytes=None, predicted_peak_bytes=None if hot is None else int(hot[1]), fits=True)
         return out if work is None else (work, out)
 
 
@@ -260,7 +265,12 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
             if why:
                 rep.plan_status = f"not planned: {' '.join(why.split())[:400]}"
                 return None
-            missing.append("the recipe (give --recipe)")
+            # Megatron-LM's own memory lines (MB) and no arguments: the job's flags, not a recipe, are what is missing
+            missing.append("the job's Megatron-LM arguments (no arguments dump or launch command in it: give the "
+                           "log's head, where Megatron-LM prints them, or plan them with `mbmem plan --megatron-args "
+                           "FILE`; --recipe for a Bridge recipe)" if any(getattr(r, "unit", "") == "MB"
+                                                                      for r in rep.rows)
+                           else "the recipe (give --recipe)")
         if not world:
             missing.append("the world size (give --world-size)")
         if missing:
@@ -328,6 +338,8 @@ def _plan_megatron(rep, found, world_size: int | None, margin: float, arch: int 
     flags = [n for n in job.not_modelled if any(t.startswith(f"{n.flag}=") for t in flag_texts(job))]
     if flags:   # the config fields are named by _compare; the flags outside megatron-core's parser here
         rep.plan_status += ("; NOT MODELLED: " + "; ".join(n.text() for n in flags))
+    if job.translated:
+        rep.plan_status += "; " + "; ".join(n.text() for n in job.translated)
     if job.unknown:
         rep.plan_status += "; unknown in the arguments: " + ", ".join(n.flag for n in job.unknown[:8])
     if world_size and job.world_from == "given" and job.args.get("world_size") != world_size:
@@ -472,7 +484,8 @@ def _compare(rep, cfg, work, start, catalog, world: int, name: str, words: list[
                 "gpu_arch": {k: v for k, v in gpu.items() if k != "assumption"},
                 "stages": [{"stage": i, "planned_peak_bytes": int(b.total), "phase": b.phase} for i, b in enumerate(base)]}
     mean = f"; mean |error| {sum(errors) / len(errors):.1f}% over {len(errors)} rank(s)" if errors else ""
-    rep.plan_status = (f"the memory model on recipe {name} at world size {world} ({lay_text}"
+    what = name if name.startswith("Megatron-LM ") else f"recipe {name}"    # a Megatron-LM job has no recipe
+    rep.plan_status = (f"the memory model on {what} at world size {world} ({lay_text}"
                        + (f"; from the log: {', '.join(from_log)}" if from_log else "") + f"){mean}")
     from ..memory.coverage import gaps, not_modelled
     left_out = gaps(not_modelled(work))

@@ -372,11 +372,21 @@ def _notes(rep: RunReport, f) -> None:
             by_stage = stage_peaks(rep)
             if hot is not None and hot.stage is not None and len(by_stage) > 1:
                 lo = min(by_stage.items(), key=lambda kv: kv[1])
+                # what the layer split decides is what a stage allocates: a stage hot by its reserve alone (it
+                # allocates no more than the others) is fragmenting, and moving a layer off it is no remedy
+                allocated = stage_peaks(rep, "max_allocated")
+                own = allocated.get(hot.stage)
+                least = min(allocated.values()) if len(allocated) > 1 else None
+                layers = own is not None and least is not None and own - least > 0.05 * own
                 notes.append(f"PP stage {hot.stage} is the hot stage ({rep.size(by_stage[hot.stage])} vs "
                              f"{rep.size(lo[1])} on stage {lo[0]})"
                              + (": megatron-core's num_layers_in_first_pipeline_stage / "
                                 "account_for_embedding_in_pipeline_split can move a layer off it"
-                                if hot.stage == 0 and by_stage[0] - lo[1] > 0.05 * by_stage[0] else ""))
+                                if hot.stage == 0 and by_stage[0] - lo[1] > 0.05 * by_stage[0] and layers else
+                                f" by its reserve, not its allocations (max allocated {rep.size(own)}, stage "
+                                f"{max(allocated, key=allocated.get)} allocates the most): the allocator's "
+                                "fragmentation, not the layer split" if own is not None and least is not None
+                                and not layers and max(allocated, key=allocated.get) != hot.stage else ""))
     inferred = sorted({i for series in f.memory.values() for i in series.latest.inferred})
     if inferred:
         notes.append("user metric names (logger.memory_keys) read by their words: " + "; ".join(inferred[:8]))
@@ -399,11 +409,13 @@ def dropped_note(left_out: dict) -> str:
             "not seen)")
 
 
-def stage_peaks(rep: RunReport) -> dict[int, int]:
+def stage_peaks(rep: RunReport, key: str | None = None) -> dict[int, int]:
+    """Each reporting stage's highest peak (``key``: that figure instead, e.g. "max_allocated")."""
     out: dict[int, int] = {}
     for r in rep.rows:
-        if r.stage is not None and r.peak is not None:
-            out[r.stage] = max(out.get(r.stage, 0), r.peak)
+        value = r.peak if key is None else r.get(key)
+        if r.stage is not None and value is not None:
+            out[r.stage] = max(out.get(r.stage, 0), value)
     return out
 
 
