@@ -55,11 +55,11 @@ def test_unclassified_fields_leaves_out_what_is_read_listed_or_classified():
 
 
 def test_a_conditional_entry_names_its_field_only_where_it_changes_memory():
-    def cfg(dealloc, pp, fp8=None, mtp_bf16=False):
-        return SimpleNamespace(model=SimpleNamespace(deallocate_pipeline_outputs=dealloc, pipeline_model_parallel_size=pp,
+    def cfg(parallel_output, tp, fp8=None, mtp_bf16=False):
+        return SimpleNamespace(model=SimpleNamespace(parallel_output=parallel_output, tensor_model_parallel_size=tp,
                                                      fp8=fp8, keep_mtp_spec_in_bf16=mtp_bf16))
     named = lambda c: [n.split("=")[0] for n in C.conditional_unmodelled(c)]  # noqa: E731
-    assert named(cfg(False, 4)) == ["model.deallocate_pipeline_outputs"]
+    assert named(cfg(False, 4)) == ["model.parallel_output"]
     assert named(cfg(False, 1)) == [] and named(cfg(True, 4)) == []
     assert named(cfg(True, 1, fp8=None, mtp_bf16=True)) == []            # bf16 job: MTP "kept in bf16" is no change
     assert named(cfg(True, 1, fp8="hybrid", mtp_bf16=True)) == ["model.keep_mtp_spec_in_bf16"]

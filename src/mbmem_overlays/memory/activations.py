@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import variants
-from .inputs import FP8, FP32, Layout, Settings, Shape, _tokens
+from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
 from .pipeline import blocks_of, runs_bf16
 
 def attention_scores_bytes(st: Settings, lay: Layout) -> float:
@@ -21,10 +21,28 @@ def attention_scores_bytes(st: Settings, lay: Layout) -> float:
     With attention dropout the dropout keeps a bool mask and the bmm keeps the dropped probabilities instead."""
     if not st.attention_scores:
         return 0.0
-    softmax = st.dtype_bytes if st.attention_scores == "fused_softmax" else FP32
+    # torch's softmax upcasts only with attention_softmax_in_fp32 (fused_softmax.py forward_torch_softmax
+    # :313-336: input.float() and the cast back both sit under softmax_in_fp32), else it runs in the compute dtype
+    torch_softmax = FP32 if st.softmax_fp32 else st.dtype_bytes
+    softmax = st.dtype_bytes if st.attention_scores == "fused_softmax" else torch_softmax
     if st.attention_dropout:
         return softmax + 1.0 + st.dtype_bytes
     return softmax + (st.dtype_bytes if softmax != st.dtype_bytes else 0.0)
+
+
+def kernel_output_apart(lay: Layout, st: Settings) -> bool:
+    """Whether the attention kernel saves its output as a tensor of its own, apart from the one the layer passes on
+    (which linear_proj, or the output gate, keeps): with a fused kernel both are one tensor.
+
+    - TE's all-to-all context parallelism (cp_comm_type a2a, and a2a+p2p; TE v2.17.1
+      attention/dot_product_attention/context_parallel.py AttnFuncWithCPAndQKVOA2A.forward :4185-4283 saves
+      ``out_part``, the kernel's output over the whole sequence and 1/CP of the heads, and returns the output of
+      the all-to-all back, a new tensor; AttnFuncWithCPAndKVP2P with cp_size_a2a > 1 :2074-2193 alike). The p2p
+      ring and all-gather save the output they return (:2122-2193, :3393-3441).
+    - Gemma 2's FlexAttention path (gemma2_provider.py Gemma2FlexDotProductAttention.forward :382-401): flex
+      attention saves its [b, heads, s, d] output, and the layer gets ``out.permute(...).contiguous()``."""
+    a2a = lay.cp > 1 and st.cp_comm in ("a2a", "a2a+p2p") and not st.attention_scores
+    return a2a or st.attn_softcap == "flex"
 
 
 def latent_width(s: Shape) -> int:
@@ -90,6 +108,79 @@ def dispatcher_terms(s: Shape, lay: Layout, st: Settings) -> dict[str, float]:
         per_local = 4 * group + 5 * group * local_experts + nodes + (nodes - 1)
         return {"moe_dispatch_handle": per_local / sp_div}
     return {}
+
+
+# Bytes per element of a quantized tensor's columnwise layout, with its scales, per FP8 recipe (TE v2.17.1):
+# MXFP8 one E8M0 scale per 32 elements (tensor/mxfp8_tensor.py, MXFP8_BLOCK_SCALING_SIZE), blockwise one fp32 per
+# 1 x 128 block of an activation and per 128 x 128 block of a weight (tensor/float8_blockwise_tensor.py), per-tensor
+# scaling (delayed, tensorwise) one scalar per tensor
+_ACT_SCALES = {"mxfp8": 1 / 32, "blockwise": 4 / 128}
+_WEIGHT_SCALES = {"mxfp8": 1 / 32, "blockwise": 4 / (128 * 128)}
+
+
+def quantized_bytes(recipe: str, weight: bool = False) -> float:
+    """Bytes per element of one FP8 layout (data and scales) of an activation or, ``weight``, a weight."""
+    return FP8 + (_WEIGHT_SCALES if weight else _ACT_SCALES).get(recipe, 0.0)
+
+
+def local_expert_params(s: Shape, lay: Layout) -> float:
+    """The routed experts' FC1 and FC2 weight elements one GPU holds for one MoE layer (weights._block_params)."""
+    width = latent_width(s)
+    return s.experts * ((2 if s.gated else 1) + 1) * s.moe_ffn * width / (max(1, lay.ep) * max(1, lay.etp))
+
+
+def op_fuser_terms(s: Shape, lay: Layout, st: Settings, routed: float, width: int,
+                   keeps_input: Any) -> dict[str, float]:
+    """Bytes per token the routed experts' grouped MLP keeps when TE's operation fuser runs it
+    (use_transformer_engine_op_fuser: megatron-core moe/experts.py :286-290; TEGroupedMLP._fused_forward :616-718
+    calls a te.ops.Sequential of GroupedLinear, ScaledSwiGLU / ScaledClampedQGeGLU / ScaledSReLU and GroupedLinear
+    built on the modules' own parameters, _make_fused_ops).
+
+    - Basic ops (``st.moe_op_fuser == "ops"``; TE v2.17.1 ops/basic/grouped_linear.py fuser_forward
+      :911-1016, _fuser_forward_split_quantize :1090-1150 and _fuser_forward_grouped_tensor :1250-1330;
+      ops/basic/swiglu.py _ScaledGLU.fuser_forward :416-466; ops/basic/activation.py ScaledSReLU.fuser_forward
+      :385-420): FC1 saves its input for the weight gradient, the scaled activation its input (FC1's output, in
+      the compute dtype) and the router's probabilities, FC2 its input; under FP8 each GEMM input only in its
+      columnwise layout (``rowwise_data = None``). The ops keep no FP8 weight cache across microbatches: with
+      bf16 weights and FP8 compute each forward quantizes the local experts' weights and saves their columnwise
+      copies for the data gradient (``saved.extend(ws)``, ``w.update_usage(rowwise_usage=False,
+      columnwise_usage=True)``).
+    - The fused grouped MLP (``"fused"``; ops/fused/grouped_mlp.py _GroupedMLP_CuTeGEMMBase.fuser_forward
+      :863-1493): FC1's input as MXFP8 columnwise data and scales, the activation's input (the kernel's bf16
+      ``c_tensor``), the probabilities, FC2's input as MXFP8 columnwise data and scales (none for the squared
+      ReLU under ``moe_act`` recompute, recompute_srelu_fc2_x :1436-1443), and with bf16 weights their MXFP8
+      copies in both layouts (quantized with rowwise and columnwise usage, saved in fc1_ctx.save_for_backward)."""
+    # an FP8 job's bf16 layers run outside fp8_autocast, where TE fuses nothing (fuse_grouped_mlp_ops :704-705:
+    # no MXFP8 / NVFP4 recipe): their ops run unfused
+    fused = st.moe_op_fuser == "fused" and st.fp8
+    quant = st.moe_op_quant if st.fp8 else ""
+    D = st.dtype_bytes
+    gemm_in = quantized_bytes(quant) if quant else D
+    terms: dict[str, float] = {}
+    if keeps_input("linear_fc1"):
+        terms["moe_permuted_input"] = routed * lay.etp * gemm_in * width
+    # the fused kernel writes the activation's input as bf16 (c_dtype); the basic op dequantizes to the compute dtype
+    terms["moe_fc1_output"] = routed * (BF16 if fused else D) * (2 if s.gated else 1) * s.moe_ffn
+    if keeps_input("linear_fc2"):
+        terms["moe_act_output"] = routed * gemm_in * s.moe_ffn
+    if quant and st.param_bytes != FP8 and (keeps_input("linear_fc1") or keeps_input("linear_fc2")):
+        layouts = 2 if fused else 1
+        terms["moe_op_weight_copies"] = layouts * quantized_bytes(quant, weight=True) * local_expert_params(
+            s, lay) / _tokens(lay)
+    return terms
+
+
+def paged_stash_active(st: Settings) -> bool:
+    """Whether moe_paged_stash moves anything: its saved-tensor hook (moe/paged_stash.py
+    PagedStashManager.on_save_for_backward :679-690) takes only tensors TE marks with grouped_tensor_scale_inv,
+    which in TE v2.17.1 only the fused grouped MLP does (utils.py mark_grouped_tensor :307-327, called by
+    ops/fused/grouped_mlp.py :1429); experts.py enters the stash context only in _fused_forward (:654-670)."""
+    return bool(st.paged_stash_cuda) and st.moe_op_fuser == "fused" and st.fp8
+
+
+# the fused grouped MLP's saved tensors the paged stash moves into its buffers (mark_grouped_tensor(grouped_fc1_x,
+# activation_in, scales, grouped_fc2_x)); the weights' copies are not marked and stay
+PAGED_STASH_TERMS = ("moe_permuted_input", "moe_fc1_output", "moe_act_output")
 
 
 def mamba_activation_terms(s: Shape, lay: Layout, st: Settings, ln_out: float, gemm_in: float,
@@ -211,6 +302,13 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # linear_proj): only linear_proj's own saved input (above, or its FP8 copy) stays
         if st.fp8 and not frozen:
             terms["attention_output_fp8"] = FP8 * s.heads * (s.v_head_dim or s.head_dim) / t
+        if kernel_output_apart(lay, st):
+            terms["attention_kernel_output"] = out
+        if st.attn_softcap == "unfused":
+            # Gemma 2's materialized scores (gemma2_provider.py Gemma2DotProductAttention.forward :242,
+            # logit_softcapping :418-423): scale * tanh(scores / scale), whose tanh keeps its output for the
+            # backward, one more score-sized tensor in the compute dtype beside the softmax's
+            terms["attention_softcap"] = st.dtype_bytes * s.heads / t * lay.seq / lay.cp
         lora_gathered("linear_qkv")
     if "mlp" in blocks:
         if keeps_input("linear_fc1"):
@@ -269,6 +367,19 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             terms["moe_probs_mul_input"] = routed * D * s.moe_ffn
         if keeps_input("linear_fc2"):
             terms["moe_act_output"] = routed * (D if frozen else gemm_in) * s.moe_ffn
+        if st.moe_op_fuser:
+            # TE's operation fuser runs the grouped MLP instead of TEGroupedMLP's modules (op_fuser_terms): its
+            # scaled activation keeps only its input, so no GLU copies nor probability-weighted input
+            for name in ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
+                         "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output"):
+                terms.pop(name, None)
+            terms.update(op_fuser_terms(s, lay, st, routed, width, keeps_input))
+            if paged_stash_active(st):
+                # moe_paged_stash copies the marked tensors into its buffers once the next group starts and
+                # frees them (paged_stash.py stash_paged_tensors :473, wait_for_stash_to_complete :499-509): they are
+                # planned in buffers.paged_stash_buffer and stage_activations' reload working set instead
+                for name in PAGED_STASH_TERMS:
+                    terms.pop(name, None)
         # One bf16 hidden state per routed token, the experts' output. A build that applies the routing
         # probabilities at unpermute keeps it as that product's input; megatron-core 0.19.2 applies them inside the experts
         # (experts.py:850-879) and its unpermute keeps only a row map, yet the measured runs (bench/plan_corpus.py,
@@ -306,7 +417,7 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
 
 
 RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recompute skill, Decision Table)
-    "core_attn": ("attention_softmax_stats", "attention_kernel_output", "attention_scores",
+    "core_attn": ("attention_softmax_stats", "attention_kernel_output", "attention_scores", "attention_softcap",
                   *variants.RECOMPUTE_DROPS["core_attn"]),
     # the MLP checkpoint (TE: the pre-MLP norm is fused into FC1) keeps only its input
     "mlp": ("mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_glu_linear_input",
@@ -323,7 +434,7 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
     "moe": ("moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input",
             "moe_glu_clamped_input", "moe_probs_mul_input", "moe_act_output", "moe_router", "moe_unpermute_input",
             "shared_expert", "moe_latent_fc1_input_fp8", "moe_latent_fc2_input", "moe_dispatch_handle",
-            "shared_expert_gate"),
+            "shared_expert_gate", "moe_op_weight_copies"),
     # the checkpoint wraps the whole SharedExpertMLP forward, gate included (moe_layer.py:510-522)
     "shared_experts": ("shared_expert", "shared_expert_gate"),
     "mla_up_proj": ("attention_qkv", *variants.RECOMPUTE_DROPS["mla_up_proj"]),
@@ -331,15 +442,38 @@ RECOMPUTE_DROPS = {  # selective label -> terms it discards (activation-recomput
 }
 
 
+def recompute_drops(label: str, st: Settings) -> tuple[str, ...]:
+    """The terms selective recompute label ``label`` drops in this configuration. Under TE's operation fuser
+    "moe_act" is no checkpoint: experts.py passes activation_recompute_in_mlp to the scaled activation
+    (_make_fused_ops :484), which only the fused squared-ReLU kernel follows, by not saving FC2's input
+    (TE v2.17.1 ops/fused/grouped_mlp.py :1433-1443); the fused GLU kernel saves it still, and the basic ops raise
+    (coverage.py names that job as one that cannot run)."""
+    if label == "moe_act" and st.moe_op_fuser:
+        return ("moe_act_output",) if st.moe_op_fuser == "fused" and st.moe_op_srelu else ()
+    return RECOMPUTE_DROPS.get(label, ())
+
+
 def _selected_terms(s: Shape, lay: Layout, st: Settings, kind: str) -> dict[str, float]:
     terms = layer_activation_terms(s, lay, st, kind)
     if st.recompute == "selective":
         for label in st.modules:
-            for name in RECOMPUTE_DROPS.get(label, ()):
+            for name in recompute_drops(label, st):
                 terms.pop(name, None)
         if "mla_up_proj" in st.modules and any(b in (variants.DSA, variants.DSA_SHARED) for b in blocks_of(kind)):
             terms["dsa_up_proj_checkpoint_inputs"] = variants.dsa_up_proj_checkpoint_inputs(s, lay, st)
     return terms
+
+
+def paged_stash_layer_bytes(s: Shape, lay: Layout, st: Settings, kind: str, load: float) -> float:
+    """Bytes one layer of ``kind`` hands the paged stash per microbatch (0 without a stash or MoE): the fused
+    grouped MLP's marked tensors (PAGED_STASH_TERMS) that its forward saves under this recompute, with the routed
+    tokens at ``load`` times the balanced count."""
+    if not paged_stash_active(st) or "moe" not in blocks_of(kind):
+        return 0.0
+    terms = _selected_terms(s, lay, replace(st, paged_stash_cuda=0.0, moe_load=load), kind)
+    if not paged_stash_active(replace(st, fp8=st.fp8 and not runs_bf16(kind))):
+        return 0.0                       # an FP8 job's bf16 layer runs the basic ops: nothing is marked
+    return sum(terms.get(name, 0.0) for name in PAGED_STASH_TERMS) * _tokens(lay)
 
 
 def layer_activation(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> float:

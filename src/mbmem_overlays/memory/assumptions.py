@@ -48,6 +48,18 @@ PRECISION_AWARE_PATH = (
     "the step takes the regular path: DistributedOptimizer's fp32 masters and fp32 gradient copies "
     "(distrib_optimizer.py:2782), with the moments in exp_avg_dtype")
 
+ATTENTION_KERNEL = (
+    "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept "
+    "beside q, k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or "
+    "adapter-read copy for linear_proj stays). A non-fused attention (attention_backend unfused or local, "
+    "or the local transformer_impl) keeps the s x s scores per head and microbatch: the softmax output (in"
+    " the compute dtype with megatron-core's fused softmax kernel, else fp32 plus its cast back, or in the compute "
+    "dtype without attention_softmax_in_fp32), and with"
+    " attention dropout a bool mask and the dropped probabilities (activations.attention_scores_bytes); "
+    "TE's unfused backend is taken to keep the same tensors as megatron-core's DotProductAttention. Gemma 2's own "
+    "core attention is planned on FlexAttention (torch 2.5 and later; its softcap a score_mod, its output kept apart "
+    "from the layer's), and where the job's torch lacks it its materialized, softcapped scores are the high end of "
+    "the activations' range")
 OUTSIDE_TORCH = (
     "CUDA context, NCCL communicators and TE userbuffers (cudaMalloc/cuMemCreate outside torch: TE v2.17.1 "
     "comm_gemm_overlap.cpp:421, userbuffers-host.cpp:660) are outside torch's allocated memory and not counted; "
@@ -124,13 +136,7 @@ ASSUMPTION_TABLE: tuple[Assumption, ...] = (
     Assumption("attention_kernel", lambda s, lay, st: any("attn" in k for k in layer_kinds(s)),
                "attention keeps softmax statistics and its output with a fused/flash kernel, the s x s scores with a "
                "non-fused one",
-               "attention uses a fused/flash kernel (TE default): only softmax statistics and the output are kept "
-               "beside q, k, v, so core_attn recompute drops the statistics and the kernel's output (a quantized or "
-               "adapter-read copy for linear_proj stays). A non-fused attention (attention_backend unfused or local, "
-               "or the local transformer_impl) keeps the s x s scores per head and microbatch: the softmax output (in"
-               " the compute dtype with megatron-core's fused softmax kernel, else fp32 plus its cast back), and with"
-               " attention dropout a bool mask and the dropped probabilities (activations.attention_scores_bytes); "
-               "TE's unfused backend is taken to keep the same tensors as megatron-core's DotProductAttention"),
+               ATTENTION_KERNEL),
     Assumption("hidden_dropout", lambda s, lay, st: st.hidden_dropout,
                "hidden dropout keeps one bool mask per block per token",
                "hidden dropout (hidden_dropout > 0) keeps one bool mask per block per token (the bias-dropout-add); "

@@ -5,6 +5,7 @@ bucket) and megatron-core's global memory buffer."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .inputs import FP32, Layout, Settings, Shape, _tokens
 from .pipeline import blocks_of, rank_layers
@@ -188,6 +189,52 @@ def flex_dispatcher_state(s: Shape, lay: Layout, st: Settings, rank: int) -> flo
     else:
         return 0.0
     return _moe_dispatchers(s, lay, rank) * local_tokens * per_token
+
+
+def paged_stash_tokens_bytes(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """The most bytes of stashed expert tensors pipeline rank ``rank`` holds at once, at the balanced token count:
+    what moe_paged_stash's capture iteration measures. In its first iteration the manager adds each marked saved
+    tensor's expected tokens (``avg_num_tokens``, the dispatched budget over moe_expert_rank_capacity_factor:
+    moe/experts.py :654-670) at save and takes them off when the backward reads it, and keeps the largest running
+    sum per (dtype, width) (moe/paged_stash.py on_save_for_backward :704-740, on_get_saved_tensor :775-800): the
+    peak of the in-flight MoE layer-microbatches over the rank's schedule (pipeline.rank_alive), each chunk's MoE
+    layers weighted by what they stash (activations.paged_stash_layer_bytes), with the last rank's MTP MoE layers
+    beside its loss microbatch."""
+    from .activations import paged_stash_active, paged_stash_layer_bytes
+    if not paged_stash_active(st) or not s.experts:
+        return 0.0
+    from .pipeline import rank_alive, rank_chunks
+    from .weights import mtp_blocks
+    per_chunk = [sum(paged_stash_layer_bytes(s, lay, st, kind, 1.0) for kind in chunk)
+                 for chunk in rank_chunks(s, lay, rank)]
+    mtp = 0.0
+    if rank == lay.pp - 1 and s.mtp_layers and "moe" in mtp_blocks(s):
+        mtp = s.mtp_layers * paged_stash_layer_bytes(s, lay, st, "attn+moe", 1.0)
+    if "moe" in st.modules and st.recompute == "selective":
+        # the MoE checkpoint's forward saves nothing; its recompute in the backward saves one layer's at a time
+        return max((b for chunk in rank_chunks(s, lay, rank) for kind in chunk
+                    if (b := paged_stash_layer_bytes(s, lay, replace(st, modules=tuple(
+                        x for x in st.modules if x != "moe")), kind, 1.0))), default=0.0)
+    return max(sum(n * b for n, b in zip(counts, per_chunk)) + (mtp if counts[-1] else 0.0)
+               for counts in rank_alive(lay, rank))
+
+
+def paged_stash_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """The paged stash's GPU buffers on pipeline rank ``rank`` (moe_paged_stash with the fused grouped MLP; 0
+    otherwise), allocated at the second iteration's reset and kept for the job (moe/paged_stash.py
+    paged_stash_reset :908-915, allocate_stash_buffers :546-630): per (dtype, width) the measured peak
+    (paged_stash_tokens_bytes; avg-based for a positive moe_paged_stash_buffer_size_factor_cuda, the actual
+    tokens for a negative one, the same at balanced routing) times |factor|, in pages of moe_paged_stash_page_size
+    tokens (PagedStashBuffer.__init__ :64-68; the page rounding, under a page per buffer, is left out)."""
+    return abs(st.paged_stash_cuda) * paged_stash_tokens_bytes(s, lay, st, rank)
+
+
+def paged_stash_host_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """The pinned host buffer the stash spills to once its GPU pages run out (moe_paged_stash_buffer_size_factor_cpu;
+    0: none, paged_stash.py :71-80, allocate_stash_buffers :580-590): host memory, not in the GPU's figure."""
+    if not st.paged_stash_cpu:
+        return 0.0
+    return abs(st.paged_stash_cpu) * paged_stash_tokens_bytes(s, lay, st, rank)
 
 
 # DeepEP v1.2.1 deep_ep/buffer.py get_dispatch_config / get_combine_config: (NVL chunked recv tokens, RDMA chunked

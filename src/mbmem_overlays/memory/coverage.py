@@ -82,6 +82,15 @@ MODEL_READS = frozenset({
     "model.first_last_layers_bf16", "model.num_layers_at_start_in_bf16", "model.num_layers_at_end_in_bf16",
     "model.moe_enable_deepep", "model.moe_flex_dispatcher_backend", "model.moe_flex_dispatcher_num_sms",
     "model.moe_deepep_num_sms", "model.moe_hybridep_num_sms", "model.moe_expert_rank_capacity_factor", "env_vars",
+    # TE's op fuser on the experts and the paged stash (from_config.moe_op_fuser, buffers.paged_stash_buffer), the
+    # kept stage outputs, context-parallel attention's communication, Gemma 2's softcapped attention and logits,
+    # the non-fused softmax's dtype, an unscattered embedding output
+    "model.use_transformer_engine_op_fuser", "model.fp8_recipe", "model.moe_paged_stash",
+    "model.moe_paged_stash_buffer_size_factor_cuda", "model.moe_paged_stash_buffer_size_factor_cpu",
+    "model.moe_paged_stash_page_size", "model.deallocate_pipeline_outputs", "model.cp_comm_type",
+    "model.transformer_layer_spec", "model.attn_logit_softcapping", "dataset.skip_getting_attention_mask_from_dataset",
+    "model.final_logit_softcapping", "model.attention_softmax_in_fp32", "model.apply_query_key_layer_scaling",
+    "model.scatter_embedding_sequence_parallel",
 })
 
 
@@ -184,14 +193,31 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
     Unmodelled("model.freeze_language_model", "a frozen language model keeps no gradients or optimizer state for "
                "its weights (the plan counts both)", moves=DOWN,
                bound=lambda b: b.gradients + b.optimizer),
-    Unmodelled("model.moe_paged_stash", "the routed experts' saved activations live in a paged stash buffer sized "
-               "by moe_paged_stash_buffer_size_factor_cuda, part of it on the host (transformer_config.py:1268-1285)"),
-    Unmodelled("model.use_transformer_engine_op_fuser", "Transformer Engine's operation fuser runs the experts' "
-               "grouped MLP as fused ops (moe/experts.py:286-290) whose saved tensors differ from the modules planned"),
-    Unmodelled("model.use_transformer_engine_full_layer_spec", "a whole Transformer Engine TransformerLayer per "
-               "layer instead of megatron-core's modules: other saved tensors than the ones planned"),
-    Unmodelled("model.quant_recipe", "a per-module quantization recipe changes the weight and activation dtypes of "
-               "the modules it matches"),
+    # TE's operation fuser on the experts is modelled (activations.op_fuser_terms, from_config.moe_op_fuser), and so
+    # is moe_paged_stash (buffers.paged_stash_buffer); what is left is a job that cannot run, or a dense MLP
+    Unmodelled("model.use_transformer_engine_op_fuser",
+               "TE's operation fuser where the plan has no job to plan: megatron-core refuses it for these experts "
+               "(TEGroupedMLP asserts _is_fused_impl_supported, moe/experts.py:286-290, :332-400: expert TP 1, TE's "
+               "GroupedLinear, SwiGLU / quick-GeGLU or the fused weighted squared ReLU, and for a GLU "
+               "NVTE_CUTEDSL_FUSED_GROUPED_MLP set), moe_act recompute where only TE's basic ops can run (their "
+               "scaled activation raises for activation_recompute_in_mlp without the fused grouped MLP: TE v2.17.1 "
+               "ops/basic/swiglu.py:426-430, activation.py:396-400), or a model without experts, whose dense MLP "
+               "Bridge's layer spec makes TE fused ops (TEFusedMLP), not modelled",
+               when=lambda cfg: op_fuser_blind(cfg)),
+    Unmodelled("model.use_transformer_engine_full_layer_spec", "a whole Transformer Engine TransformerLayer per layer "
+               "(te.pytorch.TransformerLayer through Bridge's gpt_full_te_layer_autocast_spec.py "
+               "AutocastTransformerLayer): TE's own LayerNormMLP, MultiheadAttention and fused bias-dropout-add, "
+               "whose saved tensors were not read (one recipe, GPT-3 175B)"),
+    Unmodelled("model.quant_recipe", "a per-module quantization recipe (a RecipeConfig TE's quantizer factory reads "
+               "from a file) changes the weight and activation dtypes of the modules it matches; its recipes are "
+               "DeepSeek-V4's, which megatron-core 0.19.2 cannot build (mHC), and the NVFP4 perf recipes (FP4, not "
+               "modelled either)"),
+    # a per-layer list of context-parallel communication types mixes layers the plan sizes alike
+    Unmodelled("model.cp_comm_type", "a per-layer list of context-parallel communication types that differ between "
+               "layers: the plan sizes every layer alike (a2a keeps one more attention output than p2p and "
+               "all-gather, activations.kernel_output_apart)",
+               lambda v: isinstance(v, (list, tuple)) and len({str(x) for x in v}) > 1, moves=UP,
+               when=lambda cfg: _int(_read(cfg, "model.context_parallel_size")) > 1),
     Unmodelled("model.crossattn_emb_size", "cross-attention to conditioning embeddings (a diffusion transformer): "
                "the plan has no cross-attention block"),
     Unmodelled("model.csa_compress_ratios", "compressed sparse attention (DeepSeek-V4): per-layer KV compression and "
@@ -200,14 +226,9 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                "o_lora_rank) instead of the dense one planned"),
     Unmodelled("model.num_single_layers", "FLUX's single-stream and joint transformer blocks (a diffusion "
                "transformer): the plan has no such blocks"),
-    Unmodelled("model.attn_logit_softcapping", "Gemma 2's own core attention: PyTorch FlexAttention with a softcap "
-               "score_mod where available, else materialized, softcapped scores (gemma2_provider.py:78-242); the plan "
-               "counts neither"),
     Unmodelled("model.global_head_dim", "Gemma 4's full-attention layers have their own head size and KV heads "
                "(global_head_dim, num_global_key_value_heads, K reused as V): the plan sizes every layer like the "
                "sliding-window ones"),
-    Unmodelled("model.final_logit_softcapping", "softcapping the output logits (tanh) keeps another logits-sized "
-               "tensor per token for backward", moves=UP),
 )
 
 
@@ -263,6 +284,28 @@ NOT_MODELLED_FLAGS += (
                    "YAML config): the plan of the arguments given is not the job's plan",
                    applies=lambda args: bool(args.get("yaml_cfg"))),
 )
+
+
+def op_fuser_blind(cfg: Any) -> bool:
+    """Whether TE's operation fuser leaves the plan without a job to plan (the use_transformer_engine_op_fuser
+    entry): megatron-core refuses it for the experts (from_config.op_fuser_unsupported), moe_act recompute where the
+    config does not give the fused grouped MLP (from_config.fused_grouped_mlp_eligible; the GPU is taken as one it
+    fuses on), or no experts (the dense MLP as TEFusedMLP through Bridge's TE layer spec, gpt_provider.py:54-55)."""
+    m = getattr(cfg, "model", None)
+    if m is None or not getattr(m, "use_transformer_engine_op_fuser", False):
+        return False
+    if str(getattr(m, "transformer_impl", "transformer_engine")) == "local":
+        return False
+    if not getattr(m, "num_moe_experts", None):
+        return True
+    from .from_config import fused_grouped_mlp_eligible, job_env_int, job_fp8_recipe, op_fuser_unsupported
+    flag = job_env_int(cfg, "NVTE_CUTEDSL_FUSED_GROUPED_MLP")
+    etp = _int(getattr(m, "expert_tensor_parallel_size", None) or getattr(m, "tensor_model_parallel_size", 1))
+    if op_fuser_unsupported(m, etp, flag):
+        return True
+    moe_act = getattr(m, "recompute_granularity", None) == "selective" and "moe_act" in (
+        getattr(m, "recompute_modules", None) or ())
+    return moe_act and not fused_grouped_mlp_eligible(m, job_fp8_recipe(cfg), flag)
 
 
 def _flag_name(word: str) -> str:
@@ -558,8 +601,6 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.mla_down_proj_fusion": _neutral("MLA's q and kv down projections as one GEMM of the same weights"),
     "model.gradient_accumulation_fusion": _neutral("weight gradients accumulated straight into main_grad, as "
                                                    "planned"),
-    "model.transformer_layer_spec": _neutral("the module spec the provider builds from its fields; a spec that adds "
-                                             "modules is named by the fields that enable them"),
     # set from fields the plan reads
     "model.pipeline_dtype": _neutral("dtype of the pipeline's send/receive buffers, set from params_dtype"),
     "model.autocast_dtype": _neutral("set from bf16 / fp16, which the plan reads"),
@@ -569,8 +610,6 @@ FIELD_CLASSES: dict[str, FieldClass] = {
                                                          "the same buffers and routing maps (buffers.flex_* count them)"),
     "model.moe_permute_fusion_into_hybridep": _neutral("HybridEP allocates the permuted tokens once on both its paths "
                                                        "(the flex dispatcher's terms: activations.dispatcher_terms)"),
-    "model.moe_paged_stash_buffer_size_factor_cuda": _covered("model.moe_paged_stash", "the paged stash's GPU buffer"),
-    "model.moe_paged_stash_buffer_size_factor_cpu": _covered("model.moe_paged_stash", "the paged stash's host buffer"),
     "model.dsa_indexer_k_norm_epsilon": _neutral("a norm's epsilon"),
     "model.dsa_indexer_rope_interleaved": _neutral(_ROPE),
     "model.dsa_indexer_rotate_activation": _neutral("the Hadamard rotation (dsa.py rotate_activation :253-270) is "
@@ -603,12 +642,12 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.language_max_sequence_length": _covered("model.vision_config", "the language model's sequence in a "
                                                    "vision-language model, image tokens included"),
     # small, or where the plan already over-counts
-    "model.attention_softmax_in_fp32": FieldClass(
-        "bounded", "only torch's non-fused softmax reads it; the plan counts that softmax in fp32 "
-        "(activations.py attention_scores_bytes), an over-count when it runs in bf16 (fused_softmax.py:313-336)"),
     "model.moe_router_dtype": FieldClass(
-        "conditional", "the plan counts the router's logits in fp32 (activations.py moe_router); bf16 ones are "
-        "smaller, but fp64 ones (router.py:103-108) are twice what is planned", when=lambda m, v: v == "fp64"),
+        "conditional", "the router's scores over every expert are fp32 whatever the logits' dtype (moe/moe_utils.py "
+        "topk_routing_with_score_function :836-857: softmax(..., dtype=torch.float32), sigmoid(logits.float())), "
+        "which the plan counts (activations.py moe_router); fp64 logits (router.py:103-108) are kept only by the "
+        "z-loss's logsumexp (moe_utils.py z_loss_func :162), 8 bytes per token and expert the plan does not count",
+        when=lambda m, v: v == "fp64" and bool(getattr(m, "moe_z_loss_coeff", None))),
     "model.moe_router_load_balancing_type": FieldClass(
         "bounded", "the load-balancing loss's per-token expert scores: tokens x experts values, like the router's"),
     "model.moe_router_padding_for_quantization": FieldClass(
@@ -617,24 +656,12 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.moe_router_padding_for_fp8": FieldClass(
         "bounded", "pads each expert's tokens to a multiple of 16: at most 15 more tokens per local expert"),
     "model.add_qkv_bias": FieldClass("bounded", "(heads + 2 x groups) x head_dim bias values per layer"),
-    "model.scatter_embedding_sequence_parallel": FieldClass(
-        "bounded", "off, the embedding output stays whole on each tensor-parallel rank: one seq x mbs x hidden "
-                   "tensor in the compute dtype instead of its 1/TP shard"),
     "model.fine_grained_offloading_max_inflight_offloads": FieldClass(
         "bounded", "caps the offloaded copies still pending on the GPU per group (transformer_config.py:1286)"),
     "model.delay_offload_until_cuda_graph": FieldClass(
         "bounded", "offloads once the CUDA graph has run: the offloaded tensors stay until that layer's graph ends"),
     "model.overlap_p2p_comm": FieldClass("bounded", "one more receive buffer of one microbatch's stage input"),
     # changes memory only together with another setting
-    "model.deallocate_pipeline_outputs": FieldClass(
-        "conditional", "with pipeline parallelism and the flag off, every in-flight microbatch's stage output keeps "
-        "its data after the send (schedules.py:166-190); the plan assumes Bridge's and Megatron-LM's True "
-        "(gpt_provider.py:161, training/argument_utils.py:305)",
-        when=lambda m, v: v is False and _int(getattr(m, "pipeline_model_parallel_size", 1)) > 1),
-    "model.cp_comm_type": FieldClass(
-        "conditional", "context-parallel attention other than the p2p ring (a2a, allgather, a2a+p2p) exchanges and "
-        "keeps other K/V and activation buffers than the ones planned",
-        when=lambda m, v: v not in (None, "p2p") and _int(getattr(m, "context_parallel_size", 1)) > 1),
     "model.head_dim": FieldClass(
         "conditional", "an attention head size the plan does not read when it differs from kv_channels (which it "
         "reads)", when=lambda m, v: v is not None and v != getattr(m, "kv_channels", v)),

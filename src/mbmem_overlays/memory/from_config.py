@@ -176,15 +176,16 @@ def compute_dtype_bytes(m: Any) -> int:
     return _dtype_bytes(dtype, BF16)
 
 
-def attention_scores(m: Any, seq: int, mbs: int, tp: int) -> str:
+def attention_scores(m: Any, seq: int, mbs: int, tp: int, materialized: bool = False) -> str:
     """"" for a fused/flash attention kernel, else how the non-fused attention's softmax runs: megatron-core's
     DotProductAttention serves attention_backend local (and TE's UnfusedDotProductAttention unfused, the same
     tensors) and every layer of the local transformer_impl (gpt_layer_specs.py core_attention); its
     scale_mask_softmax uses the fused kernel when masked_softmax_fusion is on for bf16/fp16 input with
-    16 < s <= 4096 and batch x heads divisible by 4 (fusions/fused_softmax.py is_kernel_available)."""
+    16 < s <= 4096 and batch x heads divisible by 4 (fusions/fused_softmax.py is_kernel_available).
+    ``materialized``: a core attention of the model's own that runs the same softmax (Gemma 2's unfused path)."""
     backend = str(getattr(getattr(m, "attention_backend", None), "name", getattr(m, "attention_backend", "")))
     local_impl = str(getattr(m, "transformer_impl", "transformer_engine")) == "local"
-    if backend not in ("unfused", "local") and not local_impl:
+    if backend not in ("unfused", "local") and not local_impl and not materialized:
         return ""
     half = compute_dtype_bytes(m) == BF16
     heads = max(1, int(m.num_attention_heads) // max(1, tp))
@@ -347,6 +348,113 @@ def moe_dispatcher(m: Any) -> tuple[str, str]:
     backend = "deepep" if bool(getattr(m, "moe_enable_deepep", False)) else str(
         getattr(m, "moe_flex_dispatcher_backend", None) or "deepep")
     return kind, backend
+
+
+def _activation_name(m: Any) -> str:
+    return str(getattr(getattr(m, "activation_func", None), "__name__", ""))
+
+
+def op_fuser_unsupported(m: Any, etp: int, env_flag: int) -> str:
+    """Why megatron-core refuses TE's operation fuser for this MoE config ("" when it accepts it): TEGroupedMLP
+    asserts _is_fused_impl_supported() when use_transformer_engine_op_fuser is set (moe/experts.py :286-290,
+    _is_fused_impl_supported :332-400), so such a job stops while the model is built. What the config decides of
+    it: expert TP of 1, no expert_fc1 / moe_act activation offload, no moe_apply_probs_on_input, TE's GroupedLinear
+    (the grouped GEMM, not the legacy one), SwiGLU / quick-GeGLU with a GLU or the fused weighted squared ReLU
+    without one, and for a GLU NVTE_CUTEDSL_FUSED_GROUPED_MLP > 0 in the job's environment."""
+    if etp > 1:
+        return f"expert tensor parallelism {etp} (the fused grouped MLP needs 1)"
+    offload = set(getattr(m, "offload_modules", None) or ()) if getattr(
+        m, "fine_grained_activation_offloading", False) else set()
+    if offload & {"expert_fc1", "moe_act"}:
+        return "expert_fc1 / moe_act activation offloading (only the unfused experts support it)"
+    if getattr(m, "moe_apply_probs_on_input", False):
+        return "moe_apply_probs_on_input"
+    if not getattr(m, "moe_grouped_gemm", False) or getattr(m, "moe_use_legacy_grouped_gemm", False):
+        return "experts without TE's GroupedLinear (moe_grouped_gemm off or the legacy grouped GEMM)"
+    act, gated = _activation_name(m), bool(getattr(m, "gated_linear_unit", False))
+    glu = gated and act in ("silu", "quick_gelu")
+    srelu = act == "squared_relu" and bool(getattr(m, "use_fused_weighted_squared_relu", False)) and not gated
+    if not (glu or srelu):
+        return f"activation {act or '?'} (it fuses SwiGLU, quick-GeGLU or the weighted squared ReLU)"
+    if glu and env_flag <= 0:
+        return "NVTE_CUTEDSL_FUSED_GROUPED_MLP unset in the job's environment (a GLU needs it)"
+    return ""
+
+
+def fused_grouped_mlp_eligible(m: Any, fp8_recipe: str, env_flag: int) -> bool:
+    """What TE v2.17.1 needs of the config to fuse the experts' ops into its CuTe DSL grouped MLP, the GPU aside
+    (ops/fused/grouped_mlp.py fuse_grouped_mlp_ops :681-760, _GroupedMLP_CuTeGEMMBase.is_supported :804-819,
+    validate_grouped_mlp_dims :648-678): NVTE_CUTEDSL_FUSED_GROUPED_MLP >= 1, an MXFP8 recipe (NVFP4 too, which is
+    FP4 and named by coverage.py), every FC1 / FC2 size a multiple of 64, and a GLU interleaved by 32
+    (moe_mlp_glu_interleave_size)."""
+    width = int(getattr(m, "moe_latent_size", None) or m.hidden_size)
+    ffn = int(getattr(m, "moe_ffn_hidden_size", None) or 0)
+    gated = bool(getattr(m, "gated_linear_unit", False))
+    dims = ffn > 0 and all(d % 64 == 0 for d in (width, (2 if gated else 1) * ffn, ffn))
+    interleave = not gated or getattr(m, "moe_mlp_glu_interleave_size", None) == 32
+    return env_flag >= 1 and fp8_recipe == "mxfp8" and dims and interleave
+
+
+def job_fp8_recipe(cfg: Any) -> str:
+    """The FP8 recipe the job's GEMMs run ("" without FP8): the mixed-precision preset's, which Bridge's setup copies
+    onto the model (mixed_precision.py:127), else the model's fp8_recipe."""
+    from ..core.rules import mixed_precision_config
+    m = cfg.model
+    mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
+    if not (getattr(mp, "fp8", None) or getattr(m, "fp8", None)):
+        return ""
+    recipe = getattr(mp, "fp8_recipe", None) if mp is not None else None
+    recipe = recipe or getattr(m, "fp8_recipe", None)
+    return str(getattr(recipe, "value", recipe) or "")
+
+
+def job_env_int(cfg: Any, name: str, env: dict[str, str] | None = None) -> int:
+    """An integer the job's environment sets (``env``, else the recipe's cfg.env_vars), 0 when unset or bad."""
+    return _env_int(env, cfg, name)
+
+
+def moe_op_fuser(m: Any, s: Shape, lay: Layout, fp8_recipe: str, arch: int, env_flag: int) -> str:
+    """Settings.moe_op_fuser: "" without TE's operation fuser on the experts (or where megatron-core refuses it:
+    op_fuser_unsupported), "fused" where TE v2.17.1 fuses GroupedLinear + scaled activation + GroupedLinear into its
+    CuTe DSL grouped MLP, else "ops" (its basic ops): on compute capability 10 (is_supported :808-809) where the
+    config allows it (fused_grouped_mlp_eligible); its cuDNN front-end kernels are a runtime condition (ranges.py
+    gives the basic ops as the other end)."""
+    if not (s.experts and getattr(m, "use_transformer_engine_op_fuser", False)):
+        return ""
+    if str(getattr(m, "transformer_impl", "transformer_engine")) == "local" or op_fuser_unsupported(
+            m, lay.etp, env_flag):
+        return ""
+    return "fused" if arch == 10 and fused_grouped_mlp_eligible(m, fp8_recipe, env_flag) else "ops"
+
+
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+
+
+def cp_comm_type(m: Any) -> str:
+    """Settings.cp_comm: the context-parallel attention's communication (model.cp_comm_type; a list gives one per
+    layer, megatron-core transformer_config.py cp_comm_type; a list whose layers differ is named by coverage.py)."""
+    value = getattr(m, "cp_comm_type", None)
+    if isinstance(value, (list, tuple)):
+        kinds = {str(v) for v in value}
+        value = kinds.pop() if len(kinds) == 1 else "p2p"
+    value = str(value or "p2p")
+    return value if value in CP_COMM_TYPES else "p2p"
+
+
+def gemma2_attention(cfg: Any) -> str:
+    """Settings.attn_softcap: which core attention a Gemma 2 layer runs ("" for any other model). Bridge's
+    gemma2_layer_spec (models/gemma/gemma2_provider.py :436-460) makes it Gemma2FlexDotProductAttention, which runs
+    torch's FlexAttention with the softcap as its score_mod when FlexAttention imports (:57-67) and the batch
+    carries no attention mask and no dropout (:381-403), else Gemma2DotProductAttention's materialized scores
+    (:94-314). Bridge passes a mask only where the dataset config turns skip_getting_attention_mask_from_dataset
+    off (training/gpt_step.py :123, :322-323); FlexAttention is in torch since 2.5 (2.14 here)."""
+    m = cfg.model
+    spec = getattr(m, "transformer_layer_spec", None)
+    if getattr(spec, "__name__", "") != "gemma2_layer_spec" or not getattr(m, "attn_logit_softcapping", None):
+        return ""
+    masked = not bool(getattr(getattr(cfg, "dataset", None), "skip_getting_attention_mask_from_dataset", True))
+    dropout = float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
+    return "unfused" if masked or dropout else "flex"
 
 
 def _env_int(env: dict[str, str] | None, cfg: Any, name: str) -> int:
@@ -548,6 +656,9 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     rank_capacity = float(rank_capacity) if rank_capacity else None
     moe_load = _capacity_factor(m) if _capacity_factor(m) and getattr(m, "moe_pad_expert_input_to_capacity",
                                                                       False) else (rank_capacity or 1.0)
+    recipe = job_fp8_recipe(cfg)
+    op_fuser = moe_op_fuser(m, shape, lay, recipe, arch, _env_int(env, cfg, "NVTE_CUTEDSL_FUSED_GROUPED_MLP"))
+    gemma2 = gemma2_attention(cfg)
     settings = Settings(
         recompute=m.recompute_granularity,
         modules=recompute_modules(m, scopes) if m.recompute_granularity == "selective" else (),
@@ -577,6 +688,24 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         flex_num_sms=int(getattr(m, "moe_flex_dispatcher_num_sms", None) or getattr(m, "moe_deepep_num_sms", None)
                          or getattr(m, "moe_hybridep_num_sms", None) or 0) if backend else 0,
         flex_nvl_ranks=_env_int(env, cfg, "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN") if backend == "hybridep" else 0,
+        moe_op_fuser=op_fuser, moe_op_quant=recipe if op_fuser else "",
+        moe_op_srelu=bool(op_fuser) and _activation_name(m) == "squared_relu",
+        # moe/paged_stash.py paged_stash_reset :899, :910-915 reads the two factors and the page size from the config
+        paged_stash_cuda=float(getattr(m, "moe_paged_stash_buffer_size_factor_cuda", 1.1) or 0.0)
+        if getattr(m, "moe_paged_stash", False) and experts else 0.0,
+        paged_stash_cpu=float(getattr(m, "moe_paged_stash_buffer_size_factor_cpu", 0.0) or 0.0)
+        if getattr(m, "moe_paged_stash", False) and experts else 0.0,
+        paged_stash_page=int(getattr(m, "moe_paged_stash_page_size", 64) or 64),
+        # schedules.py deallocate_output_tensor :166-190 frees a sent output's data only with the flag set
+        keep_stage_outputs=not bool(getattr(m, "deallocate_pipeline_outputs", True)) and lay.pp > 1,
+        cp_comm=cp_comm_type(m) if lay.cp > 1 else "p2p",
+        attn_softcap=gemma2,
+        attn_softcap_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp, materialized=True) if gemma2 else "",
+        logit_softcap=bool(getattr(m, "final_logit_softcapping", None)),
+        # apply_query_key_layer_scaling forces it on (transformer_config.py :1465-1466)
+        softmax_fp32=bool(getattr(m, "attention_softmax_in_fp32", True) or getattr(
+            m, "apply_query_key_layer_scaling", False)),
+        embedding_whole=not bool(getattr(m, "scatter_embedding_sequence_parallel", True)) and lay.sp,
         graph_warmup_steps=int(getattr(m, "cuda_graph_warmup_steps", 0) or 0) if scopes else 0,
         graph_scopes=scopes,
         logits_bytes=loss_bytes(m),
@@ -594,13 +723,15 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         dtype_bytes=compute_dtype_bytes(m),
         optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
         layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),
-        attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp),
+        # Gemma 2's unfused path runs megatron-core's softmax over scores in the global memory buffer
+        # (gemma2_provider.py :227-231, :270), as DotProductAttention does
+        attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp, materialized=gemma2 == "unfused"),
         dsa_backend=dsa_backend(m),
         dsa_loss=float(getattr(m, "dsa_indexer_loss_coeff", 0.0) or 0.0) > 0,
         dsa_sparse_loss=bool(getattr(m, "dsa_indexer_use_sparse_loss", False)),
         packed_sequences=packed_sequences(cfg),
         gpu_arch=arch,
-        mcore_attention=mcore_attention(m),
+        mcore_attention=mcore_attention(m) or gemma2 == "unfused",
         hidden_dropout=float(getattr(m, "hidden_dropout", 0.0) or 0.0) > 0,
         attention_dropout=float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0,
         gemm_workspace_bytes=gemm_workspaces(arch, env, te=te, te_grouped_gemm=te and bool(experts) and bool(

@@ -22,7 +22,7 @@ GRAPH_SCOPE_TERMS = {
     "moe": ("moe_layernorm_input", "moe_dropout_mask", "moe_layernorm_output", "moe_permuted_input", "moe_fc1_output",
             "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input", "moe_probs_mul_input",
             "moe_act_output", "moe_router", "moe_unpermute_input", "shared_expert", "moe_latent_fc1_input_fp8",
-            "moe_latent_fc2_input", "moe_dispatch_handle", "shared_expert_gate"),
+            "moe_latent_fc2_input", "moe_dispatch_handle", "shared_expert_gate", "moe_op_weight_copies"),
     # up to the router: the pre-MLP norm and the router, and the shared experts unless they overlap with the
     # EP communication (then they run outside the graph)
     "moe_router": ("moe_layernorm_input", "moe_layernorm_output", "moe_router", "shared_expert",

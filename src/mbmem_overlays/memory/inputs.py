@@ -205,6 +205,33 @@ class Settings:
     flex_num_sms: int = 0                     # moe_flex_dispatcher_num_sms (0: unset, the backend's default)
     # NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN from the job's environment (0: unset, HybridEP detects it)
     flex_nvl_ranks: int = 0
+    # use_transformer_engine_op_fuser: how the routed experts' grouped MLP runs (activations.op_fuser_terms): ""
+    # TEGroupedMLP's own modules, "ops" TE's fusible basic ops (GroupedLinear, ScaledSwiGLU / ScaledSReLU,
+    # GroupedLinear), "fused" TE's CuTe DSL fused grouped MLP (Blackwell, MXFP8, NVTE_CUTEDSL_FUSED_GROUPED_MLP);
+    # moe_op_quant: the FP8 recipe its quantized GEMM inputs follow ("" without FP8); moe_op_srelu: the activation
+    # is the weighted squared ReLU (else a GLU)
+    moe_op_fuser: str = ""
+    moe_op_quant: str = ""
+    moe_op_srelu: bool = False
+    # moe_paged_stash with the fused grouped MLP: moe_paged_stash_buffer_size_factor_cuda (0: no stash) and _cpu
+    # (the pinned host buffer), and moe_paged_stash_page_size (buffers.paged_stash_buffer)
+    paged_stash_cuda: float = 0.0
+    paged_stash_cpu: float = 0.0
+    paged_stash_page: int = 64
+    # deallocate_pipeline_outputs=False with PP > 1: every in-flight microbatch's stage output keeps its data after
+    # the send (pipeline_parallel/schedules.py deallocate_output_tensor; stage_activations.kept_stage_outputs)
+    keep_stage_outputs: bool = False
+    # cp_comm_type of TE's context-parallel attention with CP > 1: "p2p", "a2a", "allgather", "a2a+p2p"
+    cp_comm: str = "p2p"
+    # Gemma 2's core attention (attn_logit_softcapping): "flex" (FlexAttention with a softcap score_mod), "unfused"
+    # (materialized, softcapped scores); "" for megatron-core's attention
+    attn_softcap: str = ""
+    attn_softcap_scores: str = ""             # the materialized path's softmax (as attention_scores), for the range
+    logit_softcap: bool = False               # final_logit_softcapping: tanh on the logits keeps its output
+    # attention_softmax_in_fp32: torch's non-fused softmax runs in fp32 (attention_scores_bytes)
+    softmax_fp32: bool = True
+    # scatter_embedding_sequence_parallel=False under SP: the embedding output stays whole on every TP rank
+    embedding_whole: bool = False
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

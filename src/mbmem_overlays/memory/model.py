@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from .activations import (RECOMPUTE_DROPS, _selected_terms, dispatcher_terms, latent_width,  # noqa: F401
                           layer_activation, layer_activation_terms)
-from .assumptions import (ADDED_TERMS, ASSUMPTIONS, FP8_TRANSPOSE, GRAPH_WARMUP, MOE_BALANCE,  # noqa: F401
-                          OUTSIDE_TORCH, PRECISION_AWARE_PATH, VOCAB_FROM_TOKENIZER)
+from .assumptions import (ADDED_TERMS, ASSUMPTIONS, ATTENTION_KERNEL, FP8_TRANSPOSE, GRAPH_WARMUP,  # noqa: F401
+                          MOE_BALANCE, OUTSIDE_TORCH, PRECISION_AWARE_PATH, VOCAB_FROM_TOKENIZER)
 from .buffers import (communication_buffers, flex_dispatcher_state, flex_outside_torch_bytes,  # noqa: F401
-                      fp8_master_cast_copies, global_memory_buffer, optimizer_step_buffers)
+                      fp8_master_cast_copies, global_memory_buffer, optimizer_step_buffers, paged_stash_buffer,
+                      paged_stash_host_buffer)
 from .from_config import (_capacity_factor, _dtype_bytes, _moe_weights_activation_separately,  # noqa: F401
                           _tokenizer_vocab, bf16_layer_span, cross_entropy_impl, fp8_cast_copy_bytes,
                           fp8_weight_copy_bytes, from_config, graph_scopes, loss_bytes, model_vocab, moe_dispatcher,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .buffers import (communication_buffers, flex_dispatcher_state, fp8_master_cast_copies, global_memory_buffer,
-                      optimizer_step_buffers)
+                      optimizer_step_buffers, paged_stash_buffer)
 from .inputs import Breakdown, Layout, Settings, Shape
 from .pipeline import _candidate_ranks
 from .stage_activations import stage_activations
@@ -45,7 +45,9 @@ def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> d
     comm = communication_buffers(s, lay, st, rank, p)
     workspaces = 0.0 if "gemm_workspaces" in st.without else st.gemm_workspace_bytes
     flex = flex_dispatcher_state(s, lay, st, rank)
-    other = comm + workspaces + flex
+    # moe_paged_stash's GPU pages: allocated once and kept through every phase (buffers.paged_stash_buffer)
+    stash = paged_stash_buffer(s, lay, st, rank)
+    other = comm + workspaces + flex + stash
     step = optimizer_step_buffers(s, lay, st, first, last, rank)
     casts = fp8_master_cast_copies(s, lay, st, first, last, rank)
     detail = acts.detail + ((("fp32 gradient copies at the optimizer step", step),) if step else ())
@@ -59,6 +61,8 @@ def _phases(s: Shape, lay: Layout, st: Settings, rank: int, one_time: bool) -> d
         detail += (("cuBLAS workspaces (torch's per thread, Transformer Engine's)", workspaces),)
     if flex:
         detail += (("flex dispatcher routing tensors kept per MoE layer", flex),)
+    if stash:
+        detail += (("MoE paged stash GPU buffer (the experts' saved tensors)", stash),)
     resident = p + g + o + other + acts.steady + acts.pool if acts.pool else 0.0
     o_no_moments = optimizer_before_first_step(o, st)
     values = {"steady 1F1B": (o, acts.steady, other), "optimizer step": (o, acts.persistent, other + step + casts),

@@ -89,6 +89,16 @@ def uncertainty(s: P.Shape, lay: P.Layout, st: P.Settings, base: P.Breakdown | N
             why = "the capture holds every in-flight microbatch's graphed activations (before the first step)"
         out.append(Range("activations (before CUDA graphs replay)", why, P.GRAPH_WARMUP,
                          f"the one-time {once.phase} (pipeline rank {once.rank}) counts", mid, once.total))
+    if st.attn_softcap == "flex":
+        # Gemma 2's FlexAttention path needs torch's flex_attention (gemma2_provider.py :57-72 fall back to the
+        # materialized scores when it does not import): that fallback is the other end
+        fallback = replace(st, attn_softcap="unfused", attention_scores=st.attn_softcap_scores or "torch_softmax",
+                           mcore_attention=True)
+        out.append(Range("activations (Gemma 2's core attention)", "Gemma 2's attention runs torch's FlexAttention "
+                         "with its softcap as a score_mod where the job's torch has it (2.5 and later), else it "
+                         "materializes the softcapped s x s scores", P.ATTENTION_KERNEL,
+                         "Gemma 2's attention materializes its scores (no FlexAttention in the job's torch)", mid,
+                         P.estimate(s, lay, fallback).footprint))
     outside = P.flex_outside_torch_bytes(s, lay, st)
     if outside:
         # not in torch's allocated memory (the plan's figure), but on the GPU beside it: the fit's high end

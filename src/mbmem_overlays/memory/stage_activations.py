@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from .activations import layer_activation
 from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
 from .inputs import BF16, FP32, Layout, Settings, Shape
-from .pipeline import in_flight, rank_alive, rank_chunks, rank_layers
+from .pipeline import blocks_of, in_flight, rank_alive, rank_chunks, rank_layers
 from .weights import mtp_blocks
 
 @dataclass(frozen=True)
@@ -53,6 +53,75 @@ def loss_chunk_inputs(s: Shape, lay: Layout, st: Settings) -> float:
     return 2 * st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
 
 
+def logit_softcap_bytes(s: Shape, lay: Layout, st: Settings) -> float:
+    """Bytes final_logit_softcapping keeps per loss microbatch: ``scale * tanh(logits / scale)`` (Bridge's
+    gemma2_provider.py Gemma2OutputLayer :408-423, gemma/modeling_gemma4.py Gemma4OutputLayer :1479-1491, mixed into
+    the output layer by the providers, gemma2_provider.py :522, gemma4_provider.py :261, :372): tanh saves its
+    output for the backward, a logits-sized tensor in the compute dtype; the division and the product by a Python
+    float save nothing. It lives from the output layer's forward to the loss's backward, beside the loss's own."""
+    if not st.logit_softcap:
+        return 0.0
+    return st.dtype_bytes * s.vocab / lay.tp * lay.seq * lay.mbs / lay.cp
+
+
+def kept_stage_outputs(s: Shape, lay: Layout, st: Settings, rank: int, chunks: int) -> tuple[int, ...]:
+    """Per model chunk of pipeline rank ``rank``, 1 where each of its in-flight microbatches keeps its output hidden
+    state (sequence-local) after sending it: with deallocate_pipeline_outputs off the schedules'
+    deallocate_output_tensor returns without touching it (pipeline_parallel/schedules.py :166-190; called after
+    every send, :1633, :1663, :1741, :1916, :2334, :2389), and the tensor stays in output_tensors until its
+    backward. Set, it keeps a one-element stand-in. The last chunk of the last rank outputs the loss; a whole-layer
+    CUDA graph's output lives in the graphs' pool."""
+    if not st.keep_stage_outputs or lay.pp <= 1:
+        return (0,) * chunks
+    from .graphs import WHOLE_LAYER
+    if st.graph_scopes == WHOLE_LAYER and st.recompute != "full" and not st.cpu_offload_layers:
+        return (0,) * chunks
+    last = rank == lay.pp - 1
+    return tuple(0 if last and c == chunks - 1 else 1 for c in range(chunks))
+
+
+def cp_allgather_working(s: Shape, lay: Layout, st: Settings, mla: bool = False) -> float:
+    """The one attention layer's transient of TE's all-gather context parallelism (cp_comm_type allgather, CP > 1):
+    the saved tensors are the p2p ring's (the local q, k, v, the output and the log-sum-exp: TE v2.17.1
+    attention/dot_product_attention/context_parallel.py AttnFuncWithCPAndKVAllGather.forward :3393-3441), but
+    the backward gathers K and V over the whole sequence again and accumulates dK and dV there before its
+    reduce-scatter (backward :3575-3604, :3826-3833): the gathered K and V, dK and dV, and the chunk reorder's copy
+    of one of them (index_select) at once, in the compute dtype (the forward's gather holds fewer)."""
+    if lay.cp <= 1 or st.cp_comm != "allgather":
+        return 0.0
+    if s.mla or mla:
+        k, v = s.heads * (s.qk_head_dim + s.qk_pos_dim), s.heads * s.v_head_dim
+    else:
+        k = v = s.groups * s.head_dim
+    full = st.dtype_bytes * lay.seq * lay.mbs / lay.tp
+    return full * (2 * (k + v) + max(k, v))
+
+
+def paged_stash_working(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """The paged stash's working set on a rank with MoE layers: a layer's backward reloads its stashed tensors into
+    new tensors of their padded shape (the dispatched budget: moe/paged_stash.py reload_paged_tensors :511-540
+    allocates torch.empty(original_shape)), and the schedule reloads the next backward layer's as it goes
+    (PipelinePreScheduleFunction.backward :296-323): two layers' at the budget (Settings.moe_load)."""
+    from .activations import paged_stash_active, paged_stash_layer_bytes
+    if not paged_stash_active(st):
+        return 0.0
+    per_layer = max((paged_stash_layer_bytes(s, lay, st, kind, st.moe_load) for chunk in rank_chunks(s, lay, rank)
+                     for kind in chunk), default=0.0)
+    return 2 * per_layer
+
+
+def layer_transients(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[tuple[str, float], ...]:
+    """One layer's transients the steady state holds beside the in-flight activations (named, bytes)."""
+    out = []
+    blocks = {b for kind in rank_layers(s, lay, rank) for b in blocks_of(kind)}
+    if blocks & {"attn", "mla"}:   # TE's attention; the gated delta net's and DSA's CP paths are their own
+        if (gathered := cp_allgather_working(s, lay, st, mla="mla" in blocks and "attn" not in blocks)):
+            out.append(("context-parallel all-gather: one layer's gathered K/V and their gradients", gathered))
+    if (reload := paged_stash_working(s, lay, st, rank)):
+        out.append(("MoE paged stash: two layers' reloaded expert tensors", reload))
+    return tuple(out)
+
+
 def peak_alive(s: Shape, lay: Layout, st: Settings, rank: int, weights: tuple[float, ...],
                once: float = 0.0) -> tuple[float, ...]:
     """The per-chunk count of microbatches alive (pipeline.rank_alive) at which pipeline rank ``rank`` holds the
@@ -88,14 +157,19 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     # save_for_backward(exp_logits, ...); the native fusion alike) or TE's bf16 logits that receive the gradient;
     # the rest of logits_bytes is the loss's own transient, for the one microbatch whose loss runs
     saved = min(logits, loss_kept_bytes(st) * s.vocab / lay.tp * tokens)
+    softcap = logit_softcap_bytes(s, lay, st)
+    logits, saved = logits + softcap, saved + softcap
     # Which microbatches of which model chunk are alive at the rank's peak (Megatron's schedules): chunks may hold
     # different layers (an uneven split, a pipeline layout, the embedding or loss counted as a layer), and the
     # interleaved schedule's warm-up depends on microbatch_group_size_per_vp_stage.
     chunks = rank_chunks(s, lay, rank)
     chunk_bytes = [sum(layer_bytes[kind] for kind in chunk) for chunk in chunks]
     weights = list(chunk_bytes)
+    embedding_out = hidden_local * (lay.tp if st.embedding_whole else 1)
     if rank == 0:
-        weights[0] += hidden_local   # the embedding output
+        weights[0] += embedding_out   # the embedding output
+    outputs = [k * hidden_local for k in kept_stage_outputs(s, lay, st, rank, len(chunks))]
+    weights = [w + outputs[c] for c, w in enumerate(weights)]
     if last:
         weights[-1] += saved + loss_chunk_inputs(s, lay, st)
     # MTP, in the last model chunk, which like the loss runs its backward right after its forward: one
@@ -179,7 +253,15 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             if offload.working:
                 detail.append(("fine-grained offload: working layer and reloaded layer", offload.working))
     if rank == 0:
-        acts += hidden_local * alive[0]  # embedding output, one per microbatch alive in the first chunk
+        acts += embedding_out * alive[0]  # embedding output, one per microbatch alive in the first chunk
+    if any(outputs):
+        kept = sum(n * o for n, o in zip(alive, outputs))
+        detail.append(("stage outputs kept after the send (deallocate_pipeline_outputs off)", kept))
+        acts += kept
+    transient = layer_transients(s, lay, st, rank)
+    for name, value in transient:
+        detail.append((name, value))
+        acts += value
     if last:
         loss = 0.0
         if n_loss:
@@ -205,6 +287,11 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             # the logits: the two never coexist, and the larger of them is the peak's
             loss_time = logits + mtp   # mtp is 0 without MTP layers
             acts -= min(recompute_working, loss_time)
+        if transient:
+            # a layer's own transients (its forward or backward) never coexist with the loss's logits either: the
+            # peak holds the larger of the two beside what is left of the loss
+            left = max(0.0, logits + mtp - (recompute_working if "recompute_after_loss" not in st.without else 0.0))
+            acts -= min(sum(v for _, v in transient), left)
         if st.deferred_wgrad_microbatches:
             # defer_embedding_wgrad_compute: the output layer keeps each microbatch's bf16 dY (tokens x vocab/tp)
             # and its sequence-local input until the pipeline flush (megatron-core tensor_parallel/layers.py)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from . import variants
 from .activations import latent_width
-from .inputs import ADAM_MOMENTS, FP32, Layout, Settings, Shape
+from .inputs import ADAM_MOMENTS, FP8, FP32, Layout, Settings, Shape
 from .optimizers import emerging_optimizer_bytes, muon_state
 from .pipeline import blocks_of, layer_kinds, rank_layers, runs_bf16
 
@@ -246,9 +246,12 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16, and so do the
     # layers an FP8 job keeps in bf16 (stage_bf16_params: params dtype, no FP8 copy).
     weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
+    # TE's operation fuser runs the experts' GEMMs in its own ops, which cache no FP8 copy of a bf16 weight across
+    # microbatches (they quantize it per forward: activations.op_fuser_terms); GroupedLinear's cache is never made
+    expert_bytes = st.param_bytes if st.moe_op_fuser and st.param_bytes != FP8 else weight_bytes
     bf16_dense, bf16_expert = stage_bf16_params(s, lay, st, rank)
     params = ((layer_params - bf16_dense) * weight_bytes + (bf16_dense + embed + adapters) * st.dtype_bytes) / p_dense \
-        + ((expert - bf16_expert) * weight_bytes + bf16_expert * st.dtype_bytes) / p_expert
+        + ((expert - bf16_expert) * expert_bytes + bf16_expert * st.dtype_bytes) / p_expert
     grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
     if st.embed_grad_bytes and not frozen and "fsdp_grad_dtypes" not in st.without:
         # Megatron FSDP keeps an FP8 weight's gradient in bf16 and every other parameter's in its own dtype
