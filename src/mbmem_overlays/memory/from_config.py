@@ -350,6 +350,23 @@ def moe_dispatcher(m: Any) -> tuple[str, str]:
     return kind, backend
 
 
+def vision_shape(cfg: Any, shape: Shape, lay: Layout) -> Shape:
+    """``shape`` with a VL model's vision encoder (memory/vision.py vision_tower_of) and, where its language model
+    rotates q and k outside TE's fused RoPE, the bytes of the cos/sin tables each attention layer saves
+    (Shape.rope_tables_bytes): Qwen3VLSelfAttention never fuses (qwen_vl/modelling_qwen3_vl/rope.py:467-483), and
+    Bridge's GPT provider turns the fusion off for mrope (gpt_provider.py:229-230, utils/fusions.py:80-92), which
+    Qwen2.5-VL uses; the tables are in q's dtype, fp32 with apply_rotary_pos_emb_in_fp32 (rope.py:484-486)."""
+    from .vision import QWEN3_VL, QWEN25_VL, family_of, vision_tower_of
+    m = cfg.model
+    fam = family_of(m)
+    if fam is None:
+        return shape
+    rope = 0
+    if fam == QWEN3_VL or (fam == QWEN25_VL and str(getattr(m, "position_embedding_type", "")) == "mrope"):
+        rope = FP32 if bool(getattr(m, "apply_rotary_pos_emb_in_fp32", False)) else compute_dtype_bytes(m)
+    return replace(shape, vision=vision_tower_of(cfg, lay), rope_tables_bytes=rope)
+
+
 def _env_int(env: dict[str, str] | None, cfg: Any, name: str) -> int:
     """An integer the job's environment sets (the user's, else the recipe's cfg.env_vars), 0 when unset or bad."""
     value = (env or {}).get(name)
@@ -503,6 +520,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
                  # model_parallel_config.py:431-445 (None: the pipeline size, set in __post_init__ :567-568)
                  vp_group=int(getattr(m, "microbatch_group_size_per_vp_stage", None) or 0))
     layout_limits(shape, lay)
+    shape = vision_shape(cfg, shape, lay)
     grad_fp32 = getattr(mp, "grad_reduce_in_fp32", None)
     if grad_fp32 is None:
         grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
@@ -581,6 +599,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather,
+        # a VL provider's freeze (qwen3_vl_provider.py provide -> Qwen3VLModel.freeze; Qwen2.5-VL, Gemma 3 VL alike)
+        frozen_lm=bool(getattr(m, "freeze_language_model", False)) and getattr(m, "vision_config", None) is not None,
         dtype_bytes=compute_dtype_bytes(m),
         optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
         layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),
