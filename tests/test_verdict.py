@@ -17,6 +17,7 @@ from mbmem_overlays.memory.assumptions import ASSUMPTION_TABLE, BY_TEXT, applyin
 from mbmem_overlays.memory.coverage import (DOWN, EITHER, MOVES, NOT_MODELLED, NOT_MODELLED_FLAGS, UP, Gap,
                                             Unmodelled, gaps, not_modelled)
 from mbmem_overlays.memory.plan import judge
+from mbmem_overlays.memory.vision import VisionTower
 from mbmem_overlays.memory.steps import render_plan
 
 GiB = 2**30
@@ -157,6 +158,10 @@ CATALOGUE = {
     "optimizer offload": (LLAMA, replace(ST, optimizer_offload=0.5)),
     "Megatron FSDP": (LLAMA, replace(ST, fsdp="optim_grads_params")),
     "Muon": (LLAMA, replace(ST, optimizer="muon")),
+    # a VL model: its ViT and LM frozen, the mergers training (memory/vision.py)
+    "VL, frozen language model": (replace(LLAMA, vision=VisionTower("qwen3_vl", 2, 64, 96, 4, 48, 80, 4,
+                                                                    image_tokens=64, encoder_trains=False)),
+                                  replace(ST, frozen_lm=True)),
 }
 UNIVERSAL = {"allocated_only", "outside_torch", "headline_phases", "vocabulary"}
 
@@ -190,7 +195,7 @@ def test_the_default_text_names_what_applies_and_verbose_gives_every_assumption_
     assert summary_of("allocated_only") in text and summary_of("cuda_graphs") not in text
     assert "the job's own: GPUs of capability 9 assumed" in text    # a job's own assumption is always shown
     assert all(a in full for a in P.ASSUMPTIONS) and text_of("cuda_graphs") not in text
-    assert "(6 of 19; all in full, with their sources: --assumptions)" in text
+    assert f"(6 of {len(P.ASSUMPTIONS)}; all in full, with their sources: --assumptions)" in text
     assert len(text) < 2000 < len(full)
 
 
@@ -254,6 +259,7 @@ def test_each_assumption_applies_to_a_real_recipe_and_not_to_another(bridge, rec
         "qwen3 MoE, moe recompute": recipe("qwen3_30b_a3b_pretrain_config", "model.recompute_granularity=selective",
                                            "model.recompute_modules=[moe]"),
         "nemotron 3 nano": recipe(nano),
+        "qwen3-vl, frozen language model": recipe("qwen3_vl_8b_pretrain_4gpu_h100_bf16_mock_config"),
     }
     mamba_only = recipe(nano)
     field = "hybrid_override_pattern" if mamba_only.model.hybrid_override_pattern else "hybrid_layer_pattern"

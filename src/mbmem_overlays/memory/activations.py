@@ -232,7 +232,10 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
     D = st.dtype_bytes   # the compute dtype: bf16 (2) or, training in fp32, 4
     sp_div = t if lay.sp else 1   # LayerNorm-region tensors are split across TP only with SP
     gemm_in = FP8 if st.fp8 else D
-    frozen = st.lora_rank > 0
+    # frozen base weights: LoRA's, or a VL provider's freeze_language_model (model.freeze sets requires_grad False
+    # on every language-model parameter, qwen_vl/modelling_qwen3_vl/model.py:479-490): the backward still runs
+    # through the layers to what trains before them, but no GEMM keeps its input for a weight gradient
+    frozen = st.lora_rank > 0 or st.frozen_lm
     # A LoRA adapter asks TE for the norm output, which turns off the quantized norm: it is then kept in bf16.
     ln_out = D if frozen else gemm_in
 
@@ -309,6 +312,12 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             # logit_softcapping :418-423): scale * tanh(scores / scale), whose tanh keeps its output for the
             # backward, one more score-sized tensor in the compute dtype beside the softmax's
             terms["attention_softcap"] = st.dtype_bytes * s.heads / t * lay.seq / lay.cp
+        if s.rope_tables_bytes and not a.mla:
+            # Qwen3VLSelfAttention's apply_rotary_pos_emb_absolute (qwen_vl/modelling_qwen3_vl/rope.py:455-496):
+            # megatron-core's unfused _apply_rotary_pos_emb_bshd (rope_utils.py:133-136) makes cos_ and sin_ for q
+            # and again for k, and each product with the rotated tensor saves its table (the tables need no
+            # gradient): four [s, b, 1, head_dim] tensors per layer, not split over TP
+            terms["attention_rope_tables"] = 4 * s.rope_tables_bytes * s.head_dim
         lora_gathered("linear_qkv")
     if "mlp" in blocks:
         if keeps_input("linear_fc1"):
@@ -411,7 +420,7 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # the torch.compile'd fusion (jit.py jit_fuser) saves the same mask since random ops are not recomputed
         for block in blocks:
             terms[f"{block}_dropout_mask"] = 1.0 * s.hidden / sp_div
-    if frozen:
+    if st.lora_rank:
         terms["lora_intermediates"] = 2 * D * st.lora_rank * len(st.lora_targets)
     return terms
 

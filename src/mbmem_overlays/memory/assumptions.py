@@ -71,6 +71,27 @@ OUTSIDE_TORCH = (
     "threads; Transformer Engine's one, plus one per compute stream with its grouped GEMM) for a GPU of compute "
     "capability 9 (H100/H200) unless the plan is told another")
 
+VISION_IMAGES = (
+    "a vision-language model's vision encoder runs on the images of each microbatch, and what it keeps for backward "
+    "grows with their patches (memory/vision.py terms): every image token is a position of the language model's "
+    "sequence, one merged token of spatial_merge_size^2 patches (Qwen-VL; Gemma 3: (image_size / patch)^2 patches per "
+    "mm_tokens_per_image tokens), so a microbatch carries at most seq_length x micro_batch_size image tokens. Where "
+    "the dataset states its images (Bridge's mock VLM dataset: num_images of image_size each, at that size rounded "
+    "to the patch grid, the processor's min/max pixels not being read offline) the plan sizes those and the range "
+    "runs to the bound; otherwise (Hugging Face conversations, Energon) the plan sizes the bound and the range runs "
+    "down to a microbatch without images. The encoder sits on the first pipeline stage's first model chunk "
+    "(pre_process), whole there; Qwen3-VL's ViT is split over the language model's TP (not sequence parallel), "
+    "the Hugging Face towers are whole on every TP rank")
+FROZEN_PARTS = (
+    "frozen parts (freeze_language_model, freeze_vision_model, freeze_vision_projection, PEFT's frozen base) have "
+    "requires_grad False: no main-grad buffer (distributed_data_parallel.py:114-116, Megatron FSDP's "
+    "only_create_grad_buffer_and_main_weight_buffer_for_param_requires_grad), no optimizer state or fp32 master "
+    "(optimizer/__init__.py:330-331), their weights still in the params dtype. A frozen GEMM keeps no input for a "
+    "weight gradient (TE backward_needs_input = weight.requires_grad; a frozen megatron-core Linear runs "
+    "linear_with_frozen_weight, which saves only the weight), but where something before it trains the backward "
+    "still runs through it and every other saved tensor stays (norm inputs, q/k/v, the activation's input); a part "
+    "with nothing trainable in or before it (a frozen encoder fed by pixels) keeps nothing")
+
 
 @dataclass(frozen=True)
 class Assumption:
@@ -202,6 +223,14 @@ ASSUMPTION_TABLE: tuple[Assumption, ...] = (
                "and the prefetched next) and one unit of gradients; under optim_grads_params the embedding and output"
                " layer (outside every unit) stay gathered for the whole job beside their shard; no fp32 gradient copy"
                " is made at the step (FSDP owns its main-grad buffers)"),
+    Assumption("vision_images", lambda s, lay, st: s.vision is not None,
+               "the vision encoder is sized for the images the configuration allows or the mock dataset states, on "
+               "the first pipeline stage",
+               VISION_IMAGES),
+    Assumption("frozen_parts", lambda s, lay, st: st.frozen_lm or (s.vision is not None and not (
+        s.vision.encoder_trains and s.vision.projector_trains)),
+               "frozen parts keep no gradients or optimizer state, and their GEMMs no inputs for a weight gradient",
+               FROZEN_PARTS),
     Assumption("muon", lambda s, lay, st: st.optimizer == "muon",
                "Muon keeps one fp32 momentum per 2-D non-embedding parameter, Adam's moments for the rest",
                "Muon steps every 2-D non-embedding parameter with one fp32 momentum, Adam the rest; with the "

@@ -57,6 +57,8 @@ def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, las
     They stay allocated until the next iteration's zero_grad (Bridge train.py:866-869)."""
     if st.grad_bytes >= FP32 or not st.master_bytes or st.lora_rank:
         return 0.0  # fp32 gradients are used in place (.float() is a no-op); adapters only: negligible
+    from .weights import vision_params
+    vision = vision_params(s, lay, st, (0 if first else lay.pp - 1) if rank is None else rank)[1]
     if st.fsdp is not None:
         return 0.0  # Megatron FSDP owns its main-grad buffers: _copy_model_grads_to_main_grads returns early
     upcasts = st.step_upcasts_grads
@@ -73,8 +75,11 @@ def optimizer_step_buffers(s: Shape, lay: Layout, st: Settings, first: bool, las
     if not fraction:
         return 0.0
     layer_params, embed, expert = stage_params(s, lay, first, last, rank)
+    if st.frozen_lm:
+        # freeze_language_model: only the vision side trains, so only its shards are stepped
+        layer_params = embed = expert = 0.0
     shards, expert_shards = optimizer_shards(lay, st)
-    return FP32 * ((layer_params + embed) / shards + expert / expert_shards) * fraction
+    return FP32 * ((layer_params + embed + vision) / shards + expert / expert_shards) * fraction
 
 
 def fp8_master_cast_copies(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
@@ -87,7 +92,7 @@ def fp8_master_cast_copies(s: Shape, lay: Layout, st: Settings, first: bool, las
     after the loop quantizes the list into the FP8 weights (:171-181). The step's fp32 gradient copies are still
     allocated then (optimizer.py:786,808: the inner step, then the copy to the model params). Only the layer
     GEMM weights are FP8 (embeddings and the output layer stay bf16: stage_params' embed)."""
-    if not st.fp8_cast_copy_bytes or st.lora_rank or "fp8_master_cast_copies" in st.without:
+    if not st.fp8_cast_copy_bytes or st.lora_rank or st.frozen_lm or "fp8_master_cast_copies" in st.without:
         return 0.0
     layer_params, _, expert = stage_params(s, lay, first, last, rank)
     # the first/last layers an FP8 job keeps in bf16 have params-dtype weights, copied from their masters in place
@@ -105,7 +110,7 @@ def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params
         (p_shard, _), (g_shard, _) = fsdp_shards(lay, st)
         unit = largest_layer_params(s, lay, rank)
         gathered = 2 * unit * (st.param_bytes + st.fp8_weight_copy_bytes) if p_shard > 1 else 0.0
-        unsharded_grads = unit * st.grad_bytes if g_shard > 1 and not st.lora_rank else 0.0
+        unsharded_grads = unit * st.grad_bytes if g_shard > 1 and not (st.lora_rank or st.frozen_lm) else 0.0
         return gathered + unsharded_grads + fsdp_non_unit_params(s, lay, st, rank) + global_memory_buffer(
             s, lay, st, rank)
     out = global_memory_buffer(s, lay, st, rank)
@@ -145,11 +150,12 @@ def global_memory_buffer(s: Shape, lay: Layout, st: Settings, rank: int) -> floa
     there (transformer/dot_product_attention.py:189-191, [b x heads/tp, sq, sk] in the query's dtype) on every
     rank with attention layers. Both ask for the compute dtype, so they share one buffer: the larger. The deferred
     output-layer wgrad drain gathers into a second one ("mpu_0", utils.py drain_embedding_wgrad_compute). A frozen
-    output layer (LoRA) gathers into a fresh tensor instead (layers.py linear_with_frozen_weight)."""
+    output layer (LoRA, freeze_language_model) gathers into a fresh tensor instead (layers.py
+    linear_with_frozen_weight)."""
     if "global_memory_buffer" in st.without:
         return 0.0
     gather = 0.0
-    if lay.sp and rank == lay.pp - 1 and not st.lora_rank and s.vocab:
+    if lay.sp and rank == lay.pp - 1 and not (st.lora_rank or st.frozen_lm) and s.vocab:
         gather = st.dtype_bytes * s.hidden * _tokens(lay)   # the gathered sequence: s x mbs / cp tokens x hidden
     scores = 0.0
     if st.mcore_attention and "mcore_attention_buffer" not in st.without and any(

@@ -91,6 +91,11 @@ MODEL_READS = frozenset({
     "model.transformer_layer_spec", "model.attn_logit_softcapping", "dataset.skip_getting_attention_mask_from_dataset",
     "model.final_logit_softcapping", "model.attention_softmax_in_fp32", "model.apply_query_key_layer_scaling",
     "model.scatter_embedding_sequence_parallel",
+    # vision-language models (memory/vision.py vision_tower_of, from_config vision_shape / frozen_lm): the vision
+    # encoder's config, what is frozen, the images a mock dataset states, Gemma 3's image tokens, the LM's RoPE dtype
+    "model.vision_config", "model.freeze_language_model", "model.freeze_vision_model",
+    "model.freeze_vision_projection", "model.vision_dp_when_cp", "model.mm_tokens_per_image",
+    "model.apply_rotary_pos_emb_in_fp32", "dataset.num_images", "dataset.image_size", "dataset.source",
 })
 
 
@@ -116,6 +121,11 @@ class Unmodelled:
     bound: Callable[[Any], float] | None = None
     # where it matters only beside other fields: a test of the whole configuration (None: always)
     when: Callable[[Any], bool] | None = None
+
+
+def _vision_unmodelled(cfg: Any) -> bool:
+    from .vision import family_of
+    return family_of(getattr(cfg, "model", None)) is None
 
 
 def _enum_name(value: Any) -> str:
@@ -188,11 +198,13 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                lambda v: isinstance(v, (list, tuple)) and "mhc" in v,
                when=lambda cfg: _read(cfg, "model.recompute_granularity") == "selective"),
     # found by bench/recipe_census.py on Bridge 0.6.2's recipes (FIELD_CLASSES below says what the rest are)
-    Unmodelled("model.vision_config", "a vision encoder (its weights, gradients, optimizer state and activations) "
-               "beside the language model; the plan sizes the language model only", moves=UP),
-    Unmodelled("model.freeze_language_model", "a frozen language model keeps no gradients or optimizer state for "
-               "its weights (the plan counts both)", moves=DOWN,
-               bound=lambda b: b.gradients + b.optimizer),
+    # memory/vision.py models the encoders of Qwen3-VL / Qwen3.5-VL (Bridge's megatron-core ViT), Qwen2.5-VL and
+    # Gemma 3 (transformers' towers); the freeze_* flags are read (from_config frozen_lm, vision_tower_of)
+    Unmodelled("model.vision_config", "a vision encoder the plan does not model (it models Qwen3-VL's and "
+               "Qwen3.5-VL's megatron-core ViT, Qwen2.5-VL's and Gemma 3's SigLIP towers; this provider builds "
+               "another: docs/memory-model.md names what differs): its weights, gradients, optimizer state and "
+               "activations beside the language model are not planned", moves=UP,
+               when=lambda cfg: _vision_unmodelled(cfg)),
     # TE's operation fuser on the experts is modelled (activations.op_fuser_terms, from_config.moe_op_fuser), and so
     # is moe_paged_stash (buffers.paged_stash_buffer); what is left is a job that cannot run, or a dense MLP
     Unmodelled("model.use_transformer_engine_op_fuser",
@@ -622,7 +634,6 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.o_groups": _covered("model.o_lora_rank", "the groups of the low-rank output projection"),
     "model.vision_projector_config": _covered("model.vision_config", "the vision projector"),
     "model.is_vision_language": _covered("model.vision_config", "the vision path"),
-    "model.freeze_vision_model": _covered("model.vision_config", "the vision encoder's gradients"),
     "model.guidance_embed": _covered("model.num_single_layers", "FLUX's guidance embedding"),
     **{f"model.{name}": _covered("model.num_single_layers", "a setting of FLUX's diffusion transformer") for name in (
         "axes_dims_rope", "context_dim", "guidance_scale", "model_channels", "num_joint_layers", "vec_in_dim")},
@@ -630,8 +641,16 @@ FIELD_CLASSES: dict[str, FieldClass] = {
         "in_channels", "freq_dim", "layernorm_across_heads", "out_channels", "patch_spatial", "patch_temporal",
         "qkv_format", "text_dim", "text_len")},
     **{f"model.{name}": _covered("model.vision_config", "a setting of the vision path") for name in (
-        "patch_size", "spatial_merge_size", "temporal_patch_size", "deepstack_visual_indexes", "vision_cuda_graph_impl",
-        "mm_tokens_per_image", "dist_train")},
+        "patch_size", "spatial_merge_size", "temporal_patch_size", "deepstack_visual_indexes")},
+    # the Qwen3-VL providers' vision settings that change what the encoder keeps (vision_model.py, model.py)
+    "model.vision_cuda_graph_impl": FieldClass(
+        "conditional", "TE CUDA graphs of the vision encoder pad every microbatch's patches to "
+        "max_vision_cuda_graph_seq_length and keep the captured layers' tensors in the graphs' pool "
+        "(vision_model.py:37-67, :297-344): not planned", when=lambda m, v: str(v or "none") != "none"),
+    "model.dist_train": FieldClass(
+        "conditional", "DistTrain puts the vision encoder on its own ranks with its own parallel layout "
+        "(qwen3_vl_provider.py DistTrainConfig, model.py:287-298): the plan puts it on the first stage",
+        when=lambda m, v: bool(getattr(v, "use_dist_train", False))),
     "model.num_global_key_value_heads": _covered("model.global_head_dim", "Gemma 4's full-attention KV heads"),
     "model.attention_k_eq_v": _covered("model.global_head_dim", "Gemma 4's full-attention layers reuse K as V"),
     "model.global_rotary_percent": _neutral(_ROPE),

@@ -396,15 +396,13 @@ def fused_grouped_mlp_eligible(m: Any, fp8_recipe: str, env_flag: int) -> bool:
 
 
 def job_fp8_recipe(cfg: Any) -> str:
-    """The FP8 recipe the job's GEMMs run ("" without FP8): the mixed-precision preset's, which Bridge's setup copies
-    onto the model (mixed_precision.py:127), else the model's fp8_recipe."""
-    from ..core.rules import mixed_precision_config
+    """The FP8 recipe the job's GEMMs run ("" without FP8). ``cfg`` is read as Bridge's setup runs it
+    (bridge/as_run.py), so a mixed-precision preset's fp8 and fp8_recipe are on the model already
+    (mixed_precision.py:127)."""
     m = cfg.model
-    mp = mixed_precision_config(getattr(cfg, "mixed_precision", None))
-    if not (getattr(mp, "fp8", None) or getattr(m, "fp8", None)):
+    if not getattr(m, "fp8", None):
         return ""
-    recipe = getattr(mp, "fp8_recipe", None) if mp is not None else None
-    recipe = recipe or getattr(m, "fp8_recipe", None)
+    recipe = getattr(m, "fp8_recipe", None)
     return str(getattr(recipe, "value", recipe) or "")
 
 
@@ -455,6 +453,23 @@ def gemma2_attention(cfg: Any) -> str:
     masked = not bool(getattr(getattr(cfg, "dataset", None), "skip_getting_attention_mask_from_dataset", True))
     dropout = float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0
     return "unfused" if masked or dropout else "flex"
+
+
+def vision_shape(cfg: Any, shape: Shape, lay: Layout) -> Shape:
+    """``shape`` with a VL model's vision encoder (memory/vision.py vision_tower_of) and, where its language model
+    rotates q and k outside TE's fused RoPE, the bytes of the cos/sin tables each attention layer saves
+    (Shape.rope_tables_bytes): Qwen3VLSelfAttention never fuses (qwen_vl/modelling_qwen3_vl/rope.py:467-483), and
+    Bridge's GPT provider turns the fusion off for mrope (gpt_provider.py:229-230, utils/fusions.py:80-92), which
+    Qwen2.5-VL uses; the tables are in q's dtype, fp32 with apply_rotary_pos_emb_in_fp32 (rope.py:484-486)."""
+    from .vision import QWEN3_VL, QWEN25_VL, family_of, vision_tower_of
+    m = cfg.model
+    fam = family_of(m)
+    if fam is None:
+        return shape
+    rope = 0
+    if fam == QWEN3_VL or (fam == QWEN25_VL and str(getattr(m, "position_embedding_type", "")) == "mrope"):
+        rope = FP32 if bool(getattr(m, "apply_rotary_pos_emb_in_fp32", False)) else compute_dtype_bytes(m)
+    return replace(shape, vision=vision_tower_of(cfg, lay), rope_tables_bytes=rope)
 
 
 def _env_int(env: dict[str, str] | None, cfg: Any, name: str) -> int:
@@ -624,6 +639,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
                  # :567-568). 0 is Layout's "the pipeline size": a layout search that varies PP then varies it too
                  vp_group=_vp_group(getattr(m, "microbatch_group_size_per_vp_stage", None), pp))
     layout_limits(shape, lay)
+    shape = vision_shape(cfg, shape, lay)
     # The mixed-precision preset and the communication-overlap config are in the model, optimizer and DDP fields
     # now (as_run: MixedPrecisionConfig.setup, CommOverlapConfig.setup), so those fields alone say the precision
     grad_fp32 = bool(read(cfg, "ddp.grad_reduce_in_fp32", True))
@@ -720,6 +736,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather,
+        # a VL provider's freeze (qwen3_vl_provider.py provide -> Qwen3VLModel.freeze; Qwen2.5-VL, Gemma 3 VL alike)
+        frozen_lm=bool(getattr(m, "freeze_language_model", False)) and getattr(m, "vision_config", None) is not None,
         dtype_bytes=compute_dtype_bytes(m),
         optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
         layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),

@@ -81,6 +81,12 @@ class Shape:
     # (first_last_layers_bf16, num_layers_at_start/end_in_bf16: fp8_utils.py is_first_last_bf16_layer); (0, 0)
     # without FP8, where they change nothing. pipeline.layer_kinds marks those layers (BF16_LAYER).
     bf16_layers: tuple[int, int] = (0, 0)
+    # A vision-language model's vision encoder and projector on the first pipeline stage (memory/vision.py
+    # VisionTower); None: a language model alone
+    vision: Any = None
+    # Qwen3VLSelfAttention (Qwen3-VL, Qwen3.5-VL) rotates q and k with per-token absolute frequencies outside TE's
+    # fused RoPE, saving four cos/sin tables per attention layer in this many bytes per element (0: fused RoPE)
+    rope_tables_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,9 @@ class Settings:
     lora_rank: int = 0                        # 0: full training
     lora_targets: tuple[str, ...] = ()
     lora_regather: tuple[str, ...] = ()       # targets that really re-gather (see rules.regather_fallbacks)
+    # freeze_language_model: the language model's parameters have requires_grad False (a VL provider's freeze),
+    # so they keep no gradient, main-grad buffer or optimizer state, and its GEMMs no input for a weight gradient
+    frozen_lm: bool = False
     # Extra bytes per transformer-layer GEMM weight for a second FP8 layout kept between steps (see weight_copy_bytes)
     fp8_weight_copy_bytes: int = 0
     swiglu_fused: bool = True                 # bias_activation_fusion: the fused SwiGLU keeps only its input

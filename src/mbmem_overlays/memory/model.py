@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from .activations import (RECOMPUTE_DROPS, _selected_terms, dispatcher_terms, latent_width,  # noqa: F401
                           layer_activation, layer_activation_terms)
-from .assumptions import (ADDED_TERMS, ASSUMPTIONS, ATTENTION_KERNEL, FP8_TRANSPOSE, GRAPH_WARMUP,  # noqa: F401
-                          MOE_BALANCE, OUTSIDE_TORCH, PRECISION_AWARE_PATH, VOCAB_FROM_TOKENIZER)
+from .assumptions import (ADDED_TERMS, ASSUMPTIONS, ATTENTION_KERNEL, FP8_TRANSPOSE, FROZEN_PARTS,  # noqa: F401
+                          GRAPH_WARMUP, MOE_BALANCE, OUTSIDE_TORCH, PRECISION_AWARE_PATH, VISION_IMAGES,
+                          VOCAB_FROM_TOKENIZER)
 from .buffers import (communication_buffers, flex_dispatcher_state, flex_outside_torch_bytes,  # noqa: F401
                       fp8_master_cast_copies, global_memory_buffer, optimizer_step_buffers, paged_stash_buffer,
                       paged_stash_host_buffer)
@@ -49,6 +50,7 @@ from .pipeline import (BF16_LAYER, HYBRID_SYMBOLS, _candidate_ranks, _rank_chunk
 from .plan import (DOES_NOT_FIT, FITS, NO_CAPACITY, STEP_NOTES, UNKNOWN, Plan, Step, Verdict,  # noqa: F401
                    fit_verdict, judge)
 from .stage_activations import StageActivations, stage_activations  # noqa: F401
+from .vision import VisionTower, vision_tower_of  # noqa: F401
 from .weights import (FSDP_SHARDS, _attention_params, _block_params, _mamba_params, _mlp_params,  # noqa: F401
                       data_parallel_shards, fsdp_shards, largest_layer_params, lora_params, model_state,
                       latent_projection_params, optimizer_before_first_step, optimizer_gpu_bytes,

@@ -107,6 +107,21 @@ def uncertainty(s: P.Shape, lay: P.Layout, st: P.Settings, base: P.Breakdown | N
                          f"{name}'s communication buffers ({outside / 2**30:.2f} GiB per GPU) are allocated outside "
                          "torch's caching allocator, so max_memory_allocated does not show them", P.OUTSIDE_TORCH,
                          f"{name}'s buffers outside torch's allocator count", mid, mid + outside))
+    v = s.vision
+    if v is not None and v.image_tokens_high > v.image_tokens:
+        # the images a microbatch carries (model.VISION_IMAGES): up to the sequence's bound
+        end = P.estimate(replace(s, vision=replace(v, image_tokens=v.image_tokens_high)), lay, st).footprint
+        out.append(Range("activations (vision encoder: image patches)",
+                         f"images: {v.images_from}; the processor may resize them, and a microbatch holds at most "
+                         f"{int(v.image_tokens_high):,} image tokens (seq_length x micro_batch_size)",
+                         P.VISION_IMAGES, "the images fill the sequence", mid, end))
+    if v is not None and v.image_tokens_low < v.image_tokens:
+        # down to the fewest image tokens the configuration allows (none, where nothing states the images)
+        end = P.estimate(replace(s, vision=replace(v, image_tokens=v.image_tokens_low)), lay, st).footprint
+        out.append(Range("activations (vision encoder: image patches)",
+                         f"images: {v.images_from}; the plan sizes that bound, a microbatch with fewer image tokens "
+                         "keeps less of the encoder's activations", P.VISION_IMAGES, "", end, mid,
+                         if_low="it would with fewer image tokens per microbatch"))
     if not s.vocab:
         per_token = _per_vocab_token(s, lay, st)
         out.append(Range("embedding, output layer and logits", "vocabulary unknown (model.vocab_size unset and the "

@@ -9,6 +9,7 @@ from .activations import layer_activation
 from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
 from .inputs import BF16, FP32, Layout, Settings, Shape
 from .pipeline import blocks_of, in_flight, rank_alive, rank_chunks, rank_layers
+from .vision import activations as vision_activations
 from .weights import mtp_blocks
 
 @dataclass(frozen=True)
@@ -50,7 +51,11 @@ def loss_chunk_inputs(s: Shape, lay: Layout, st: Settings) -> float:
     if "loss_chunk_inputs" in st.without:
         return 0.0
     tokens = lay.seq * lay.mbs / lay.cp
-    return 2 * st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
+    # a frozen output layer (LoRA's base, freeze_language_model) runs linear_with_frozen_weight, which saves only
+    # the weight (tensor_parallel/layers.py:1095-1096, LinearWithFrozenWeight.forward :415-417): the norm's input
+    # alone is kept
+    kept = 1 if (st.lora_rank or st.frozen_lm) else 2
+    return kept * st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
 
 
 def logit_softcap_bytes(s: Shape, lay: Layout, st: Settings) -> float:
@@ -166,8 +171,9 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
     chunk_bytes = [sum(layer_bytes[kind] for kind in chunk) for chunk in chunks]
     weights = list(chunk_bytes)
     embedding_out = hidden_local * (lay.tp if st.embedding_whole else 1)
+    vision = vision_activations(s, lay, st) if rank == 0 else 0.0
     if rank == 0:
-        weights[0] += embedding_out   # the embedding output
+        weights[0] += embedding_out + vision   # the embedding output; the vision encoder's (vision.terms)
     outputs = [k * hidden_local for k in kept_stage_outputs(s, lay, st, rank, len(chunks))]
     weights = [w + outputs[c] for c, w in enumerate(weights)]
     if last:
@@ -254,6 +260,11 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
                 detail.append(("fine-grained offload: working layer and reloaded layer", offload.working))
     if rank == 0:
         acts += embedding_out * alive[0]  # embedding output, one per microbatch alive in the first chunk
+        if vision:
+            # a VL model's vision encoder and projector run in the first chunk's forward (pre_process), and keep
+            # their tensors until that microbatch's backward reaches them, after the language model's
+            detail.append(("vision encoder and projector (first stage)", vision * alive[0]))
+            acts += vision * alive[0]
     if any(outputs):
         kept = sum(n * o for n, o in zip(alive, outputs))
         detail.append(("stage outputs kept after the send (deallocate_pipeline_outputs off)", kept))

@@ -239,8 +239,10 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     layer_params, embed, expert = stage_params(s, lay, first, last, rank)
     dense = layer_params + embed
     adapters = lora_params(s, lay, st, rank)
-    frozen = st.lora_rank > 0
-    trainable_dense = adapters if frozen else dense
+    # LoRA's frozen base, or freeze_language_model: parameters with requires_grad False get no main-grad buffer
+    # (distributed_data_parallel.py:114-116 skips them) and no optimizer state (optimizer/__init__.py:330-331)
+    frozen = st.lora_rank > 0 or st.frozen_lm
+    trainable_dense = adapters if st.lora_rank > 0 else (0.0 if st.frozen_lm else dense)
     trainable_expert = 0.0 if frozen else expert
     (p_dense, p_expert), (g_dense, g_expert) = fsdp_shards(lay, st)
     # FP8 parameters (fp8_param_gather) cover transformer-layer GEMM weights; embeddings stay bf16, and so do the
@@ -261,7 +263,25 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     opt = (trainable_dense / dense_shards + trainable_expert / expert_shards) * optimizer_gpu_bytes(st)
     if muon_state(st) and not frozen and not st.optimizer_offload:
         opt = emerging_optimizer_bytes(s, lay, st, rank)   # Muon's momentum, whole-parameter shards
+    vision_all, vision_trainable = vision_params(s, lay, st, rank)
+    if vision_all:
+        # the vision encoder and projector on the first stage: params-dtype weights (Float16Module casts them), the
+        # trainable ones with gradients and optimizer state like any dense parameter (vision.stage_vision_params)
+        params += vision_all * st.dtype_bytes / p_dense
+        grads += vision_trainable * st.grad_bytes / g_dense
+        opt += vision_trainable / dense_shards * optimizer_gpu_bytes(st)
     return params, grads, opt
+
+
+def vision_params(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[float, float]:
+    """(every vision parameter, the trainable ones) on one GPU of pipeline rank ``rank``, LoRA adapters on the
+    encoder's GEMMs included (vision.stage_vision_params, vision.lora_params)."""
+    from .vision import lora_params as vision_lora, stage_vision_params
+    total, trainable = stage_vision_params(s, lay, rank)
+    if total and s.vision.lora and st.lora_rank:
+        adapters = vision_lora(s.vision, lay, st)
+        total, trainable = total + adapters, trainable + adapters
+    return total, trainable
 
 def largest_layer_params(s: Shape, lay: Layout, rank: int) -> float:
     """Parameters of the largest layer pipeline rank ``rank`` holds, on one GPU (dense + its experts)."""
