@@ -187,16 +187,18 @@ def test_from_config_picks_the_fusers_path_and_names_what_megatron_core_refuses(
     assert moe_op_fuser(m, MOE, LAY, "mxfp8", 10, 0) == ""             # refused: no job to plan
     assert moe_op_fuser(m, DENSE, LAY, "mxfp8", 10, 1) == ""
     # named where the plan has no job: refused, moe_act with only the basic ops, or a dense MLP as TE fused ops
+    # the config as Bridge's setup runs it (bridge/as_run.py): the preset's fp8 and fp8_recipe are on the model
     cfg = lambda **kw: NS(model=replace_ns(m, **{"num_moe_experts": 64, "expert_tensor_parallel_size": 1,  # noqa: E731
                                                  "tensor_model_parallel_size": 1, "recompute_granularity": None,
-                                                 "recompute_modules": None, **kw}),
-                          mixed_precision=NS(fp8="hybrid", fp8_recipe="mxfp8"), env_vars={
+                                                 "recompute_modules": None, "fp8": "hybrid", "fp8_recipe": "mxfp8",
+                                                 **kw}),
+                          mixed_precision=None, env_vars={
                               "NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"})
     assert not op_fuser_blind(cfg())
     assert op_fuser_blind(cfg(expert_tensor_parallel_size=2))
     moe_act = cfg(recompute_granularity="selective", recompute_modules=["moe_act"])
     assert not op_fuser_blind(moe_act)
-    assert op_fuser_blind(NS(model=moe_act.model, mixed_precision=NS(fp8="hybrid", fp8_recipe="tensorwise"),
+    assert op_fuser_blind(NS(model=replace_ns(moe_act.model, fp8_recipe="tensorwise"), mixed_precision=None,
                              env_vars=moe_act.env_vars))
     assert op_fuser_blind(NS(model=replace_ns(cfg().model, num_moe_experts=None)))
 
