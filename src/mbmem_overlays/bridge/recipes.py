@@ -144,8 +144,10 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
     fn = _recipe_function(name)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise OverlayError([_recipe_problem(name, f"recipe.kwargs must be a mapping, got {kwargs!r}")])
+    from .build_stand_ins import recipe_build_stand_ins
     try:
-        cfg = fn(**(kwargs or {}))
+        with recipe_build_stand_ins(platform_of_recipe_function(fn)) as notes:
+            cfg = fn(**(kwargs or {}))
     except OverlayError:
         raise
     except Exception as exc:  # noqa: BLE001  recipes fail offline with "Failed to load configuration from <id>"
@@ -164,7 +166,40 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
     from megatron.bridge.training.config import ConfigContainer
     if not isinstance(cfg, ConfigContainer):
         raise OverlayError([_recipe_problem(name, f"{name} returned {type(cfg).__name__}, not a ConfigContainer")])
+    if notes and getattr(cfg, "model", None) is not None:
+        # kept on the model provider, not a dataclass field (Bridge's serialisation reads fields), which copy.deepcopy
+        # carries (models/transformer_config.py:191-208 copies its __dict__; ConfigContainer's own __deepcopy__ copies
+        # fields only, megatron/training/config/container.py:229-238), for the plan's assumptions (build_notes)
+        object.__setattr__(cfg.model, BUILD_NOTES_ATTR, tuple(notes))
     return cfg
+
+
+BUILD_NOTES_ATTR = "_mbmem_build_notes"
+
+
+def build_notes(cfg: Any) -> tuple[str, ...]:
+    """What answered for the host while the recipe built (bridge/build_stand_ins.py): one sentence each, for the
+    plan's assumptions; () for a config that needed none."""
+    notes = getattr(getattr(cfg, "model", None), BUILD_NOTES_ATTR, ())
+    return tuple(n for n in notes if isinstance(n, str)) if isinstance(notes, tuple) else ()
+
+
+# The platforms Bridge names its recipes for: the folder of the module that defines the function
+# (recipes/qwen_vl/h100/qwen3_vl.py, perf_recipes/nemotronh/gb200/nemotronh.py) or a word of its name
+# (llama3_8b_pretrain_8gpu_gb200_bf16_config).
+RECIPE_PLATFORMS = ("a100", "h100", "h200", "gh200", "b200", "gb200", "b300", "gb300", "r100", "vr200")
+
+
+def platform_of_recipe_function(fn: Any) -> str | None:
+    """The platform a recipe function is named for: a word of its name, else a part of its module path; None."""
+    words = str(getattr(fn, "__name__", "")).lower().split("_")
+    for platform in RECIPE_PLATFORMS:
+        if platform in words:
+            return platform
+    for part in str(getattr(fn, "__module__", "") or "").lower().split("."):
+        if part in RECIPE_PLATFORMS:
+            return part
+    return None
 
 
 def spec_problems(spec: Any) -> list[Problem]:

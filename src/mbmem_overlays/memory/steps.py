@@ -23,7 +23,8 @@ from ..core.paths import read
 from ..core.values import hydra_text
 from . import model as P
 from .costs import LADDER
-from .assumptions import BY_TEXT, applying
+from ..bridge.recipes import build_notes
+from .assumptions import ASSUMPTIONS, BY_TEXT, applying
 from .levers import step_note
 from .coverage import not_modelled
 from .ranges import uncertainty
@@ -247,7 +248,8 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
     shape, lay, st = P.from_config(work, world, arch=arch, env=env)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(work, world),
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
-                  not_modelled=not_modelled(work), applicable=applying(inputs))
+                  not_modelled=not_modelled(work), applicable=applying(inputs),
+                  assumptions=ASSUMPTIONS + build_notes(cfg))   # + what answered for the host at the recipe's build
 
 
 def layout_text(lay: P.Layout) -> str:
