@@ -23,6 +23,7 @@ from ..core.errors import OverlayError, Problem
 from ..core.paths import read
 from ..core.values import MAX_WORLD_SIZE, parse_count
 from . import hf_offline
+from .build_stand_ins import PLATFORM_GPUS, recipe_build_stand_ins
 from .overrides import apply_overrides
 from .stack import prepare
 
@@ -145,7 +146,8 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
     if kwargs is not None and not isinstance(kwargs, dict):
         raise OverlayError([_recipe_problem(name, f"recipe.kwargs must be a mapping, got {kwargs!r}")])
     try:
-        cfg = fn(**(kwargs or {}))
+        with recipe_build_stand_ins(platform_of_recipe_function(fn)) as notes:
+            cfg = fn(**(kwargs or {}))
     except OverlayError:
         raise
     except Exception as exc:  # noqa: BLE001  recipes fail offline with "Failed to load configuration from <id>"
@@ -164,7 +166,28 @@ def build_recipe(name: str, kwargs: dict[str, Any] | None = None):
     from megatron.bridge.training.config import ConfigContainer
     if not isinstance(cfg, ConfigContainer):
         raise OverlayError([_recipe_problem(name, f"{name} returned {type(cfg).__name__}, not a ConfigContainer")])
+    if notes and getattr(cfg, "model", None) is not None:
+        # kept on the model provider, not a dataclass field (Bridge's serialisation reads fields), which copy.deepcopy
+        # carries (models/transformer_config.py:191-208 copies its __dict__; ConfigContainer's own __deepcopy__ copies
+        # fields only, megatron/training/config/container.py:229-238), for the plan's assumptions (build_notes)
+        object.__setattr__(cfg.model, BUILD_NOTES_ATTR, tuple(notes))
     return cfg
+
+
+BUILD_NOTES_ATTR = "_mbmem_build_notes"
+
+
+def build_notes(cfg: Any) -> tuple[str, ...]:
+    """What answered for the host while the recipe built (bridge/build_stand_ins.py): one sentence each, for the
+    plan's assumptions; () for a config that needed none."""
+    notes = getattr(getattr(cfg, "model", None), BUILD_NOTES_ATTR, ())
+    return tuple(n for n in notes if isinstance(n, str)) if isinstance(notes, tuple) else ()
+
+
+def platform_of_recipe_function(fn: Any) -> str | None:
+    """The platform a recipe function is named for (``named_platform`` on its name and defining module), or None."""
+    found = named_platform(str(getattr(fn, "__name__", "")), str(getattr(fn, "__module__", "") or ""))
+    return found[0] if found else None
 
 
 def spec_problems(spec: Any) -> list[Problem]:
@@ -292,8 +315,8 @@ def model_summary(cfg: Any) -> dict[str, Any]:
 # its per-platform recipes by folder (recipes/qwen/gb200/, perf_recipes/llama/b300/) and in the function name
 # (llama3_8b_pretrain_8gpu_gb200_bf16_config). Rubin (r100, vr200) is not in that table: such a recipe is named for a
 # platform whose compute capability the plan does not know, and the default stays.
-PLATFORM_GPU_ARCH: dict[str, int | None] = {"a100": 8, "h100": 9, "h200": 9, "gh200": 9, "b200": 10, "gb200": 10,
-                                            "b300": 10, "gb300": 10, "r100": None, "vr200": None}
+PLATFORM_GPU_ARCH: dict[str, int | None] = {**{p: gpu[1] for p, gpu in PLATFORM_GPUS.items()},
+                                            "r100": None, "vr200": None}
 _PLATFORM_WORD = re.compile(r"(?:^|_)(" + "|".join(sorted(PLATFORM_GPU_ARCH, key=len, reverse=True)) + r")(?=_|$)")
 
 
@@ -309,13 +332,20 @@ def recipe_platform(name: str | None) -> tuple[str, int | None, str] | None:
         return None
     function = recipe_function_name(name)
     module, _, leaf = function.rpartition(".")
+    if _PLATFORM_WORD.search(leaf.lower()) is None:
+        try:   # the module that defines it (a package may re-export it): imports Bridge, as building the recipe does
+            module = _recipe_function(function).__module__ or module
+        except OverlayError:
+            pass
+    return named_platform(leaf, module)
+
+
+def named_platform(leaf: str, module: str) -> tuple[str, int | None, str] | None:
+    """(platform, compute capability or None, where it was read) from a recipe function's name (``_gb200_``), else
+    from the module path that defines it (``recipes.qwen.gb200...``), or None."""
     found = _PLATFORM_WORD.search(leaf.lower())
     if found:
         return found.group(1), PLATFORM_GPU_ARCH[found.group(1)], "the recipe's name"
-    try:   # the module that defines it (a package may re-export it): imports Bridge, as building the recipe does
-        module = _recipe_function(function).__module__ or module
-    except OverlayError:
-        pass
     for part in module.lower().split("."):
         if part in PLATFORM_GPU_ARCH:
             return part, PLATFORM_GPU_ARCH[part], "the recipe's module path"

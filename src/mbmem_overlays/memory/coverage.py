@@ -537,7 +537,19 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.bos_token_id": _neutral(_META), "model.eos_token_id": _neutral(_META),
     "model.audio_token_id": _neutral(_META), "model.image_token_id": _neutral(_META),
     "model.video_token_id": _neutral(_META), "model.vision_start_token_id": _neutral(_META),
-    "model.vision_end_token_id": _neutral(_META), "model.pretrained_model_name": _neutral(_META),
+    "model.vision_end_token_id": _neutral(_META), "model.vision_token_id": _neutral(_META),
+    "model.pretrained_model_name": _neutral(_META),
+    "model.pad_token_id": _neutral(_META),
+    "model.no_rope_freq": _neutral("which layers skip rotary position embedding (NoPE layers); " + _ROPE),
+    "model.async_tensor_model_parallel_allreduce": _neutral(_DEAD),
+    "model.moe_z_loss_coeff": FieldClass(
+        "bounded", "the router z-loss keeps one logsumexp and its square per token and MoE layer for backward "
+                   "(megatron/core/transformer/moe/moe_utils.py:162-163 z_loss_func): 8 bytes per token, beside the "
+                   "router logits the plan counts"),
+    "model.fp8_recipe": FieldClass(
+        "conditional", "with FP8 on, the scaling recipe decides the scale state each FP8 tensor keeps (delayed: an "
+                       "amax history; mxfp8: one scale per 32 values; blockwise: per block), which the plan does not "
+                       "size per recipe (transformer_config.py:573)", when=lambda m, v: _fp8(m)),
     "model.return_dict": _neutral("how the forward returns its outputs"),
     "model.add_encoder": _neutral("whether this pipeline stage builds the encoder part (the vision path's stage)"),
     "model.add_decoder": _neutral("whether this pipeline stage builds the decoder part"),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..bridge.as_run import as_run
+from ..bridge.recipes import build_notes
 from ..core.catalog import Catalog, train_recipe_arg
 from ..core.engine import apply_overlay
 from ..core.errors import OverlayError
@@ -24,7 +25,7 @@ from ..core.paths import read
 from ..core.values import hydra_text
 from . import model as P
 from .costs import LADDER
-from .assumptions import BY_TEXT, applying
+from .assumptions import ASSUMPTIONS, BY_TEXT, applying
 from .levers import step_note
 from .coverage import not_modelled
 from .ranges import uncertainty
@@ -252,7 +253,8 @@ def build_plan(cfg: Any, overlays: list[str], *, world: int, recipe: str, params
     shape, lay, st = inputs[-1]
     setup = tuple(f"Bridge's setup of this config: {n}" for n in run.refused)
     return P.Plan(recipe, world, lay, tuple(steps), capacity, margin, bridge_estimate(run.config, world),
-                  assumptions=P.ASSUMPTIONS + setup,
+                  # the table's, what answered for the host at the recipe's build, what Bridge's setup refused
+                  assumptions=ASSUMPTIONS + build_notes(cfg) + setup,
                   ranges=uncertainty(shape, lay, st, steps[-1].breakdown), memory_lines=P.memory_lines(shape, lay, st),
                   not_modelled=not_modelled(run.config), applicable=applying(inputs))
 
