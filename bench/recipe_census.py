@@ -132,12 +132,13 @@ def recipe_world_size(names: list[str], model: Any) -> tuple[int, str]:
     return smallest, f"the layout (TP*PP*CP={dense}, EP*ETP*PP={expert}; no Ngpu in the name)"
 
 
-def recipe_gpu_arch(names: list[str]) -> int:
-    """The compute capability a recipe is planned at. The lead wires the platform -> GPU-arch function of
-    bridge/recipes.py here once it is merged (gb200/b200/... recipes); until then every recipe is planned at the
-    CLI's default (H100)."""
+def recipe_gpu_arch(fn: Any) -> int:
+    """The compute capability a recipe is planned at: the GPU of the platform its name or defining module names
+    (bridge/recipes.py named_platform, the lookup `mbmem plan --recipe` makes), else the CLI's default (H100)."""
+    from mbmem_overlays.bridge.recipes import named_platform
     from mbmem_overlays.cli.common import DEFAULT_GPU_ARCH
-    return DEFAULT_GPU_ARCH
+    found = named_platform(fn.__name__, fn.__module__ or "")
+    return found[1] if found and found[1] is not None else DEFAULT_GPU_ARCH
 
 
 # ----------------------------------------------------------------------------- why a recipe does not build
@@ -279,16 +280,21 @@ def census_one(fn: Any, names: list[str]) -> Row:
     row.unclassified = [f"{path}={value}" for path, value in unclassified_fields(cfg)]
     try:
         row.world, row.world_from = recipe_world_size(all_names, cfg.model)
-        arch = recipe_gpu_arch(all_names)
+        arch = recipe_gpu_arch(fn)
         try:
             plan = build_plan(cfg, [], world=row.world, recipe=fn.__name__, arch=arch)
             lay, peak = plan.layout, plan.total
+            blind = list(plan.not_modelled)   # read as Bridge's setup runs the recipe, as the plan reads it
         except OverlayError as exc:
             # our rules (or the engine) refuse the recipe as shipped at this world size: named, and the peak of the
             # config as it stands is still planned, as memory/steps.py breakdown_of does
             row.rejected = _problem_text(exc)
-            shape, lay, st = P.from_config(cfg, row.world, arch=arch)
+            from mbmem_overlays.bridge.as_run import as_run
+            run = as_run(cfg, row.world)
+            shape, lay, st = P.from_config(run.config, row.world, arch=arch)
             peak = P.estimate(shape, lay, st).total
+            blind = not_modelled(run.config)
+        row.not_modelled = [*([outside] if outside else []), *blind]
         row.layout, row.peak_bytes, row.planned = layout_text(lay), int(peak), True
     except BaseException as exc:  # noqa: BLE001
         row.failure, row.error = "plan: " + classify_plan_failure(exc, cfg), _first_line(exc)

@@ -546,10 +546,6 @@ FIELD_CLASSES: dict[str, FieldClass] = {
         "bounded", "the router z-loss keeps one logsumexp and its square per token and MoE layer for backward "
                    "(megatron/core/transformer/moe/moe_utils.py:162-163 z_loss_func): 8 bytes per token, beside the "
                    "router logits the plan counts"),
-    "model.fp8_recipe": FieldClass(
-        "conditional", "with FP8 on, the scaling recipe decides the scale state each FP8 tensor keeps (delayed: an "
-                       "amax history; mxfp8: one scale per 32 values; blockwise: per block), which the plan does not "
-                       "size per recipe (transformer_config.py:573)", when=lambda m, v: _fp8(m)),
     "model.return_dict": _neutral("how the forward returns its outputs"),
     "model.add_encoder": _neutral("whether this pipeline stage builds the encoder part (the vision path's stage)"),
     "model.add_decoder": _neutral("whether this pipeline stage builds the decoder part"),
