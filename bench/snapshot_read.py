@@ -204,13 +204,9 @@ def what_if_replay(sizes=(25_000, 50_000, 100_000)) -> None:
     small and large pools, a ring that starts mid-run), dumped with rings of several lengths; per length, the
     proof on the file (allocations at the recorded address) and one what-if scenario, timed in this process.
     Linear in the trace: the seconds per 100k entries stay flat as the ring grows."""
-    import time
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import snapshot_gen as G
-    from mbmem_overlays.doctor.snapshot import allocator as A
-    from mbmem_overlays.doctor.snapshot import whatif as W
     from mbmem_overlays.doctor.snapshot.model import normalize
-    from mbmem_overlays.doctor.snapshot.replay import Replayer, Rounding
     a = G.Allocator(0, 80 * GiB)
     G.model_state(a, params=2 * GiB)
     step = 0
@@ -234,19 +230,31 @@ def what_if_replay(sizes=(25_000, 50_000, 100_000)) -> None:
     for n in sizes:
         a.max_entries = n
         snap = normalize(G.dump([a]))
-        trace, segments = snap.traces[0], snap.segments[0]
-        base, _ = W.settings_of_file(snap.allocator_settings, segments, trace)
-        t0 = time.perf_counter()
-        start = A.start_state(Replayer(segments, trace, Rounding.from_settings(snap.allocator_settings, False))
-                              .state_at(0), segments, trace)
-        t1 = time.perf_counter()
-        proof = A.prove(trace, start, base)
-        t2 = time.perf_counter()
-        W.replay(trace, start, W.parse_what_if("expandable_segments:True", base), 80 * GiB, None, "es")
-        t3 = time.perf_counter()
+        trace, proof, (t0, t1, t2, t3) = timed_what_if(snap, "expandable_segments:True")
         print(f"{len(trace):>8,} {proof.allocations:>7,} {proof.agreement:>12.2%} {t1 - t0:>13.2f} {t2 - t1:>8.2f} "
               f"{t3 - t2:>9.2f} {(t3 - t0) * 100_000 / len(trace):>10.2f}")
     print("target: a 100k-entry trace replays in under 10 s, linear in the trace (issue 34)")
+
+
+def timed_what_if(snap, scenario: str) -> tuple:
+    """(the trace, the proof, the clock at start, after the start state, after the proof, after the what-if) of one
+    snapshot's first device: its start state, its replay proven against the recorded trace, one what-if
+    ``scenario`` replayed at 80 GiB."""
+    import time
+    from mbmem_overlays.doctor.snapshot import allocator as A
+    from mbmem_overlays.doctor.snapshot import whatif as W
+    from mbmem_overlays.doctor.snapshot.replay import Replayer, Rounding
+    trace, segments = snap.traces[0], snap.segments[0]
+    base, _ = W.settings_of_file(snap.allocator_settings, segments, trace)
+    t0 = time.perf_counter()
+    start = A.start_state(Replayer(segments, trace, Rounding.from_settings(snap.allocator_settings, False))
+                          .state_at(0), segments, trace)
+    t1 = time.perf_counter()
+    proof = A.prove(trace, start, base)
+    t2 = time.perf_counter()
+    W.replay(trace, start, W.parse_what_if(scenario, base), 80 * GiB, None, scenario)
+    t3 = time.perf_counter()
+    return trace, proof, (t0, t1, t2, t3)
 
 
 def what_if_hostile(n: int) -> None:
@@ -254,13 +262,9 @@ def what_if_hostile(n: int) -> None:
     expandable segments with one trace entry (the start state matched each mapped range against every segment),
     and ``n`` segment_map + alloc pairs (each map searched every unmapped block). The start state, the proof and
     one what-if scenario, timed in this process; linear time takes ~4x for the whole, the scans took ~16x."""
-    import time
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import snapshot_gen as G
-    from mbmem_overlays.doctor.snapshot import allocator as A
-    from mbmem_overlays.doctor.snapshot import whatif as W
     from mbmem_overlays.doctor.snapshot.model import normalize
-    from mbmem_overlays.doctor.snapshot.replay import Replayer, Rounding
 
     def one_entry(k: int) -> dict:
         snap = G.expandable_snapshot(k)
@@ -273,17 +277,7 @@ def what_if_hostile(n: int) -> None:
                         ("segment_map + alloc pairs", G.expandable_snapshot)):
         quarter = None
         for k in (n // 4, n):
-            snap = normalize(make(k))
-            trace, segments = snap.traces[0], snap.segments[0]
-            base, _ = W.settings_of_file(snap.allocator_settings, segments, trace)
-            t0 = time.perf_counter()
-            start = A.start_state(Replayer(segments, trace, Rounding.from_settings(snap.allocator_settings, False))
-                                  .state_at(0), segments, trace)
-            t1 = time.perf_counter()
-            A.prove(trace, start, base)
-            t2 = time.perf_counter()
-            W.replay(trace, start, W.parse_what_if("expandable_segments:False", base), 80 * GiB, None, "no es")
-            t3 = time.perf_counter()
+            _, _, (t0, t1, t2, t3) = timed_what_if(normalize(make(k)), "expandable_segments:False")
             quarter = quarter or (t3 - t0)
             print(f"{f'{k:,} {label}':>36} {t1 - t0:>13.2f} {t2 - t1:>8.2f} {t3 - t2:>9.2f} {t3 - t0:>8.2f} "
                   f"{(t3 - t0) / quarter:>13.1f}")

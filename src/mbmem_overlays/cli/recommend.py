@@ -45,32 +45,39 @@ def run(args) -> int:
 def recommend_and_print(args, cfg, start, checked) -> int:
     from ..bridge.stack import progress
     from ..memory.ladder import recommend, render_recommendation
-    from ..memory.steps import draw_bars
     world, capacity, margin = checked["world"], checked["capacity"], checked["margin"]
     gpu = gpu_arch_for(args.recipe, checked.get("arch"))
     with progress("walking the memory ladder, each step validated with Bridge"):
         rec = recommend(cfg, world, capacity, margin, start=start, catalog=checked["catalog"],
                         arch=gpu["compute_capability"])
+    return print_recommendation(args, rec, world=world, render=render_recommendation,
+                                title=f"{args.recipe}, world size {world}: the memory ladder, step by step",
+                                extra={"gpu_arch": arch_json(gpu)}, lines=[n for n in [arch_note(gpu)] if n])
+
+
+def print_recommendation(args, rec: dict, *, world: int, render, title: str, extra: dict | None = None,
+                         lines: list[str] | tuple[str, ...] = ()) -> int:
+    """The ladder's answer as asked: the plot of its steps (``title``), then its JSON (with ``extra``) or its text
+    (``render``, then ``lines``); the exit code is the verdict's: 0 a step fits, 1 nothing on the ladder fits, 4 the
+    fit is unknown (a feature that changes memory is not modelled; memory/plan.py Verdict.exit_code,
+    docs/exit-codes.md)."""
+    from ..memory.steps import draw_bars
     taken = [r for r in rec["steps"] if "breakdown" in r]
     if args.plot and taken:
-        write_plot(args, lambda: draw_bars(
-            [(r["step"], r["breakdown"]) for r in taken],
-            title=f"{args.recipe}, world size {world}: the memory ladder, step by step",
-            capacity=capacity, margin=margin))
+        write_plot(args, lambda: draw_bars([(r["step"], r["breakdown"]) for r in taken], title=title,
+                                           capacity=rec["capacity_bytes"], margin=rec["margin"]))
     if args.json:
         steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
-        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": world, "gpu_arch": arch_json(gpu),
+        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": world, **(extra or {}),
                     "plot": args.plot if taken else None})
     elif rec.get("error"):
         print(shown(f"mbmem recommend: {rec['error']}", one_line=False), file=sys.stderr)
     else:
-        print(render_recommendation(rec, verbose=args.verbose))
-        if arch_note(gpu):
-            print(arch_note(gpu))
+        print(shown(render(rec, verbose=args.verbose), one_line=False))
+        for line in lines:
+            print(line)
         if args.plot and taken:
             print(f"plot: {args.plot}")
-    # 0 a step fits, 1 nothing on the ladder fits, 4 the fit is unknown (a feature that changes memory is not
-    # modelled): the verdict's own code (memory/plan.py Verdict.exit_code; docs/exit-codes.md)
     return rec.get("exit_code", 0 if rec["fits"] else EXIT_REJECTED)
 
 
@@ -79,7 +86,6 @@ def run_megatron(args) -> int:
     and validated by megatron-core (memory/megatron.py), the answer in the job's flags."""
     from ..bridge.stack import progress
     from ..memory.megatron import MegatronTarget, recommend_job, render_recommendation
-    from ..memory.steps import draw_bars
     from .plan import load_megatron_job, megatron_checks, megatron_job_lines
     try:
         checked = megatron_checks(args, capacity_required="to know when the ladder may stop")
@@ -93,25 +99,11 @@ def run_megatron(args) -> int:
     try:
         with progress("walking the memory ladder, each step's Megatron-LM flags validated by megatron-core"):
             rec = recommend_job(target, capacity, margin, catalog=checked["catalog"], overlays=checked["overlays"])
-        taken = [r for r in rec["steps"] if "breakdown" in r]
-        if args.plot and taken:
-            write_plot(args, lambda: draw_bars(
-                [(r["step"], r["breakdown"]) for r in taken],
-                title=f"Megatron-LM {job.form}, world size {job.world_size}: the memory ladder, step by step",
-                capacity=capacity, margin=margin))
+        return print_recommendation(args, rec, world=job.world_size, render=render_recommendation,
+                                    title=f"Megatron-LM {job.form}, world size {job.world_size}: the memory ladder, "
+                                          "step by step",
+                                    extra={"megatron_args": job.as_dict()}, lines=megatron_job_lines(job))
     except UsageError as exc:
         return fail(args, exc, EXIT_USAGE)
     except OverlayError as exc:
         return fail(args, exc, EXIT_REJECTED)
-    if args.json:
-        steps = [{**r, "breakdown": breakdown_dict(r["breakdown"])} if "breakdown" in r else r for r in rec["steps"]]
-        emit(args, {**rec, "ok": rec["fits"] is True, "steps": steps, "world_size": job.world_size,
-                    "megatron_args": job.as_dict(), "plot": args.plot if taken else None})
-    elif rec.get("error"):
-        print(shown(f"mbmem recommend: {rec['error']}", one_line=False), file=sys.stderr)
-    else:
-        print(shown(render_recommendation(rec, verbose=args.verbose), one_line=False))
-        print("\n".join(megatron_job_lines(job)))
-        if args.plot and taken:
-            print(f"plot: {args.plot}")
-    return rec.get("exit_code", 0 if rec["fits"] else EXIT_REJECTED)
