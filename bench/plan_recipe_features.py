@@ -1,7 +1,7 @@
 """The shipped Bridge recipes that use the features the census named last (TE's op fuser on the experts, the paged
 stash, kept stage outputs, a2a / all-gather context parallelism, Gemma 2's softcapping), each planned with its
 feature's terms and with them switched off, side by side in one run, for docs/memory-model.md ("Recipe features
-modelled for issue 38").
+modelled from the census (issue 38)").
 
 Usage: .venv/bin/python bench/plan_recipe_features.py [RECIPE[:WORLD[:ARCH]] ...]
 
