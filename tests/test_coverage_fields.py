@@ -65,6 +65,22 @@ def test_a_conditional_entry_names_its_field_only_where_it_changes_memory():
     assert named(cfg(True, 1, fp8="hybrid", mtp_bf16=True)) == ["model.keep_mtp_spec_in_bf16"]
 
 
+def test_an_encoder_built_from_the_hf_config_is_named_as_adding_memory():
+    """Qwen2-Audio's provider builds its audio tower from hf_config.audio_config (qwen_audio/modeling_qwen2_audio.py
+    :137), Ministral 3 its vision tower from hf_config.vision_config; neither carries model.vision_config, so the
+    plan names the encoder (moves up) and, frozen, the language model's state it still counts (moves down)."""
+    def cfg(**hf):
+        return SimpleNamespace(model=SimpleNamespace(hf_config=SimpleNamespace(**hf), freeze_language_model=True,
+                                                     vision_config=None))
+    gaps = {g.name: g for g in C.gaps(C.not_modelled(cfg(audio_config={"d_model": 1280})))}
+    assert gaps["model.hf_config"].moves == C.UP and gaps["model.freeze_language_model"].moves == C.DOWN
+    assert "model.hf_config" in {g.name for g in C.gaps(C.not_modelled(cfg(vision_config={})))}
+    assert not C.not_modelled(SimpleNamespace(model=SimpleNamespace(hf_config=SimpleNamespace(text_config={}))))
+    planned = cfg(vision_config={})
+    planned.model.vision_config = SimpleNamespace()   # a VL provider: its encoder and freeze flags are planned
+    assert not {"model.hf_config", "model.freeze_language_model"} & {g.name for g in C.gaps(C.not_modelled(planned))}
+
+
 def test_the_classification_table_is_consistent():
     listed = {u.path for u in C.NOT_MODELLED}
     assert not set(C.FIELD_CLASSES) & (C.MODEL_READS | listed), "a field is classified twice"

@@ -123,6 +123,9 @@ class Unmodelled:
     when: Callable[[Any], bool] | None = None
 
 
+ENCODER_CONFIGS = ("vision_config", "audio_config")   # Hugging Face sub-configs an encoder is built from
+
+
 def _vision_unmodelled(cfg: Any) -> bool:
     from .vision import family_of
     return family_of(getattr(cfg, "model", None)) is None
@@ -230,6 +233,19 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                "all-gather, activations.kernel_output_apart)",
                lambda v: isinstance(v, (list, tuple)) and len({str(x) for x in v}) > 1, moves=UP,
                when=lambda cfg: _int(_read(cfg, "model.context_parallel_size")) > 1),
+    # A provider that keeps its Hugging Face config and builds an encoder from it (Ministral 3's vision,
+    # ministral3/modeling_ministral3.py; Qwen2-Audio's Whisper-style audio tower, qwen_audio/modeling_qwen2_audio.py:137
+    # Qwen2AudioEncoder(config.hf_config.audio_config)) carries no model.vision_config: the encoder is not planned
+    Unmodelled("model.hf_config", "an encoder the provider builds from its Hugging Face config (a vision_config or "
+               "an audio_config): its weights, gradients, optimizer state and activations beside the language model "
+               "are not planned", lambda v: any(getattr(v, k, None) is not None for k in ENCODER_CONFIGS), moves=UP,
+               when=lambda cfg: getattr(getattr(cfg, "model", None), "vision_config", None) is None),
+    # freeze_language_model is read only beside a planned vision encoder (from_config frozen_lm); elsewhere (an audio
+    # model's) the plan counts the language model's gradients and optimizer state, which a frozen one does not keep
+    Unmodelled("model.freeze_language_model", "a frozen language model beside an encoder the plan does not model "
+               "keeps no gradients or optimizer state for its weights (the plan counts both)", moves=DOWN,
+               bound=lambda b: b.gradients + b.optimizer,
+               when=lambda cfg: getattr(getattr(cfg, "model", None), "vision_config", None) is None),
     Unmodelled("model.crossattn_emb_size", "cross-attention to conditioning embeddings (a diffusion transformer): "
                "the plan has no cross-attention block"),
     Unmodelled("model.csa_compress_ratios", "compressed sparse attention (DeepSeek-V4): per-layer KV compression and "
@@ -697,10 +713,6 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.fp8_output_proj": FieldClass(
         "conditional", "with MXFP8 the output projection runs in FP8 (transformer_config.py:614-617): its input is kept "
         "in FP8 and its weight gets an FP8 copy", when=lambda m, v: bool(v) and _fp8(m)),
-    "model.hf_config": FieldClass(
-        "conditional", "the Hugging Face config the provider keeps builds a vision encoder when it has a vision_config "
-        "(Ministral 3: its weights, gradients, optimizer state and activations are not planned)",
-        when=lambda m, v: getattr(v, "vision_config", None) is not None),
     "model.parallel_output": FieldClass(
         "conditional", "off, the output logits are gathered over the tensor-parallel group: every rank holds the whole "
         "vocabulary's logits, not its 1/TP shard", when=lambda m, v: v is False and _int(getattr(
