@@ -166,6 +166,23 @@ def test_a_check_this_host_cannot_run_is_set_aside_and_the_setting_kept(bridge):
 
 
 @pytest.mark.bridge
+def test_gpu_only_checks_of_finalize_and_the_comm_overlap_setup_are_passed_as_on_the_gpu_nodes(bridge):
+    """GLM-5.2's fused DSA kernel backend asks for a CUDA device in finalize() (megatron-core utils.py:529-533), and
+    Qwen3.5-VL 35B's delayed wgrad inside CUDA graphs asserts gradient-accumulation fusion, off by this host's default
+    (comm_overlap.py:545-553): neither is a refusal of the job's; each setup runs with the one setting aside, the
+    recipe's setting is kept, and what the setup writes (the EP overlap, the delayed wgrad) is planned."""
+    from mbmem_overlays.bridge.as_run import as_run
+    glm = as_run(bridge.build_recipe("glm52_sft_192gpu_gb200_bf16_config"), 192)
+    assert glm.refused == () and glm.config.model.dsa_kernel_backend == "cudnn"
+    assert any("model.dsa_kernel_backend='none'" in n for n in glm.host)
+    vl = as_run(bridge.build_recipe(
+        "megatron.bridge.perf_recipes.qwen_vl.h100.qwen35_vl.qwen35_vl_35b_a3b_pretrain_16gpu_h100_bf16_config"), 16)
+    assert vl.refused == () and any("communication-overlap setup ran with model.gradient_accumulation_fusion=True"
+                                    in n for n in vl.host)
+    assert vl.config.model.delay_wgrad_compute and vl.config.model.overlap_moe_expert_parallel_comm
+
+
+@pytest.mark.bridge
 def test_a_setup_bridge_refuses_is_left_out_and_the_plan_says_so(bridge):
     """comm_overlap with expert-parallel overlap on a dense model at EP 1: comm_overlap.py asserts before it writes,
     so the copy is planned without it; a preset name Bridge does not know: the plan's assumptions name it."""

@@ -48,7 +48,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..core.paths import MISSING, read, write
 
@@ -173,18 +173,25 @@ def _data_parallel(work: Any, world: int, notes: _Notes) -> bool:
 
 
 def _comm_overlap(work: Any, notes: _Notes) -> None:
-    """config.py:1882-1885: CommOverlapConfig.finalize() and setup(model, optimizer, ddp). Its checks all run
-    before it writes anything (comm_overlap.py _get_model_comm_overlap_cfgs), so a refusal leaves the copy as it
-    was."""
-    overlap = getattr(work, "comm_overlap", None)
-    if overlap is None:
+    """config.py:1882-1885: CommOverlapConfig.finalize() and setup(model, optimizer, ddp), on scratch copies adopted
+    when they pass. Its checks all run before it writes anything (comm_overlap.py _get_model_comm_overlap_cfgs), so a
+    refusal leaves the copy as it was; a check that needs what this host lacks (``host_checks``: e.g. CUDA graphs
+    with delayed wgrad need gradient-accumulation fusion, whose default Bridge takes from the host) is passed with
+    its one model setting changed, put back afterwards (``_on_gpu_nodes``)."""
+    if getattr(work, "comm_overlap", None) is None:
         return
-    try:
+
+    def setup(model: Any) -> Callable[[], None]:
+        overlap, optimizer, ddp = copy.deepcopy((work.comm_overlap, work.optimizer, work.ddp))
         overlap.finalize()
-        overlap.setup(work.model, work.optimizer, work.ddp)
-    except Exception as exc:  # noqa: BLE001 — e.g. overlap_moe_expert_parallel_comm at EP 1
-        notes.add(f"Bridge's communication-overlap setup refuses this config ({_one_line(exc)}): the plan reads "
-                  "the config without it", exc)
+        overlap.setup(model, optimizer, ddp)
+
+        def adopt() -> None:
+            work.comm_overlap, work.optimizer, work.ddp = overlap, optimizer, ddp
+        return adopt
+
+    _on_gpu_nodes(work, setup, notes, "Bridge's communication-overlap setup",
+                  "the plan reads the config without it")
 
 
 def _finalize_in_place(work: Any, section: str, notes: _Notes) -> None:
@@ -226,37 +233,47 @@ def _cuda_graph_guard(work: Any, notes: _Notes) -> None:
 def _finalize_model(work: Any, notes: _Notes) -> None:
     """validate()'s ``self.model.finalize()`` (config.py:1262; models/transformer_config.py finalize: the
     pipeline dtype, sequence parallel off at TP 1, the expert TP default, then megatron-core's
-    TransformerConfig.__post_init__) on a scratch copy, adopted when it passes. A check that needs what this host
-    lacks (``host_checks``) is passed with its one model setting changed in the scratch copy, and the setting is put
-    back afterwards, as the GPU nodes keep it; any other refusal leaves the model as the recipe set it."""
+    TransformerConfig.__post_init__) on a scratch copy, adopted when it passes (``_on_gpu_nodes``); any other refusal
+    leaves the model as the recipe set it."""
     model = getattr(work, "model", None)
     if model is None or not hasattr(model, "finalize"):
         return
+    _on_gpu_nodes(work, lambda trial: trial.finalize(), notes, "model.finalize()",
+                  "the plan reads the model fields as the recipe set them")
+
+
+def _on_gpu_nodes(work: Any, step: Callable[[Any], Any], notes: _Notes, what: str, otherwise: str) -> None:
+    """Run one setup ``step`` on a scratch copy of ``work.model`` and adopt the copy (and what ``step`` returns, when
+    it is callable) when it passes. A check that needs what this host lacks (``host_checks``) is passed with its one
+    model setting changed in the scratch copy, and the setting is put back afterwards, as the GPU nodes keep it; any
+    other refusal is noted and changes nothing."""
+    model = work.model
     checks = _model_te_checks()
-    aside: dict[str, Any] = {}   # model field -> the value it is finalized with (the recipe's is put back)
+    aside: dict[str, Any] = {}   # model field -> the value it is set up with (the recipe's is put back)
     for _ in range(len(checks) + 1):
         trial = copy.deepcopy(model)
         for name, value in aside.items():
             setattr(trial, name, value)
         try:
-            trial.finalize()
+            adopt = step(trial)
         except Exception as exc:  # noqa: BLE001
             safe = next((s for marker, s in checks if marker in str(exc)
                          and any(n not in aside and hasattr(model, n) for n in s)), None)
             if safe is None:
-                notes.add(f"model.finalize() refuses this config ({_one_line(exc)}){_te_only(exc)}: the plan reads "
-                          "the model fields as the recipe set them", exc)
+                notes.add(f"{what} refuses this config ({_one_line(exc)}){_te_only(exc)}: {otherwise}", exc)
                 return
             aside.update({n: v for n, v in safe.items() if hasattr(model, n)})
             continue
         for name in aside:
             setattr(trial, name, getattr(model, name))
         if aside:
-            notes.add("model.finalize() ran with " + ", ".join(f"model.{n}={v!r}" for n, v in aside.items())
+            notes.add(f"{what} ran with " + ", ".join(f"model.{n}={v!r}" for n, v in aside.items())
                       + " (its check needs what this host does not have); the recipe's "
                       + ", ".join(f"model.{n}={getattr(model, n)!r}" for n in aside) + " is kept, as on the GPU "
                       "nodes", host=True)
         work.model = trial
+        if callable(adopt):
+            adopt()
         return
 
 
@@ -277,6 +294,9 @@ def host_checks() -> tuple[tuple[str, dict[str, Any]], ...]:
         fusion_here = True
     if not fusion_here:
         out.append(("Cannot defer embedding wgrad compute when gradient accumulation fusion is not used",
+                    {"model.gradient_accumulation_fusion": True}))
+        # comm_overlap.py:545-553: delayed wgrad inside a CUDA-graph scope asserts the same host default
+        out.append(("CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion",
                     {"model.gradient_accumulation_fusion": True}))
     return tuple(out)
 

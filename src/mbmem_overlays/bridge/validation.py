@@ -40,6 +40,9 @@ TE_ONLY_CHECKS: tuple[tuple[str, dict[str, Any]], ...] = (
     # The flex MoE dispatcher is validated against the GPU's architecture (flex_dispatcher_backend.py:105),
     # the last step of validate(): on a host without a GPU everything else has been checked by then.
     ("Found no NVIDIA driver", {"model.moe_token_dispatcher_type": "alltoall", "model.moe_flex_dispatcher_backend": "deepep"}),
+    # megatron-core utils.py:529-533 (_validate_dsa_kernel_backend_dependencies, from TransformerConfig's finalize):
+    # a fused DSA kernel backend asks torch.cuda.is_available() first; its kernels' packages are the GPU nodes' own
+    ("requires a CUDA device, but none is available", {"model.dsa_kernel_backend": "none"}),
 )
 # What only a missing or old Transformer Engine says. Not the bare name: "requires use_transformer_engine_op_fuser",
 # "TransformerEngine only support gelu, ..." or "only supported with transformer_engine implementation" are
