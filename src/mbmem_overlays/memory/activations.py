@@ -3,7 +3,7 @@ Mamba, LoRA), and what selective recompute drops."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import variants
@@ -488,3 +488,80 @@ def paged_stash_layer_bytes(s: Shape, lay: Layout, st: Settings, kind: str, load
 def layer_activation(s: Shape, lay: Layout, st: Settings, kind: str = "attn+mlp") -> float:
     """Bytes one layer of ``kind`` keeps per microbatch in eager mode (after selective recompute)."""
     return sum(_selected_terms(s, lay, st, kind).values()) * _tokens(lay)
+
+
+# --- EP communication overlap (overlap_moe_expert_parallel_comm) and delayed weight gradients (delay_wgrad_compute)
+# The combined 1F1B schedule splits each layer into schedule nodes (models/gpt/fine_grained_callables.py
+# build_transformer_layer_callables :20-50): pre_dispatch_computation (attention, the pre-MLP norm, the shared
+# expert, the router and the dispatch preprocess, :64-140), moe_dispatch, mlp (the dense MLP, or the routed experts
+# between dispatch and combine, :173-200) and moe_combine. The terms below are those the mlp / dispatch / combine
+# nodes keep; every other term of a layer is its pre-dispatch part. A dense layer's mlp node runs its pre-MLP norm,
+# MLP and bias-dropout-add (its node input is kept, models/common/utils.py should_free_input :64-67).
+MLP_NODE_TERMS = frozenset({
+    "mlp_layernorm_input", "mlp_layernorm_output", "mlp_fc1_output", "mlp_silu_output", "mlp_glu_linear_input",
+    "mlp_glu_clamped_input", "mlp_act_output", "mlp_dropout_mask", "lora_a_gathered_input_linear_fc1",
+    "moe_permuted_input", "moe_fc1_output", "moe_silu_output", "moe_glu_linear_input", "moe_glu_clamped_input",
+    "moe_probs_mul_input", "moe_act_output", "moe_unpermute_input", "moe_latent_fc2_input", "moe_dispatch_handle",
+    "moe_dropout_mask", "moe_op_weight_copies",
+})
+# The GEMM inputs TE keeps for a weight gradient (linear.py / layernorm_linear.py / grouped_linear.py save them only
+# when the weight needs a gradient): with delay_wgrad_compute they stay past the node's backward, with the output
+# gradient beside them, until its backward_dw (TE v2.17.1 module/linear.py:1202-1213 wgrad_store.put([inputmat_total,
+# grad_output]), layernorm_linear.py:1033, grouped_linear.py:1118-1119 put([inputmats, grad_output, wgrad_list]);
+# the undelayed path runs the wgrad GEMM and frees the inputs there, grouped_linear.py:1121-1128)
+MLP_WGRAD_INPUTS = ("mlp_layernorm_output", "mlp_act_output", "moe_permuted_input", "moe_act_output")
+PRE_DISPATCH_WGRAD_INPUTS = ("attention_layernorm_output", "attention_output", "attention_output_fp8",
+                             "mla_up_proj_inputs", "moe_layernorm_output", "shared_expert")
+
+
+@dataclass(frozen=True)
+class OverlapLayer:
+    """What one layer keeps per microbatch, split at the combined 1F1B schedule's nodes (bytes): ``pre`` its
+    pre-dispatch part, ``mlp`` what its mlp / dispatch / combine nodes keep, ``dispatched`` the tokens the dispatch
+    hands the experts (alive while the experts run, kept or not), and, with delay_wgrad_compute, what each node's
+    backward leaves for its backward_dw: ``mlp_wgrad`` (the mlp node's GEMM inputs and their output gradients) and
+    ``pre_wgrad`` (the pre-dispatch node's)."""
+    pre: float
+    mlp: float
+    dispatched: float = 0.0
+    mlp_wgrad: float = 0.0
+    pre_wgrad: float = 0.0
+
+
+def overlap_layer(s: Shape, lay: Layout, st: Settings, kind: str) -> OverlapLayer:
+    """One layer of ``kind`` split at the combined schedule's nodes (after selective recompute), bytes per
+    microbatch. The output gradients the delayed wgrad keeps are TE's grad_output of each GEMM: in bf16, or under
+    FP8 its columnwise quantized copy (linear.py:1110 grad_output_quantizer.set_usage(rowwise=False,
+    columnwise=True); grouped_linear.py:958-968 split_quantize), one byte; a column-parallel GEMM's is its local
+    output shard over the whole sequence, a row-parallel one's the gathered hidden state (TE all-gathers grad_output
+    under SP before both GEMMs)."""
+    terms = _selected_terms(s, lay, st, kind)
+    tokens = _tokens(lay)
+    mlp = sum(v for k, v in terms.items() if k in MLP_NODE_TERMS)
+    pre = sum(v for k, v in terms.items() if k not in MLP_NODE_TERMS)
+    blocks = blocks_of(kind)
+    fp8 = st.fp8 and not runs_bf16(kind)
+    g = FP8 if fp8 else st.dtype_bytes          # per element of a kept output gradient
+    t = lay.tp
+    width = latent_width(s)
+    routed = s.topk / (t if lay.sp else 1) * st.moe_load
+    dispatched = routed * lay.etp * st.dtype_bytes * width if "moe" in blocks else 0.0
+    mlp_grads = pre_grads = 0.0
+    if st.delay_wgrad and not (st.lora_rank or st.frozen_lm):
+        if "mlp" in blocks:     # linear_fc1 (column-parallel) and linear_fc2 (row-parallel)
+            mlp_grads += (2 if s.gated else 1) * s.ffn / t + s.hidden
+        if "moe" in blocks:     # the experts' grouped FC1 and FC2 (TEGroupedMLP), per routed token
+            mlp_grads += routed * ((2 if s.gated else 1) * s.moe_ffn + lay.etp * width)
+        if "attn" in blocks and not s.mla:   # linear_qkv (column-parallel) and linear_proj (row-parallel)
+            pre_grads += (s.heads + 2 * s.groups) * s.head_dim / t + s.hidden
+        if "mla" in blocks or ("attn" in blocks and s.mla):
+            # MLA's down projections (duplicated over TP), up projections (column-parallel) and linear_proj
+            pre_grads += (s.q_lora_rank or 0) + s.kv_lora_rank + s.qk_pos_dim + s.heads * (
+                2 * s.qk_head_dim + s.qk_pos_dim + s.v_head_dim) / t + s.hidden
+        if "moe" in blocks and s.shared_ffn:   # the shared expert runs in the pre-dispatch node (:129)
+            pre_grads += (2 if s.gated else 1) * s.shared_ffn / t + s.hidden
+    mlp_wgrad = sum(terms.get(k, 0.0) for k in MLP_WGRAD_INPUTS) + g * mlp_grads
+    pre_wgrad = sum(terms.get(k, 0.0) for k in PRE_DISPATCH_WGRAD_INPUTS) + g * pre_grads
+    if not st.delay_wgrad:
+        mlp_wgrad = pre_wgrad = 0.0
+    return OverlapLayer(pre * tokens, mlp * tokens, dispatched * tokens, mlp_wgrad * tokens, pre_wgrad * tokens)

@@ -96,6 +96,8 @@ MODEL_READS = frozenset({
     "model.vision_config", "model.freeze_language_model", "model.freeze_vision_model",
     "model.freeze_vision_projection", "model.vision_dp_when_cp", "model.mm_tokens_per_image",
     "model.apply_rotary_pos_emb_in_fp32", "dataset.num_images", "dataset.image_size", "dataset.source",
+    # the combined 1F1B schedule and TE's delayed weight gradients (from_config; stage_activations.ep_overlap_working)
+    "model.overlap_moe_expert_parallel_comm", "model.delay_wgrad_compute",
 })
 
 
@@ -131,17 +133,31 @@ def _vision_unmodelled(cfg: Any) -> bool:
     return family_of(getattr(cfg, "model", None)) is None
 
 
+def _ep_overlap_refused(cfg: Any) -> bool:
+    """Whether megatron-core's TransformerConfig refuses overlap_moe_expert_parallel_comm for this model."""
+    pp = _int(_read(cfg, "model.pipeline_model_parallel_size")) or 1
+    return ((pp > 1 and not _read(cfg, "model.virtual_pipeline_model_parallel_size"))
+            or (_int(_read(cfg, "model.expert_model_parallel_size")) or 1) <= 1
+            or str(_read(cfg, "model.moe_token_dispatcher_type")) not in ("alltoall", "flex")
+            or _read(cfg, "model.recompute_granularity") == "full" or _read(cfg, "model.recompute_method") is not None)
+
+
 def _enum_name(value: Any) -> str:
     return str(getattr(value, "name", value))
 
 
 NOT_MODELLED: tuple[Unmodelled, ...] = (
-    # one more microbatch in flight: its forward runs beside another's backward (pipeline_parallel/combined_1f1b.py
-    # combined_1f1b_schedule_for_no_pipelining; schedules.py:939-943, num_warmup_microbatches + 1)
+    # overlap_moe_expert_parallel_comm and delay_wgrad_compute are modelled (stage_activations.ep_overlap_working,
+    # activations.overlap_layer); what is left is what megatron-core refuses (transformer_config.py:2669-2699,
+    # :2748-2752): the job cannot start
     Unmodelled("model.overlap_moe_expert_parallel_comm",
-               "overlapping expert-parallel communication runs two microbatches' layers interleaved", moves=UP),
-    Unmodelled("model.delay_wgrad_compute", "delayed weight gradients keep GEMM inputs and grad outputs longer",
-               moves=UP),
+               "overlapping expert-parallel communication where megatron-core refuses it (transformer_config.py:"
+               "2669-2699: pipeline parallelism without virtual stages, expert parallelism 1, a dispatcher other "
+               "than alltoall/flex, full recompute or a recompute method): the job cannot start as planned",
+               moves=UP, when=lambda cfg: _ep_overlap_refused(cfg)),
+    Unmodelled("model.delay_wgrad_compute", "delayed weight gradients keep GEMM inputs and grad outputs longer; "
+               "without overlap_moe_expert_parallel_comm megatron-core refuses it (transformer_config.py:2749-2752)",
+               moves=UP, when=lambda cfg: not _read(cfg, "model.overlap_moe_expert_parallel_comm")),
     Unmodelled("model.cpu_offloading_weights", "weight CPU offload moves layer weights off the GPU",
                moves=DOWN, bound=lambda b: b.parameters),   # at most every weight leaves
     Unmodelled("model.fp4", "FP4 weights and GEMM inputs"),

@@ -690,6 +690,11 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         fsdp=str(read(cfg, "ddp.data_parallel_sharding_strategy", "no_shard") or "no_shard") if fsdp_on else None,
         fsdp_outer_optim=str(read(cfg, "ddp.outer_dp_sharding_strategy", "no_shard")) == "optim",
         shared_expert_overlap=bool(getattr(m, "moe_shared_expert_overlap", False)),
+        # the combined 1F1B schedule (schedules.py:751, :1458) and TE's delayed wgrad, which megatron-core allows
+        # only with it (transformer_config.py:2749-2752; coverage.py names the refused combinations)
+        ep_overlap=bool(getattr(m, "overlap_moe_expert_parallel_comm", False)),
+        delay_wgrad=bool(getattr(m, "delay_wgrad_compute", False))
+        and bool(getattr(m, "overlap_moe_expert_parallel_comm", False)),
         optimizer_offload=float(opt.optimizer_offload_fraction or 0.0) if opt.optimizer_cpu_offload else 0.0,
         grad_bytes=FP32 if grad_fp32 else BF16,
         param_bytes=FP8 if fp8_params else BF16,

@@ -241,6 +241,11 @@ class Settings:
     softmax_fp32: bool = True
     # scatter_embedding_sequence_parallel=False under SP: the embedding output stays whole on every TP rank
     embedding_whole: bool = False
+    # overlap_moe_expert_parallel_comm: megatron-core's combined 1F1B schedule runs one microbatch's layer forward
+    # beside another's layer backward (pipeline_parallel/combined_1f1b.py; stage_activations.ep_overlap_working);
+    # delay_wgrad_compute with it: TE keeps each GEMM's input and output gradient until the node's backward_dw
+    ep_overlap: bool = False
+    delay_wgrad: bool = False
     # Model terms switched off (names in ADDED_TERMS), so a reviewer can see what each term adds
     # (bench/plan_accuracy.py); empty in every plan.
     without: frozenset[str] = frozenset()

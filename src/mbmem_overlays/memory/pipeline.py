@@ -200,3 +200,44 @@ def _candidate_ranks(s: Shape, lay: Layout) -> list[int]:
     seen = {_rank_layers(layer_kinds(s), lay.pp, lay.vpp, r, lay.chunk_layers) for r in ends}
     return ends + [r for r in range(1, lay.pp - 1) if _rank_layers(layer_kinds(s), lay.pp, lay.vpp, r, lay.chunk_layers)
                            not in seen]
+
+
+def combined_step_extra(forward: tuple, backward: tuple, delay: bool = False) -> float:
+    """The most bytes one combined 1F1B step (overlap_moe_expert_parallel_comm) holds beyond what it starts with:
+    the backward microbatch's chunk alive whole, the forward microbatch's chunk not yet run. ``forward`` and
+    ``backward`` are the two chunks' layers in order, each an activations.OverlapLayer; ``delay``:
+    delay_wgrad_compute.
+
+    TransformerModelChunkSchedulePlan.run (models/common/model_chunk_schedule_plan.py:548-582) pairs forward layer
+    i with backward layer n - 1 - i, then runs the backward's remaining layers, then the forward's. One pair
+    (TransformerLayerSchedulePlan.run :224-291): the backward's combine, the forward's pre-dispatch (attention ..
+    dispatch preprocess), the backward's mlp (its kept tensors freed, or with the delay only those not kept for the
+    weight gradient), the forward's dispatch, the backward's mlp backward_dw, its dispatch, the forward's mlp and
+    combine, the backward's pre-dispatch, then (except for the chunk's last backward layer, whose runs after the
+    p2p sends, :596-602, before the forward's loss) its pre-dispatch backward_dw. Each node's backward frees what
+    its forward saved (pipeline_parallel/utils.py ScheduleNode)."""
+    nf, nb = len(forward), len(backward)
+    cur = peak = 0.0
+    for i in range(min(nf, nb)):
+        f, b = forward[i], backward[nb - 1 - i]
+        cur += f.pre                                             # forward pre-dispatch
+        cur += -b.mlp + (b.mlp_wgrad if delay else 0.0)          # backward mlp: dgrad only with the delay
+        cur += f.dispatched                                      # forward dispatch: the experts' input arrives
+        peak = max(peak, cur)
+        cur -= b.mlp_wgrad if delay else 0.0                     # backward mlp backward_dw
+        cur += f.mlp - f.dispatched                              # forward mlp and combine
+        peak = max(peak, cur)
+        cur += -b.pre + (b.pre_wgrad if delay else 0.0)          # backward pre-dispatch
+        peak = max(peak, cur)
+        cur -= b.pre_wgrad if delay else 0.0                     # its backward_dw
+    for j in range(nb - min(nf, nb) - 1, -1, -1):                # the backward's remaining layers
+        b = backward[j]
+        cur += -b.mlp + (b.mlp_wgrad if delay else 0.0)
+        peak = max(peak, cur)
+        cur += -(b.mlp_wgrad if delay else 0.0) - b.pre + (b.pre_wgrad if delay else 0.0)
+        peak = max(peak, cur)
+        cur -= b.pre_wgrad if delay else 0.0
+    for i in range(min(nf, nb), nf):                             # the forward's remaining layers
+        cur += forward[i].pre + forward[i].mlp
+        peak = max(peak, cur)
+    return peak

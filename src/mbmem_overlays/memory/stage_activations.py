@@ -8,9 +8,14 @@ from dataclasses import dataclass, replace
 from .activations import layer_activation
 from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
 from .inputs import BF16, FP32, Layout, Settings, Shape
-from .pipeline import blocks_of, in_flight, rank_alive, rank_chunks, rank_layers
+from .pipeline import blocks_of, combined_step_extra, in_flight, rank_alive, rank_chunks, rank_layers
 from .vision import activations as vision_activations
 from .weights import mtp_blocks
+
+# the named transients of the combined 1F1B schedule (stage_activations detail)
+EP_OVERLAP_WORKING = "EP overlap: one layer's forward beside another microbatch's backward"
+EP_OVERLAP_EMBEDDING = "EP overlap: the next microbatch's embedding output beside the backward's (first stage)"
+
 
 @dataclass(frozen=True)
 class StageActivations:
@@ -115,6 +120,32 @@ def paged_stash_working(s: Shape, lay: Layout, st: Settings, rank: int) -> float
     return 2 * per_layer
 
 
+def ep_overlap_working(s: Shape, lay: Layout, st: Settings, rank: int) -> float:
+    """What the combined 1F1B schedule (overlap_moe_expert_parallel_comm) holds on rank ``rank`` beyond the
+    microbatches the plan counts alive, at its worst step (pipeline.combined_step_extra), over every pair of this
+    rank's model chunks that can run one step (the forward chunk and the backward chunk: get_model_chunk_id,
+    schedules.py:1217-1222; the same chunk without pipelining).
+
+    The counts stay the plan's: without pipelining the schedule runs microbatch 1's forward alone, then each
+    step k the forward of k + 1 beside the backward of k (pipeline_parallel/combined_1f1b.py
+    combined_1f1b_schedule_for_no_pipelining :51-133), so a step starts with one microbatch alive, as the plan's
+    1.0; with pipelining megatron-core needs the interleaved schedule (transformer_config.py:2674-2678) and runs one
+    more warm-up forward (schedules.py get_pp_rank_microbatches :939-943), so each combined step (:1458, and
+    combined_1f1b.py combined_1f1b_schedule_for_interleaved_pipelining) starts with the counts the plan takes right
+    after a forward step (pipeline.alive_chunk_microbatches). 0 without the overlap."""
+    if not st.ep_overlap:
+        return 0.0
+    from .activations import overlap_layer
+    chunks = rank_chunks(s, lay, rank)
+    memo: dict[str, object] = {}
+
+    def parts(chunk: tuple[str, ...]) -> tuple:
+        return tuple(memo.setdefault(kind, overlap_layer(s, lay, st, kind)) for kind in chunk)
+
+    layered = [parts(chunk) for chunk in chunks if chunk]
+    return max((combined_step_extra(f, b, st.delay_wgrad) for f in layered for b in layered), default=0.0)
+
+
 def layer_transients(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[tuple[str, float], ...]:
     """One layer's transients the steady state holds beside the in-flight activations (named, bytes)."""
     out = []
@@ -124,6 +155,8 @@ def layer_transients(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[tu
             out.append(("context-parallel all-gather: one layer's gathered K/V and their gradients", gathered))
     if (reload := paged_stash_working(s, lay, st, rank)):
         out.append(("MoE paged stash: two layers' reloaded expert tensors", reload))
+    if (overlap := ep_overlap_working(s, lay, st, rank)):
+        out.append((EP_OVERLAP_WORKING + (" with delayed weight gradients" if st.delay_wgrad else ""), overlap))
     return tuple(out)
 
 
@@ -265,6 +298,12 @@ def stage_activations(s: Shape, lay: Layout, st: Settings, rank: int) -> StageAc
             # their tensors until that microbatch's backward reaches them, after the language model's
             detail.append(("vision encoder and projector (first stage)", vision * alive[0]))
             acts += vision * alive[0]
+    if rank == 0 and st.ep_overlap:
+        # each combined step starts with the forward's embedding (its pre_process, model_chunk_schedule_plan.py
+        # :530) and ends with the backward's embedding backward (:604-609), after the forward's loss: one more
+        # microbatch's embedding output through the step, beside the loss too
+        detail.append((EP_OVERLAP_EMBEDDING, embedding_out))
+        acts += embedding_out
     if any(outputs):
         kept = sum(n * o for n, o in zip(alive, outputs))
         detail.append(("stage outputs kept after the send (deallocate_pipeline_outputs off)", kept))
