@@ -181,8 +181,9 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                lambda v: v not in ("gated_delta_net", "dsa")),
     Unmodelled("model.attention_backend", "a non-fused attention backend other than unfused/local (fused is planned)",
                lambda v: _enum_name(v) not in ("auto", "flash", "fused", "unfused", "local", "None")),
-    Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon: its state is planned as Adam's",
-               lambda v: str(v) not in ("adam", "muon")),
+    # dist_muon is Muon under the layer-wise distributed optimizer (from_config.optimizer_name): modelled
+    Unmodelled("optimizer.optimizer", "an optimizer other than Adam or Muon (dist_muon included): its state is "
+               "planned as Adam's", lambda v: str(v) not in ("adam", "muon", "dist_muon")),
     Unmodelled("model.use_mamba_mem_eff_path", "the Mamba mixer's non-fused path (--disable-mamba-mem-eff-path: "
                "a separate conv1d and chunk scan) keeps more than the fused kernel", lambda v: v is False, moves=UP),
     # FSDP2 shards what the plan counts whole (parameters, gradients, optimizer state) over data parallelism and
@@ -270,6 +271,24 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                "o_lora_rank) instead of the dense one planned"),
     Unmodelled("model.num_single_layers", "FLUX's single-stream and joint transformer blocks (a diffusion "
                "transformer): the plan has no such blocks"),
+    # Gemma 4 dense (E2B/E4B/31B: bridge/models/gemma/gemma4_provider.py Gemma4DenseProvider.build :207-263)
+    Unmodelled("model.per_layer_embed_dim", "Gemma 4's per-layer embeddings: a VocabParallelEmbedding of "
+               "per_layer_embed_vocab_size x (num_layers x per_layer_embed_dim) and a hidden -> num_layers x "
+               "per_layer_embed_dim projection on the first stage (modeling_gemma4.py _attach_ple_modules :884-915), a "
+               "gate and projection per layer (:560-569), and the [b, s, layers, dim] per-layer inputs "
+               "(_compute_per_layer_inputs :918-956): parameters, gradients, optimizer state and activations the "
+               "plan does not count", lambda v: _int(v) > 0, moves=UP),
+    Unmodelled("model.global_kv_channels", "Gemma 4 dense's full-attention layers have their own head size and "
+               "query groups (global_kv_channels, num_global_query_groups: Gemma4DenseSelfAttention.__init__, "
+               "modeling_gemma4.py:301-312): the plan sizes every layer like the sliding-window ones",
+               when=lambda cfg: _int(_read(cfg, "model.global_kv_channels")) != _int(_read(cfg, "model.kv_channels"))
+               or _read(cfg, "model.num_global_query_groups") not in (None, _read(cfg, "model.num_query_groups"))),
+    Unmodelled("model.num_kv_shared_layers", "Gemma 4's last num_kv_shared_layers layers attend with K/V an earlier "
+               "layer keeps on the module (_stored_kv, held until the next forward) while still computing and "
+               "dropping their own (Gemma4DenseSelfAttention.get_query_key_value_tensors, modeling_gemma4.py:455-499), "
+               "and its local layer spec runs megatron-core's DotProductAttention (get_gemma4_layer_spec :744-784, "
+               "LocalSpecProvider.core_attention, backends.py:129-131): not the fused attention the plan sizes",
+               lambda v: _int(v) > 0),
     Unmodelled("model.global_head_dim", "Gemma 4's full-attention layers have their own head size and KV heads "
                "(global_head_dim, num_global_key_value_heads, K reused as V): the plan sizes every layer like the "
                "sliding-window ones"),
@@ -694,6 +713,24 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.num_global_key_value_heads": _covered("model.global_head_dim", "Gemma 4's full-attention KV heads"),
     "model.attention_k_eq_v": _covered("model.global_head_dim", "Gemma 4's full-attention layers reuse K as V"),
     "model.global_rotary_percent": _neutral(_ROPE),
+    # YaRN in MLA (Kimi K2, DeepSeek): MLATransformerConfig fields (transformer_config.py:2942) passed to
+    # YarnRotaryEmbedding (multi_latent_attention.py:195)
+    "model.beta_fast": _neutral(_ROPE), "model.beta_slow": _neutral(_ROPE),
+    # Gemma 4 dense's dual RoPE (gemma4_provider.py:224-246, Gemma4DenseRotaryEmbedding) and embedding scale
+    "model.sliding_window_rope_base": _neutral(_ROPE), "model.full_attention_rope_base": _neutral(_ROPE),
+    "model.full_attention_rope_partial_factor": _neutral(_ROPE),
+    "model.num_global_query_groups": _covered("model.global_kv_channels", "Gemma 4 dense's full-attention query "
+                                              "groups"),
+    "model.per_layer_embed_vocab_size": _covered("model.per_layer_embed_dim", "the per-layer embedding's vocabulary"),
+    "model.scale_embeddings_by_hidden_size": _neutral("the embedding output multiplied by sqrt(hidden) "
+                                                      "(Gemma3LanguageModelEmbedding, gemma3_provider.py:272): a scalar product of the tensor "
+                                                      "the plan counts"),
+    # Kimi K2.5 VL provider (kimi_vl/kimi_k25_vl_provider.py:49-61): where its vision code is loaded from, and
+    # token ids the image merge reads
+    "model.hf_model_path": _neutral("where the provider loads the vision module's code from: " + _META),
+    "model.trust_remote_code": _neutral("whether that code may be loaded: " + _META),
+    "model.media_placeholder_token_id": _neutral(_META), "model.ignore_index": _neutral("the label value masked out "
+                                                                                       "of the loss: " + _META),
     "model.text_config": _neutral("the Hugging Face text config the provider's fields (which the plan reads) were "
                                   "copied from"),
     **{f"model.{name}": _covered("model.vision_config", "a setting of the vision path") for name in (

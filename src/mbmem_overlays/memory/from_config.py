@@ -167,6 +167,19 @@ def _tokenizer_vocab(tok: Any) -> int:
     return int(json.loads(path.read_text()).get("vocab_size") or 0)
 
 
+def optimizer_name(opt: Any) -> tuple[str, bool]:
+    """(the optimizer megatron-core builds, whether it is the layer-wise distributed optimizer). A ``dist_``
+    name (Bridge's Kimi K2 recipes: optimizer_utils.py:79 ``optimizer="dist_muon"``) is the bare optimizer wrapped
+    in LayerWiseDistributedOptimizer: Bridge's setup_optimizer passes ``layer_wise_distributed_optimizer="dist" in
+    optimizer`` (bridge/training/optim.py:104-110), and megatron-core strips the prefix and sets use_layer_wise
+    (core/optimizer/__init__.py:744-754), so its state is Muon's, sharded by whole parameters (memory/optimizers.py)."""
+    name = str(getattr(opt, "optimizer", "adam") or "adam")
+    layer_wise = bool(getattr(opt, "use_layer_wise_distributed_optimizer", False))
+    if name.startswith("dist_"):
+        return name[len("dist_"):], True
+    return name, layer_wise
+
+
 def compute_dtype_bytes(m: Any) -> int:
     """Bytes of the model's params_dtype: 4 for fp32 training (Megatron-LM without --bf16/--fp16: params_dtype
     torch.float32, arguments.py validate_args), else 2."""
@@ -744,8 +757,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         # a VL provider's freeze (qwen3_vl_provider.py provide -> Qwen3VLModel.freeze; Qwen2.5-VL, Gemma 3 VL alike)
         frozen_lm=bool(getattr(m, "freeze_language_model", False)) and getattr(m, "vision_config", None) is not None,
         dtype_bytes=compute_dtype_bytes(m),
-        optimizer=str(getattr(opt, "optimizer", "adam") or "adam"),
-        layer_wise_optimizer=bool(getattr(opt, "use_layer_wise_distributed_optimizer", False)),
+        optimizer=optimizer_name(opt)[0],
+        layer_wise_optimizer=optimizer_name(opt)[1],
         # Gemma 2's unfused path runs megatron-core's softmax over scores in the global memory buffer
         # (gemma2_provider.py :227-231, :270), as DotProductAttention does
         attention_scores=attention_scores(m, lay.seq, lay.mbs, lay.tp, materialized=gemma2 == "unfused"),
