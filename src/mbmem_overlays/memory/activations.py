@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import variants
-from .inputs import BF16, FP8, FP32, Layout, Settings, Shape, _tokens
+from .inputs import BF16, FP4_LAYOUT, FP8, FP32, Layout, Settings, Shape, _tokens, quantized_params
 from .pipeline import blocks_of, runs_bf16
 
 def attention_scores_bytes(st: Settings, lay: Layout) -> float:
@@ -119,7 +119,11 @@ _WEIGHT_SCALES = {"mxfp8": 1 / 32, "blockwise": 4 / (128 * 128)}
 
 
 def quantized_bytes(recipe: str, weight: bool = False) -> float:
-    """Bytes per element of one FP8 layout (data and scales) of an activation or, ``weight``, a weight."""
+    """Bytes per element of one FP8 layout (data and scales) of an activation or, ``weight``, a weight; NVFP4's
+    (inputs.FP4_LAYOUT: a 16x16 weight block shares one scale, but TE stores it per 16 values of each row,
+    nvfp4_tensor.py get_scale_shape :249-283, so a weight's layout is as large as an activation's)."""
+    if recipe == "nvfp4":
+        return FP4_LAYOUT
     return FP8 + (_WEIGHT_SCALES if weight else _ACT_SCALES).get(recipe, 0.0)
 
 
@@ -163,7 +167,7 @@ def op_fuser_terms(s: Shape, lay: Layout, st: Settings, routed: float, width: in
     terms["moe_fc1_output"] = routed * (BF16 if fused else D) * (2 if s.gated else 1) * s.moe_ffn
     if keeps_input("linear_fc2"):
         terms["moe_act_output"] = routed * gemm_in * s.moe_ffn
-    if quant and st.param_bytes != FP8 and (keeps_input("linear_fc1") or keeps_input("linear_fc2")):
+    if quant and not quantized_params(st) and (keeps_input("linear_fc1") or keeps_input("linear_fc2")):
         layouts = 2 if fused else 1
         terms["moe_op_weight_copies"] = layouts * quantized_bytes(quant, weight=True) * local_expert_params(
             s, lay) / _tokens(lay)
@@ -231,7 +235,9 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
     t = lay.tp
     D = st.dtype_bytes   # the compute dtype: bf16 (2) or, training in fp32, 4
     sp_div = t if lay.sp else 1   # LayerNorm-region tensors are split across TP only with SP
-    gemm_in = FP8 if st.fp8 else D
+    # one saved layout of a quantized GEMM input: FP8's byte, or NVFP4's packed nibbles with their E4M3 scales (TE
+    # v2.17.1 module/linear.py :559-560 keeps only the columnwise layout; Settings.quant_bytes)
+    gemm_in = st.quant_bytes if st.fp8 else D
     # frozen base weights: LoRA's, or a VL provider's freeze_language_model (model.freeze sets requires_grad False
     # on every language-model parameter, qwen_vl/modelling_qwen3_vl/model.py:479-490): the backward still runs
     # through the layers to what trains before them, but no GEMM keeps its input for a weight gradient
@@ -304,7 +310,7 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
         # UnfusedDotProductAttention.forward: torch.bmm(attention_probs, value_layer), then a permuted copy for
         # linear_proj): only linear_proj's own saved input (above, or its FP8 copy) stays
         if st.fp8 and not frozen:
-            terms["attention_output_fp8"] = FP8 * s.heads * (s.v_head_dim or s.head_dim) / t
+            terms["attention_output_fp8"] = st.quant_bytes * s.heads * (s.v_head_dim or s.head_dim) / t
         if kernel_output_apart(lay, st):
             terms["attention_kernel_output"] = out
         if st.attn_softcap == "unfused":
@@ -357,7 +363,7 @@ def layer_activation_terms(s: Shape, lay: Layout, st: Settings, kind: str = "att
             # combined latent tokens, which nothing else keeps (the combine returns a new tensor; the unpermute
             # keeps only its row map).
             if st.fp8 and keeps_input("fc1_latent_proj"):
-                terms["moe_latent_fc1_input_fp8"] = FP8 * s.hidden / sp_div
+                terms["moe_latent_fc1_input_fp8"] = st.quant_bytes * s.hidden / sp_div
             if keeps_input("fc2_latent_proj"):
                 terms["moe_latent_fc2_input"] = gemm_in * width / sp_div
         if keeps_input("linear_fc1"):  # grouped GEMMs keep inputs only for a weight gradient (grouped_linear.py)

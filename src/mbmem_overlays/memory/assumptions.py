@@ -167,7 +167,7 @@ ASSUMPTION_TABLE: tuple[Assumption, ...] = (
                "a GEMM input is kept only for a weight gradient (TE backward_needs_input): frozen LoRA base GEMMs "
                "keep theirs only when an adapter reads the same tensor; under SP a column-parallel LoRA-A keeps the "
                "full gathered input unless input re-gather lets it reuse the sequence-local shard"),
-    Assumption("fp8_transpose", lambda s, lay, st: st.fp8,
+    Assumption("fp8_transpose", lambda s, lay, st: st.fp8 and not st.fp4,
                "FP8 weights keep a transposed FP8 copy on Hopper, not on Blackwell (the parameters' low end)",
                FP8_TRANSPOSE),
     Assumption("moe_balance", lambda s, lay, st: bool(s.experts and s.moe_layers),

@@ -98,7 +98,18 @@ def fp8_master_cast_copies(s: Shape, lay: Layout, st: Settings, first: bool, las
     # the first/last layers an FP8 job keeps in bf16 have params-dtype weights, copied from their masters in place
     bf16_dense, bf16_expert = stage_bf16_params(s, lay, st, (0 if first else lay.pp - 1) if rank is None else rank)
     shards, expert_shards = optimizer_shards(lay, st)
-    return st.fp8_cast_copy_bytes * ((layer_params - bf16_dense) / shards + (expert - bf16_expert) / expert_shards)
+    casts = st.fp8_cast_copy_bytes * ((layer_params - bf16_dense) / shards + (expert - bf16_expert) / expert_shards)
+    if st.fp4:
+        # NVFP4 primary weights (fp4_param_gather: distrib_optimizer.py:2843-2847 quantize_nvfp4_param_shard,
+        # fp4_utils.py:135-173) take the same path into _cast_master_weights_to_nvfp4_2d (TE utils.py:180-181),
+        # which beside the casts allocates an fp32 amax and an fp32 scale per 16x16 tile of every local NVFP4
+        # weight, whole, not its shard (utils.py:603-622 packed_amaxes, packed_scales): 8 bytes per 256 elements
+        casts += NVFP4_TILE_STATS * ((layer_params - bf16_dense) + (expert - bf16_expert))
+    return casts
+
+
+# fp32 amax + fp32 scale per 16 x 16 tile of an NVFP4 weight during the master cast (fp8_master_cast_copies)
+NVFP4_TILE_STATS = 2 * 4 / (16 * 16)
 
 def communication_buffers(s: Shape, lay: Layout, st: Settings, rank: int, params: float) -> float:
     """Transient unsharded copies the data-parallel communication keeps beside the sharded state, and

@@ -98,6 +98,9 @@ MODEL_READS = frozenset({
     "model.apply_rotary_pos_emb_in_fp32", "dataset.num_images", "dataset.image_size", "dataset.source",
     # the combined 1F1B schedule and TE's delayed weight gradients (from_config; stage_activations.ep_overlap_working)
     "model.overlap_moe_expert_parallel_comm", "model.delay_wgrad_compute",
+    # NVFP4 GEMMs and primary weights, the MXFP8 output projection (from_config job_fp4, fp8_weight_copy_bytes,
+    # output_proj_fp8; buffers.fp8_master_cast_copies)
+    "model.fp4", "model.fp4_param", "model.fp4_recipe", "ddp.fp4_param_gather", "model.fp8_output_proj",
 })
 
 
@@ -160,7 +163,15 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                moves=UP, when=lambda cfg: not _read(cfg, "model.overlap_moe_expert_parallel_comm")),
     Unmodelled("model.cpu_offloading_weights", "weight CPU offload moves layer weights off the GPU",
                moves=DOWN, bound=lambda b: b.parameters),   # at most every weight leaves
-    Unmodelled("model.fp4", "FP4 weights and GEMM inputs"),
+    # NVFP4 is modelled (from_config.job_fp4); a custom FP4 recipe is a user's quantizer factory whose formats the
+    # code does not say (fp4_utils.py get_fp4_recipe :233-234), and TE fuses NVFP4 experts into its CuTe DSL grouped
+    # MLP too, whose saved tensors under NVFP4 were not read (the plan runs them as the basic ops)
+    Unmodelled("model.fp4_recipe", "a custom FP4 recipe (fp4_quantizer_factory): its quantized formats are the "
+               "factory's, not modelled", lambda v: _enum_name(v).lower() == "custom",
+               when=lambda cfg: bool(_read(cfg, "model.fp4"))),
+    Unmodelled("model.fp4", "NVFP4 experts with TE's fused grouped MLP (NVTE_CUTEDSL_FUSED_GROUPED_MLP on "
+               "Blackwell): the fused kernel's saved NVFP4 tensors are not modelled (the plan counts the basic ops)",
+               when=lambda cfg: _fp4_fused_experts(cfg)),
     # The flex dispatcher's DeepEP and HybridEP backends are modelled (activations.dispatcher_terms,
     # buffers.flex_dispatcher_state; their buffers outside torch's allocator are a range, ranges.py); NCCL EP is
     # not: megatron-core 0.19.2 requires it with the flex dispatcher (transformer_config.py:1609-1614)
@@ -242,8 +253,8 @@ NOT_MODELLED: tuple[Unmodelled, ...] = (
                "whose saved tensors were not read (one recipe, GPT-3 175B)"),
     Unmodelled("model.quant_recipe", "a per-module quantization recipe (a RecipeConfig TE's quantizer factory reads "
                "from a file) changes the weight and activation dtypes of the modules it matches; its recipes are "
-               "DeepSeek-V4's, which megatron-core 0.19.2 cannot build (mHC), and the NVFP4 perf recipes (FP4, not "
-               "modelled either)"),
+               "DeepSeek-V4's, which megatron-core 0.19.2 cannot build (mHC), and the NVFP4 perf recipes' (which "
+               "modules it moves out of NVFP4 is not modelled)"),
     # a per-layer list of context-parallel communication types mixes layers the plan sizes alike
     Unmodelled("model.cp_comm_type", "a per-layer list of context-parallel communication types that differ between "
                "layers: the plan sizes every layer alike (a2a keeps one more attention output than p2p and "
@@ -347,6 +358,14 @@ NOT_MODELLED_FLAGS += (
                    "YAML config): the plan of the arguments given is not the job's plan",
                    applies=lambda args: bool(args.get("yaml_cfg"))),
 )
+
+
+def _fp4_fused_experts(cfg: Any) -> bool:
+    m = getattr(cfg, "model", None)
+    if m is None or not getattr(m, "fp4", None) or not getattr(m, "use_transformer_engine_op_fuser", False):
+        return False
+    from .from_config import job_env_int
+    return bool(getattr(m, "num_moe_experts", None)) and job_env_int(cfg, "NVTE_CUTEDSL_FUSED_GROUPED_MLP") >= 1
 
 
 def op_fuser_blind(cfg: Any) -> bool:
@@ -761,11 +780,12 @@ FIELD_CLASSES: dict[str, FieldClass] = {
     "model.head_dim": FieldClass(
         "conditional", "an attention head size the plan does not read when it differs from kv_channels (which it "
         "reads)", when=lambda m, v: v is not None and v != getattr(m, "kv_channels", v)),
-    "model.keep_mtp_spec_in_bf16": FieldClass(
-        "conditional", "with FP8 the MTP layers stay bf16 (their weights, GEMM inputs)", when=lambda m, v: bool(v) and _fp8(m)),
-    "model.fp8_output_proj": FieldClass(
-        "conditional", "with MXFP8 the output projection runs in FP8 (transformer_config.py:614-617): its input is kept "
-        "in FP8 and its weight gets an FP8 copy", when=lambda m, v: bool(v) and _fp8(m)),
+    # a Bridge provider field (hybrid_provider.py:165, set from the HF config by nemotron_h_bridge.py:306) that
+    # nothing in Bridge 0.6.2 or megatron-core 0.19.2 reads: the MTP block takes the global FP8 context whatever it
+    # says (multi_token_prediction.py :1179-1186, :1708, :1725), as the plan counts
+    "model.keep_mtp_spec_in_bf16": _neutral("declared by Bridge's hybrid provider and read by nothing: megatron-core "
+                                            "0.19.2's MTP layers run under the global FP8 context whatever it says "
+                                            "(multi_token_prediction.py:1179-1186)"),
     "model.parallel_output": FieldClass(
         "conditional", "off, the output logits are gathered over the tensor-parallel group: every rank holds the whole "
         "vocabulary's logits, not its 1/TP shard", when=lambda m, v: v is False and _int(getattr(

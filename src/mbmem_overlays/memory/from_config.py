@@ -8,7 +8,7 @@ from typing import Any
 
 from .buffers import gemm_workspaces
 from .graphs import WHOLE_LAYER
-from .inputs import BF16, FP8, FP32, Layout, Settings, Shape
+from .inputs import BF16, FP4, FP4_LAYOUT, FP4_SCALES, FP8, FP32, Layout, Settings, Shape
 from .pipeline import HYBRID_SYMBOLS
 from .variants import DSA, DSA_SHARED, GDN, dsa_reuses_topk, linear_attention_pattern
 
@@ -71,7 +71,7 @@ def recompute_modules(m: Any, impl_scopes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(x for x in modules if x != "layernorm")  # only MoE layers have a separate norm in this model
 
 
-def fp8_weight_copy_bytes(fp8: bool, fp8_params: bool, transpose_cache_disabled: bool) -> int:
+def fp8_weight_copy_bytes(fp8: bool, fp8_params: bool, transpose_cache_disabled: bool, fp4: bool = False) -> float:
     """Bytes per layer GEMM weight kept beside the parameter itself for FP8 GEMMs.
 
     FP8 parameters (fp8_param_gather) keep a second, transposed FP8 layout after each all-gather, because
@@ -82,6 +82,16 @@ def fp8_weight_copy_bytes(fp8: bool, fp8_params: bool, transpose_cache_disabled:
     """
     if not fp8:
         return 0
+    if fp4:
+        # NVFP4 (``fp8`` is then "quantized GEMMs", Settings.fp8): an NVFP4 primary weight keeps only its packed
+        # rowwise data in the param buffer (param_bytes); beside it its rowwise E4M3 scales and the columnwise
+        # layout (data and scales) post_all_gather_processing builds on every GPU generation (TE v2.17.1
+        # tensor/utils.py :936-971, _nvfp4_2d_multi_tensor_transpose :974-1044 allocates _columnwise_data and
+        # _columnwise_scale_inv once and keeps them). A bf16 weight under NVFP4 compute caches its NVFP4 workspace
+        # in both layouts as FP8 does (module/linear.py :406-431), unless the transpose cache is disabled
+        if fp8_params:
+            return FP4_SCALES + FP4_LAYOUT
+        return 0 if transpose_cache_disabled else 2 * FP4_LAYOUT
     if fp8_params:
         return FP8
     return 0 if transpose_cache_disabled else 2 * FP8
@@ -419,6 +429,36 @@ def job_fp8_recipe(cfg: Any) -> str:
     return str(getattr(recipe, "value", recipe) or "")
 
 
+def job_fp4(cfg: Any) -> tuple[bool, bool]:
+    """(NVFP4 GEMMs, NVFP4 primary weights) as Bridge's setup runs the job (bridge/as_run.py: the preset's fp4,
+    fp4_param and fp4_param_gather are on the model and DDP configs, mixed_precision.py:62-66, :404-417).
+    transformer_config.py:652-667 (fp4 'e2m1', fp4_recipe 'nvfp4', fp4_param), :1451-1455 (fp4_param needs fp4,
+    fp4 excludes fp8). A custom fp4_recipe (a user's quantizer factory) is not NVFP4: coverage.py names it."""
+    m = cfg.model
+    fp4 = bool(getattr(m, "fp4", None)) and not bool(getattr(m, "fp8", None))
+    return fp4, fp4 and bool(getattr(m, "fp4_param", False))
+
+
+def output_proj_fp8(m: Any, fp8_recipe: str) -> bool:
+    """fp8_output_proj takes effect: megatron-core builds the output layer as TE's TELMHeadColumnParallelLinear
+    (gpt_model.py:264-268) only where is_mxfp8_output_proj_active holds (fp8_utils.py:692-707: fp8 with the MXFP8
+    recipe; transformer_config.py:1442-1448 refuses it otherwise)."""
+    return bool(getattr(m, "fp8_output_proj", False)) and fp8_recipe == "mxfp8"
+
+
+def output_proj_copy_bytes(active: bool, transpose_cache_disabled: bool) -> float:
+    """Settings.output_proj_copy_bytes: bytes per output-layer weight element TE keeps beside the bf16 weight when
+    the output projection runs in MXFP8. GPTModel builds the output layer outside the decoder's fp8_model_init
+    (gpt_model.py:264-280), so its weight is a params-dtype tensor even with fp8_param; TELMHeadColumnParallelLinear
+    .forward runs TELinear.forward under get_fp8_context (extensions/transformer_engine.py :1514, :1626-1631),
+    which caches the MXFP8 weight workspace in both layouts across microbatches (TE module/linear.py :406-431) unless
+    disable_parameter_transpose_cache passes is_first_microbatch=None."""
+    from .activations import quantized_bytes
+    if not active or transpose_cache_disabled:
+        return 0.0
+    return 2 * quantized_bytes("mxfp8", weight=True)
+
+
 def job_env_int(cfg: Any, name: str, env: dict[str, str] | None = None) -> int:
     """An integer the job's environment sets (``env``, else the recipe's cfg.env_vars), 0 when unset or bad."""
     return _env_int(env, cfg, name)
@@ -593,6 +633,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     blocks = {b for kind in kinds + mtp_blocks for b in kind.split("+")}
     moe_layers = sum(1 for k in kinds if "moe" in k)
     fp8 = bool(getattr(m, "fp8", None))
+    fp4, fp4_params = job_fp4(cfg)
     vocab, pad = model_vocab(cfg)
     div = int(getattr(m, "make_vocab_size_divisible_by", 128) or 128) * m.tensor_model_parallel_size
     vocab = int(math.ceil(vocab / div) * div) if vocab and pad else vocab   # calculate_padded_vocab_size
@@ -638,7 +679,8 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         shared_gate=bool(getattr(m, "moe_shared_expert_gate", False)) and bool(
             getattr(m, "moe_shared_expert_intermediate_size", 0)) and bool(experts),
         moe_latent=int(getattr(m, "moe_latent_size", 0) or 0) if experts else 0,
-        bf16_layers=bf16_layer_span(m, fp8))
+        # get_fp4_context keeps the same first/last layers out of NVFP4 (fp4_utils.py:249-263)
+        bf16_layers=bf16_layer_span(m, fp8 or fp4))
     chunks = segments if len(segments) > 1 else chunk_layers(m, layers)
     pp = m.pipeline_model_parallel_size
     lay = Layout(world=world, tp=m.tensor_model_parallel_size, pp=pp,
@@ -686,6 +728,10 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
     moe_load = _capacity_factor(m) if _capacity_factor(m) and getattr(m, "moe_pad_expert_input_to_capacity",
                                                                       False) else (rank_capacity or 1.0)
     recipe = job_fp8_recipe(cfg)
+    no_weight_cache = bool(getattr(m, "disable_parameter_transpose_cache", False))
+    # the distributed optimizer quantizes fp32 masters into NVFP4 weights only with ddp.fp4_param_gather
+    # (distrib_optimizer.py:2843-2847), as it does into FP8 ones with fp8_param_gather
+    fp4_gathered = fp4_params and bool(read(cfg, "ddp.fp4_param_gather", False))
     op_fuser = moe_op_fuser(m, shape, lay, recipe, arch, _env_int(env, cfg, "NVTE_CUTEDSL_FUSED_GROUPED_MLP"))
     gemma2 = gemma2_attention(cfg)
     settings = Settings(
@@ -710,8 +756,10 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         and bool(getattr(m, "overlap_moe_expert_parallel_comm", False)),
         optimizer_offload=float(opt.optimizer_offload_fraction or 0.0) if opt.optimizer_cpu_offload else 0.0,
         grad_bytes=FP32 if grad_fp32 else BF16,
-        param_bytes=FP8 if fp8_params else BF16,
-        fp8_weight_copy_bytes=fp8_weight_copy_bytes(fp8, fp8_params, bool(getattr(m, "disable_parameter_transpose_cache", False))),
+        param_bytes=FP8 if fp8_params else FP4 if fp4_params else BF16,
+        fp8_weight_copy_bytes=fp8_weight_copy_bytes(fp8 or fp4, fp8_params or fp4_params, no_weight_cache, fp4=fp4),
+        output_proj_fp8=output_proj_fp8(m, recipe),
+        output_proj_copy_bytes=output_proj_copy_bytes(output_proj_fp8(m, recipe), no_weight_cache),
         # TE's activation module (use_te_activation_func) keeps only its input, as the fused kernel does
         swiglu_fused=bool(getattr(m, "bias_activation_fusion", True) or getattr(m, "use_te_activation_func", False)),
         glu_clamped=getattr(m, "activation_func_clamp_value", None) is not None,
@@ -722,7 +770,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         flex_num_sms=int(getattr(m, "moe_flex_dispatcher_num_sms", None) or getattr(m, "moe_deepep_num_sms", None)
                          or getattr(m, "moe_hybridep_num_sms", None) or 0) if backend else 0,
         flex_nvl_ranks=_env_int(env, cfg, "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN") if backend == "hybridep" else 0,
-        moe_op_fuser=op_fuser, moe_op_quant=recipe if op_fuser else "",
+        moe_op_fuser=op_fuser, moe_op_quant=("nvfp4" if fp4 else recipe) if op_fuser else "",
         moe_op_srelu=bool(op_fuser) and _activation_name(m) == "squared_relu",
         # moe/paged_stash.py paged_stash_reset :899, :910-915 reads the two factors and the page size from the config
         paged_stash_cuda=float(getattr(m, "moe_paged_stash_buffer_size_factor_cuda", 1.1) or 0.0)
@@ -745,12 +793,12 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         logits_bytes=loss_bytes(m),
         cross_entropy_impl=cross_entropy_impl(m),
         step_upcasts_grads=not decoupled_grads,
-        fp8_cast_copy_bytes=fp8_cast_copy_bytes(cfg, fp8_params, decoupled_grads, fsdp_on),
+        fp8_cast_copy_bytes=fp8_cast_copy_bytes(cfg, fp8_params or fp4_gathered, decoupled_grads, fsdp_on),
         deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
         if defer and lay.pp > 1 else 0,
         state_bytes=_dtype_bytes(getattr(opt, "exp_avg_dtype", None), FP32) if precision_aware else FP32,
         master_bytes=_dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) if precision_aware else FP32,
-        fp8=fp8,
+        fp8=fp8 or fp4, fp4=fp4, quant_bytes=FP4_LAYOUT if fp4 else FP8,
         lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),
         lora_regather=regather,
@@ -776,7 +824,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         # fp32 training: fp32 parameters are their own masters (DistributedOptimizer shard_fp32_groups /
         # FP32Optimizer: no main copy), gradients are fp32, and the loss reads fp32 logits (.float() is a no-op;
         # tensor_parallel/cross_entropy.py works in place on them)
-        settings = replace(settings, param_bytes=FP32 if not fp8_params else settings.param_bytes, grad_bytes=FP32,
+        settings = replace(settings, param_bytes=FP32 if not (fp8_params or fp4_params) else settings.param_bytes, grad_bytes=FP32,
                            master_bytes=0, logits_bytes=FP32 if settings.cross_entropy_impl == "unfused"
                            else settings.logits_bytes)
     from .levers import apply_config   # issue 31's levers (memory/levers.py)

@@ -9,6 +9,14 @@ from typing import Any
 BF16 = 2            # bytes per bf16/fp16 element
 FP32 = 4
 FP8 = 1
+# NVFP4 (TE v2.17.1): 4-bit E2M1 data packed two per byte (tensor/nvfp4_tensor.py convert_shape_for_fp4 :312-317;
+# megatron-core fp4_utils.py get_nvfp4_rowwise_packed_shape :70-77) and one FP8 E4M3 scale (a uint8) per 16 values
+# along the layout's inner dimension (get_scale_shape :249-283, constants.py:177 NVFP4_BLOCK_SCALING_SIZE = 16); the per-tensor
+# FP32 amax is a few bytes per tensor. FP4: the packed data alone (the param buffer's bytes, param_and_grad_buffer.py
+# :1176 nvfp4_packed_numel); FP4_LAYOUT: one layout with its scales (a GEMM input TE saves, or a weight's copy)
+FP4 = 0.5
+FP4_SCALES = 1 / 16
+FP4_LAYOUT = FP4 + FP4_SCALES
 ADAM_MOMENTS = 2    # exp_avg and exp_avg_sq
 
 
@@ -130,10 +138,16 @@ class Settings:
     dist_optimizer: bool = False
     optimizer_offload: float = 0.0
     grad_bytes: int = FP32
-    param_bytes: int = BF16
+    param_bytes: float = BF16                 # FP4 with NVFP4 primary weights (fp4_param): the packed data
     state_bytes: int = FP32                   # exp_avg / exp_avg_sq (bf16 with the precision-aware optimizer)
     master_bytes: int = FP32
+    # fp8: the GEMMs run under TE's quantized autocast, FP8 or NVFP4 alike: megatron-core gives both the same
+    # per-layer context (transformer_block.py:340-350, :603-617, :648-660; fp4_utils.py get_fp4_context :247-292
+    # enters fp8_autocast with the NVFP4BlockScaling recipe), first/last bf16 layers included. fp4: that recipe is
+    # NVFP4 (model.fp4): quant_bytes is then FP4_LAYOUT, else FP8 (bytes per element of one saved GEMM input)
     fp8: bool = False
+    fp4: bool = False
+    quant_bytes: float = FP8
     lora_rank: int = 0                        # 0: full training
     lora_targets: tuple[str, ...] = ()
     lora_regather: tuple[str, ...] = ()       # targets that really re-gather (see rules.regather_fallbacks)
@@ -141,7 +155,7 @@ class Settings:
     # so they keep no gradient, main-grad buffer or optimizer state, and its GEMMs no input for a weight gradient
     frozen_lm: bool = False
     # Extra bytes per transformer-layer GEMM weight for a second FP8 layout kept between steps (see weight_copy_bytes)
-    fp8_weight_copy_bytes: int = 0
+    fp8_weight_copy_bytes: float = 0
     swiglu_fused: bool = True                 # bias_activation_fusion: the fused SwiGLU keeps only its input
     deferred_wgrad_microbatches: int = 0      # defer_embedding_wgrad_compute: output-layer dY kept per microbatch
     graph_scopes: tuple[str, ...] = ()        # per-layer CUDA graph scopes (see GRAPH_SCOPE_TERMS)
@@ -153,6 +167,10 @@ class Settings:
     # Bytes per quantized weight element of the optimizer shard that the step casts the fp32 master to before
     # quantizing it into an FP8 primary weight (fp8_master_cast_copies): the params dtype's, 0 without FP8 params
     fp8_cast_copy_bytes: int = 0
+    # fp8_output_proj under MXFP8 (fp8_utils.py is_mxfp8_output_proj_active :692-707): the output layer is TE's
+    # TELMHeadColumnParallelLinear run under the MXFP8 autocast (extensions/transformer_engine.py :1512-1640)
+    output_proj_fp8: bool = False
+    output_proj_copy_bytes: float = 0.0       # its weight's MXFP8 workspace (from_config.output_proj_copy_bytes)
     precision_aware: bool = False             # optimizer.use_precision_aware_optimizer (see optimizer_gpu_bytes)
     optimizer_instances: int = 1              # ddp.num_distributed_optimizer_instances (see data_parallel_shards)
     fsdp: str | None = None                   # Megatron FSDP on: ddp.data_parallel_sharding_strategy
@@ -276,6 +294,11 @@ class Breakdown:
     def as_dict(self) -> dict[str, float]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "other": self.other, "total": self.total}
+
+
+def quantized_params(st: Settings) -> bool:
+    """Whether the layers' GEMM weights are quantized primary weights (fp8_param / fp4_param), not params-dtype."""
+    return st.param_bytes in (FP8, FP4)
 
 
 def _tokens(lay: Layout) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .activations import layer_activation
+from .activations import layer_activation, quantized_bytes
 from .graphs import graph_outputs_read_eagerly, layer_graph_buffers, layer_graph_parts
 from .inputs import BF16, FP32, Layout, Settings, Shape
 from .pipeline import blocks_of, combined_step_extra, in_flight, rank_alive, rank_chunks, rank_layers
@@ -34,7 +34,23 @@ def mtp_layer_activation(s: Shape, lay: Layout, st: Settings) -> float:
     (weights.mtp_blocks, each block a layer of its own), the final norm's input and the output layer's input."""
     tokens = lay.seq * lay.mbs / lay.cp
     hidden_local = st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
-    return 6 * hidden_local + sum(layer_activation(s, lay, st, block) for block in mtp_blocks(s))
+    if st.fp4:
+        # MTP layers run under get_fp8_context alone (multi_token_prediction.py :1179-1186), a nullcontext without
+        # FP8: an FP4 job's MTP blocks keep bf16 GEMM inputs
+        st = replace(st, fp8=False)
+    # the output layer's input: with fp8_output_proj its MXFP8 copy (output_layer_input_bytes)
+    out_in = output_layer_input_bytes(st) / st.dtype_bytes * hidden_local
+    return 5 * hidden_local + out_in + sum(layer_activation(s, lay, st, block) for block in mtp_blocks(s))
+
+
+def output_layer_input_bytes(st: Settings) -> float:
+    """Bytes per element of the input the output layer keeps for its weight gradient: the compute dtype
+    (tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication), or with fp8_output_proj the one
+    MXFP8 layout TE's Linear keeps of the input it quantized (TE v2.17.1 module/linear.py :545-560: the
+    columnwise one, or under sequence parallelism the rowwise one it all-gathers again, the same bytes)."""
+    if st.output_proj_fp8 and not (st.lora_rank or st.frozen_lm):
+        return quantized_bytes("mxfp8")
+    return st.dtype_bytes
 
 
 def loss_kept_bytes(st: Settings) -> float:
@@ -59,8 +75,9 @@ def loss_chunk_inputs(s: Shape, lay: Layout, st: Settings) -> float:
     # a frozen output layer (LoRA's base, freeze_language_model) runs linear_with_frozen_weight, which saves only
     # the weight (tensor_parallel/layers.py:1095-1096, LinearWithFrozenWeight.forward :415-417): the norm's input
     # alone is kept
-    kept = 1 if (st.lora_rank or st.frozen_lm) else 2
-    return kept * st.dtype_bytes * s.hidden * tokens / (lay.tp if lay.sp else 1)
+    frozen = bool(st.lora_rank or st.frozen_lm)
+    per_element = st.dtype_bytes + (0 if frozen else output_layer_input_bytes(st))
+    return per_element * s.hidden * tokens / (lay.tp if lay.sp else 1)
 
 
 def logit_softcap_bytes(s: Shape, lay: Layout, st: Settings) -> float:

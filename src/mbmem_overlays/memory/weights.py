@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from . import variants
 from .activations import latent_width
-from .inputs import ADAM_MOMENTS, FP8, FP32, Layout, Settings, Shape
+from .inputs import ADAM_MOMENTS, FP8, FP32, Layout, Settings, Shape, quantized_params
 from .optimizers import emerging_optimizer_bytes, muon_state
 from .pipeline import blocks_of, layer_kinds, rank_layers, runs_bf16
 
@@ -126,6 +126,16 @@ def stage_bf16_params(s: Shape, lay: Layout, st: Settings, rank: int) -> tuple[f
                 d, e = _block_params(s, lay, block)
                 dense += count * d
                 expert += count * e
+    if st.fp4 and s.mtp_layers and rank == lay.pp - 1:
+        # MTP layers build and run under get_fp8_context alone (transformer/multi_token_prediction.py :1179-1186,
+        # :1708, :1725: "currently MTP only use global fp8 context"), a nullcontext without FP8: an FP4 job's MTP
+        # layers have params-dtype weights and no quantized copy (their eh_proj included, stage_params)
+        built = 1 if s.mtp_shared else s.mtp_layers
+        for block in mtp_blocks(s):
+            d, e = _block_params(s, lay, block)
+            dense += built * d
+            expert += built * e
+        dense += built * 2 * s.hidden * s.hidden / lay.tp
     return dense, expert
 
 
@@ -250,10 +260,13 @@ def model_state(s: Shape, lay: Layout, st: Settings, first: bool, last: bool,
     weight_bytes = st.param_bytes + st.fp8_weight_copy_bytes
     # TE's operation fuser runs the experts' GEMMs in its own ops, which cache no FP8 copy of a bf16 weight across
     # microbatches (they quantize it per forward: activations.op_fuser_terms); GroupedLinear's cache is never made
-    expert_bytes = st.param_bytes if st.moe_op_fuser and st.param_bytes != FP8 else weight_bytes
+    expert_bytes = st.param_bytes if st.moe_op_fuser and not quantized_params(st) else weight_bytes
     bf16_dense, bf16_expert = stage_bf16_params(s, lay, st, rank)
     params = ((layer_params - bf16_dense) * weight_bytes + (bf16_dense + embed + adapters) * st.dtype_bytes) / p_dense \
         + ((expert - bf16_expert) * expert_bytes + bf16_expert * st.dtype_bytes) / p_expert
+    if st.output_proj_copy_bytes and rank == lay.pp - 1 and (not s.tied or lay.pp > 1):
+        # fp8_output_proj: the bf16 output layer's MXFP8 weight workspace (from_config.output_proj_copy_bytes)
+        params += s.vocab * s.hidden / lay.tp * st.output_proj_copy_bytes / p_dense
     grads = (trainable_dense / g_dense + trainable_expert / g_expert) * st.grad_bytes
     if st.embed_grad_bytes and not frozen and "fsdp_grad_dtypes" not in st.without:
         # Megatron FSDP keeps an FP8 weight's gradient in bf16 and every other parameter's in its own dtype
