@@ -96,3 +96,21 @@ def test_coverage_names_fp4_only_where_still_blind():
     assert {"model.fp4", "model.fp4_param", "model.fp8_output_proj"} <= MODEL_READS
     assert FIELD_CLASSES["model.keep_mtp_spec_in_bf16"].kind == "neutral"
     assert "model.fp8_output_proj" not in FIELD_CLASSES
+
+
+@pytest.mark.bridge
+def test_a_shipped_nvfp4_recipe_is_planned_below_its_bf16_sibling_at_the_same_micro_batch(bridge):
+    """llama3_8b_pretrain_8gpu_b200: the NVFP4 recipe runs MBS 4 where the bf16 one runs 2, so its whole figure is
+    higher; at the bf16 recipe's micro-batch its FP4 weights and GEMM inputs put it below, and fp4 is not named."""
+    from mbmem_overlays.bridge.as_run import as_run
+    from mbmem_overlays.bridge.overrides import apply_overrides
+    from mbmem_overlays.memory.coverage import not_modelled
+    base = "megatron.bridge.perf_recipes.llama.b200.llama3.llama3_8b_pretrain_8gpu_b200_"
+    bf16 = bridge.build_recipe(base + "bf16_config")
+    fp4 = bridge.build_recipe(base + "nvfp4_config")
+    assert (bf16.train.micro_batch_size, fp4.train.micro_batch_size) == (2, 4)
+    apply_overrides(fp4, ["train.micro_batch_size=2"])
+    low, high = (P.estimate(*P.from_config(c, 8, arch=10)) for c in (fp4, bf16))
+    assert low.parameters < high.parameters and low.activations < high.activations and low.footprint < high.footprint
+    run = as_run(fp4, 8)   # the preset's fp4 on the model, as Bridge's setup leaves it
+    assert run.config.model.fp4 and not [n for n in not_modelled(run.config) if n.startswith("model.fp4")]
