@@ -353,3 +353,40 @@ def test_recommend_reaches_fine_grained_offloading_where_activations_dominate(br
 def replace_layout(lay, row):
     from dataclasses import replace
     return replace(lay, tp=row["tp"], pp=row["pp"], vpp=row["vpp"], cp=row["cp"], sp=row["sp"])
+
+
+# ----------------------------------------------------------------------------- a fitting job pays for no step it does not need
+@pytest.mark.bridge
+def test_a_step_the_fitting_job_no_longer_needs_is_dropped(bridge, recipe):
+    """Llama 3 8B at 40 GiB: the ladder takes selective recompute (it saves almost nothing with fused attention) and
+    bf16 moments while nothing fits, then Megatron FSDP fits on its own: neither earlier step stays in the command,
+    and what is left still fits and is validated."""
+    from mbmem_overlays.memory.ladder import recommend, render_recommendation
+    rec = recommend(recipe("llama3_8b_pretrain_config"), 8, parse_size("40GiB"), recipe=L8)
+    dropped = [s["step"] for s in rec["steps"] if s.get("dropped")]
+    assert "selective_recompute" in dropped
+    assert rec["fits"] is True and "megatron_fsdp" in rec["overlays"]
+    assert not set(dropped) & set(rec["overlays"]) and "selective_recompute" not in rec["command"]
+    assert all(s["dropped"]["total_bytes"] <= rec["capacity_bytes"] * (1 - rec["margin"])
+               for s in rec["steps"] if s.get("dropped"))
+    assert "dropped: the job fits without it" in render_recommendation(rec)
+
+
+def test_a_step_is_taken_out_only_where_no_later_step_changed_what_it_set():
+    """_without_step: the step's overlays, parameters and fields go, the fields back to what they were; where a
+    later step changed the same field or overlay, taking it out would undo part of that step, so it stays."""
+    from mbmem_overlays.memory.ladder import _without_step
+    from mbmem_overlays.memory.steps import Candidate
+    c0 = Candidate(("expandable_segments",))
+    c1 = c0.plus("selective_recompute", params={"modules": ["core_attn"]})
+    c2 = c1.plus(sets={"model.micro_batch_size": 1})
+    c3 = c2.plus("megatron_fsdp", params={"strategy": "optim_grads_params"})
+    out = _without_step(c3, c0, c1)
+    assert out.overlays == ("expandable_segments", "megatron_fsdp") and "selective_recompute" not in out.params
+    assert out.sets == {"model.micro_batch_size": 1}
+    assert _without_step(c3, c1, c2).sets == {} and _without_step(c3, c1, c2).overlays == c3.overlays
+    later = c3.plus(sets={"model.micro_batch_size": 2})           # a later step set the same field again
+    assert _without_step(later, c1, c2) is None
+    widened = c3.plus("selective_recompute", params={"modules": ["core_attn", "mlp"]})
+    assert _without_step(widened, c0, c1) is None                 # a later step widened the same overlay
+    assert _without_step(c3, c1, c1) is None                      # a step that added nothing: nothing to take out

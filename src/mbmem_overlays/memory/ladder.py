@@ -417,6 +417,7 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
                                    **_fit(work, first, limit), "validation": verdict_of(report), "breakdown": first,
                                    **({} if target is None else target.extra(report))}]
     seen: dict[tuple, str] = {}
+    accepted: list[tuple[dict, Candidate, Candidate]] = []   # (row, candidate before the step, after it)
     for index, rung in enumerate(LADDER_RUNGS):
         if rung.label != "expandable_segments" and total <= limit:
             break  # expandable segments always comes first (free; fragmentation is invisible to any plan)
@@ -484,8 +485,11 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
             row["alternatives"] = [{"step": _label(o["rung"], state.cand, o["cand"]), "total_bytes": int(o["total"]),
                                     "cost": o["cost"], "documented": o["words"]} for o in alternatives]
         rows.append(row)
+        accepted.append((row, state.cand, cand))
         state = State(start, cand, cfg2, report2, world, arch, env)
         total = new_total
+    if total <= limit:
+        state, total = _drop_unneeded(cfg, state, total, accepted, limit, catalog, validate, do, plan_of)
     from . import model as P
     from .coverage import gaps, not_modelled
     from .ranges import uncertainty
@@ -500,6 +504,67 @@ def recommend(cfg: Any, world: int, capacity: float, margin: float = 0.05, locke
             "command": train_command(start, state.cand, world) if target is None else
             target.command(start, state.cand, world, state.report),
             **({} if target is None else target.extra(state.report))}
+
+
+def _without_step(final: Candidate, before: Candidate, after: Candidate) -> Candidate | None:
+    """``final`` without what one step added (``before`` -> ``after``): its overlays and their parameters, the
+    fields it set restored to what they were before it; None where a later step changed the same overlay or field
+    (or the step dropped an overlay), so that taking the step out would also undo part of a later one."""
+    if any(o not in after.overlays for o in before.overlays):
+        return None
+    added = [o for o in after.overlays if o not in before.overlays]
+    if any(o not in final.overlays or final.params.get(o) != after.params.get(o) for o in added):
+        return None
+    params = {k: v for k, v in final.params.items() if k not in added}
+    for o in before.overlays:
+        if after.params.get(o) != before.params.get(o):
+            if final.params.get(o) != after.params.get(o):
+                return None
+            params.pop(o, None)
+            if o in before.params:
+                params[o] = before.params[o]
+    sets = dict(final.sets)
+    for key in set(after.sets) | set(before.sets):
+        if after.sets.get(key, _UNSET) == before.sets.get(key, _UNSET):
+            continue
+        if final.sets.get(key, _UNSET) != after.sets.get(key, _UNSET):
+            return None
+        sets.pop(key, None)
+        if key in before.sets:
+            sets[key] = before.sets[key]
+    trial = Candidate(tuple(o for o in final.overlays if o not in added), params, sets)
+    return None if trial == final else trial
+
+
+_UNSET = object()
+
+
+def _drop_unneeded(cfg: Any, state: State, total: float, accepted: list[tuple[dict, Candidate, Candidate]], limit: float,
+                   catalog: Catalog, validate: bool, do: Callable, plan_of: Callable) -> tuple[State, float]:
+    """The fitting end of the walk without the steps it no longer needs. The ladder climbs while nothing fits, so an
+    early step that saved little (selective recompute where fused attention keeps almost nothing to recompute) stays
+    in the command after a later step made the job fit on its own: its cost would be paid for nothing (the
+    memory-tuning skill's point that recompute and offload a fitting job no longer needs cost throughput). Each
+    accepted step, dearest first (its cost's rank_key), is taken out of the final candidate; where the job still
+    passes our rules (and Bridge's validation, with ``validate``) and fits, it stays out, and its row says so
+    (``dropped``). expandable_segments is free and stays."""
+    steps = [a for a in accepted if a[0]["step"] != "expandable_segments" and a[0].get("cost")]
+    for row, before, after in sorted(steps, key=lambda a: tuple(a[0]["cost"]["rank_key"]), reverse=True):
+        trial = _without_step(state.cand, before, after)
+        if trial is None:
+            continue
+        try:
+            cfg2, report2 = do(cfg, state.start, trial, state.world, catalog=catalog, validate=validate)
+        except Rejected:
+            continue
+        b = plan_of(cfg2, state.world)
+        if b.footprint > limit:
+            continue
+        row["dropped"] = {"total_bytes": int(b.footprint),
+                          "reason": f"the job fits without it ({b.footprint / 2**30:.2f} GiB), so its cost is not paid"}
+        state = State(state.start, trial, cfg2, report2, state.world, state.arch, state.env)
+        total = b.footprint
+    return state, total
 
 
 def _fit(cfg: Any, b: Any, limit: float) -> dict[str, Any]:
@@ -603,7 +668,11 @@ def render_recommendation(rec: dict[str, Any], verbose: bool = False, wording: W
             saving = "  saves fragmentation (reserved, not allocated: outside the plan)"
         mark, fits = {True: ("*", "  FITS"), False: (" ", "")}.get(r["fits"], ("?", "  fit unknown" + (
             " (the modelled part fits)" if r.get("modelled_fits") else "")))
+        if r.get("dropped"):
+            mark, fits = "-", "  dropped at the end"
         lines.append(f"  {mark} {r['step']:<34} {r['total_bytes'] / 2**30:6.2f} GiB{saving}{fits}")
+        if r.get("dropped"):
+            lines.append(f"      dropped: {r['dropped']['reason']}")
         if wording.step_lines is not None:
             lines += wording.step_lines(r, verbose)
         if r.get("cost"):
