@@ -339,3 +339,53 @@ def test_offload_counts_the_same_schedule_moment_as_the_stage_it_peaks_at():
 
     assert P.stage_activations(shape, lay, st, 1).steady == pytest.approx(
         max(at(moment) for moment in rank_alive(lay, 1)), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- the precision-aware optimizer's masters
+def test_fused_adam_keeps_int16_remainders_of_the_fp32_masters_only_where_it_owns_them():
+    """from_config.master_bytes: on megatron-core's no_fp8_or_ds_fp8 path FusedAdam owns the masters of bf16
+    parameters and, with store_param_remainders (its default), keeps 16 bits of each; every other path keeps a
+    whole master in main_params_dtype (fp32 off the precision-aware optimizer)."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from mbmem_overlays.memory.from_config import master_bytes
+    opt = dict(use_precision_aware_optimizer=True, main_params_dtype=torch.float32, store_param_remainders=True,
+               optimizer_cpu_offload=False)
+    bf16, fp16 = NS(params_dtype=torch.bfloat16), NS(params_dtype=torch.float16)
+    assert master_bytes(NS(**opt), bf16, True, False, False) == P.BF16
+    assert master_bytes(NS(**{**opt, "store_param_remainders": False}), bf16, True, False, False) == P.FP32
+    assert master_bytes(NS(**opt), bf16, False, False, False) == P.FP32        # MCore's own fp32 masters
+    assert master_bytes(NS(**opt), bf16, True, True, False) == P.FP32         # FP8 / FP4 primary weights
+    assert master_bytes(NS(**opt), bf16, True, False, True) == P.FP32         # Megatron FSDP's own buffers
+    assert master_bytes(NS(**opt), fp16, True, False, False) == P.FP32        # remainders are for bf16 only
+    assert master_bytes(NS(**{**opt, "optimizer_cpu_offload": True}), bf16, True, False, False) == P.FP32
+    assert master_bytes(NS(**{**opt, "main_params_dtype": torch.float16}), bf16, True, False, False) == P.BF16
+    assert master_bytes(NS(**{**opt, "use_precision_aware_optimizer": False}), bf16, True, False, False) == P.FP32
+    assert master_bytes(NS(), bf16, False, False, False) == P.FP32
+
+
+@pytest.mark.bridge
+@pytest.mark.parametrize("fp8, master", [("", P.BF16), (" --fp8-format hybrid --fp8-recipe tensorwise", P.FP32)])
+def test_a_precision_aware_megatron_job_is_planned_on_a_host_without_te(bridge, fp8, master):
+    """--use-precision-aware-optimizer makes megatron-core's OptimizerConfig import TE's FusedAdam; a host without
+    TE still plans the job as its GPU nodes run it: bf16 moments, and int16 master remainders where FusedAdam owns
+    the masters (the delayed-scaling default), whole fp32 masters under tensorwise FP8 (MCore keeps them)."""
+    from mbmem_overlays.bridge.megatron_args import load_job
+    words = ("--tensor-model-parallel-size 2 --num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
+             "--max-position-embeddings 512 --micro-batch-size 1 --global-batch-size 8 --tokenizer-type NullTokenizer "
+             "--vocab-size 1024 --bf16 --use-distributed-optimizer --use-precision-aware-optimizer "
+             "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16")
+    job = load_job(words + fp8, world_size=8)
+    assert job.config.optimizer.use_precision_aware_optimizer and job.config.optimizer.store_param_remainders
+    st = P.from_config(job.config, 8)[2]
+    assert (st.master_bytes, st.state_bytes) == (master, P.BF16)
+
+
+@pytest.mark.bridge
+def test_the_as_run_config_keeps_store_param_remainders_as_the_gpu_nodes_te_does(bridge, recipe):
+    """optimizer_config.py:438-439 turns store_param_remainders off below TE 2.1; without TE on this host it would
+    be turned off in the plan's copy, not in the job."""
+    from mbmem_overlays.bridge.as_run import as_run
+    cfg = recipe(L8, *DP8, "optimizer.use_precision_aware_optimizer=true")
+    assert as_run(cfg, 8).config.optimizer.store_param_remainders is True

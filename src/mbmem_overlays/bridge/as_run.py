@@ -342,9 +342,11 @@ def _quiet():
 
 # The modules of Bridge's setup that ask Transformer Engine's version (is_te_min_version) or whether it is installed
 # (HAVE_TE): comm_overlap.py:21/:28-34 (TP overlap is switched off without TE, delayed wgrad asserts TE >= 2.7),
-# mixed_precision.py:22 (fp4 asserts TE >= 2.7), transformer_config.py:37 (MoE FP8 and grouped-GEMM version checks).
+# mixed_precision.py:22 (fp4 asserts TE >= 2.7), transformer_config.py:37 (MoE FP8 and grouped-GEMM version checks),
+# optimizer_config.py:9, :438-439 (the precision-aware optimizer's store_param_remainders, turned off below TE 2.1:
+# without TE here it would be, and the plan would count a 4-byte master where the job's TE keeps 2).
 TE_ASKING_MODULES = ("megatron.bridge.training.comm_overlap", "megatron.bridge.training.mixed_precision",
-                     "megatron.core.transformer.transformer_config")
+                     "megatron.core.transformer.transformer_config", "megatron.core.optimizer.optimizer_config")
 
 
 @contextlib.contextmanager

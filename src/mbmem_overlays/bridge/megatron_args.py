@@ -1376,10 +1376,8 @@ def config_from_args(args: argparse.Namespace, family: str, vocab: int) -> tuple
                 setattr(model, name, value)
         if family == "hybrid":
             model.hybrid_override_pattern = None
-        opt, _ = get_megatron_optimizer_config(args)
-        optimizer = bc.OptimizerConfig(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.init
-                                          and f.name in {g.name for g in dataclasses.fields(bc.OptimizerConfig)}})
-        used |= {f.name for f in dataclasses.fields(opt) if f.name in vars(args)}
+        optimizer = _optimizer_config(args, get_megatron_optimizer_config)
+        used |= {f.name for f in dataclasses.fields(optimizer) if f.name in vars(args)}
         ddp_src = get_megatron_ddp_config(args)
         ddp_names = {g.name for g in dataclasses.fields(bc.DistributedDataParallelConfig) if g.init}
         ddp = bc.DistributedDataParallelConfig(**{f.name: getattr(ddp_src, f.name) for f in dataclasses.fields(ddp_src)
@@ -1398,6 +1396,37 @@ def config_from_args(args: argparse.Namespace, family: str, vocab: int) -> tuple
                                  dataset=dataset, logger=bc.LoggerConfig(), tokenizer=tokenizer,
                                  checkpoint=bc.CheckpointConfig(), dist=dist, rng=bc.RNGConfig(seed=args.seed))
     return cfg, used
+
+
+def _optimizer_config(args: argparse.Namespace, from_args: Any) -> Any:
+    """Bridge's OptimizerConfig of the job: megatron-core's own (training.py get_megatron_optimizer_config, its
+    __post_init__ run) copied into Bridge's class. Where that __post_init__ stops at a check of Transformer Engine
+    this host lacks (``--use-precision-aware-optimizer`` imports TE's FusedAdam, optimizer_config.py:446-467), the
+    same fields (training.py:1965-1969) go into Bridge's class and its deferred __post_init__ runs with TE's
+    version as on the GPU nodes: what it derives (use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+    store_param_remainders) comes before that check, as the job's own config has it; the check itself is one
+    the GPU nodes pass, so the job is not refused for it here."""
+    import megatron.bridge.training.config as bc
+    from megatron.core.optimizer import OptimizerConfig
+    from .validation import TE_MARKERS
+    bridge_fields = {g.name for g in dataclasses.fields(bc.OptimizerConfig) if g.init}
+    try:
+        opt, _ = from_args(args)
+        return bc.OptimizerConfig(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.init
+                                     and f.name in bridge_fields})
+    except RuntimeError as exc:
+        if not any(marker in str(exc) for marker in TE_MARKERS):
+            raise
+    optimizer = bc.OptimizerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(OptimizerConfig)
+                                      if f.init and f.name in bridge_fields and hasattr(args, f.name)})
+    from .as_run import _te_as_on_gpu_nodes
+    with _te_as_on_gpu_nodes():
+        try:
+            optimizer.finalize()
+        except RuntimeError as exc:
+            if not any(marker in str(exc) for marker in TE_MARKERS):
+                raise
+    return optimizer
 
 
 def _mapped(args: argparse.Namespace, family: str, vocab: int) -> tuple[Any, set[str]]:

@@ -34,6 +34,12 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
         lines += section("unknown (not in the log)", d.unknown)
     lines += section("notes from the logged config", d.notes, marker="!")
     remedies = []
+    # How a remedy's command was checked is said where it differs from how the next command was: one job's
+    # remedies are mostly checked the same way, and eight copies of that line bury the remedies.
+    said = d.command_check if d.next_command else None
+
+    def checked(check: Any) -> list[str]:
+        return [] if check == said else [f"   checked: {check}"]
     for i, r in enumerate(d.remedies, 1):
         saves = "" if r["saves_bytes"] is None else f"; saves {gib(r['saves_bytes'])}"
         remedies.append(f"{i}. {r['name']}: {r['action']}" + (f" (cost: {r['cost']}{saves})" if r["cost"] or saves else ""))
@@ -48,13 +54,17 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
             remedies.append(f"   plan: hot rank {planned}predicted peak {size(r['predicted_peak_bytes'])} (the measured "
                             f"peak plus the plan's change): {fits}")
         if r.get("megatron") is not None:
-            remedies += megatron_lines(r)
+            m = r["megatron"]
+            remedies += megatron_lines(r)[:1] + (checked(m.get("check")) if m.get("ok") else [])
         elif r.get("train_command"):
             remedies.append(f"   {r['train_command']}")
-            remedies.append(f"   checked: {r['check']}")
+            remedies += checked(r["check"])
         elif r.get("check"):
             remedies.append(f"   not possible here: {r['check']}")
-    lines += section("remedies, in order" if d.verdict != "reported" else "changes, in order", remedies, marker="")
+    title = "remedies, in order" if d.verdict != "reported" else "changes, in order"
+    if remedies and d.next_command and d.command_check:
+        title += " (each command checked as the next command, unless it says otherwise)"
+    lines += section(title, remedies, marker="")
     if d.savings:
         lines.append(f"  {d.savings}")
     lines += section("not first", d.why_not)   # what not to try first is advice, not reference

@@ -121,6 +121,27 @@ def _dtype_bytes(dtype: Any, default: int) -> int:
     return {"torch.float32": FP32, "torch.bfloat16": BF16, "torch.float16": BF16, "torch.uint8": FP8}.get(name, default)
 
 
+def master_bytes(opt: Any, m: Any, decoupled_grads: bool, quantized_params: bool, fsdp_on: bool) -> int:
+    """Settings.master_bytes: bytes per parameter of the optimizer's master copy. The precision-aware path that lets
+    TE's FusedAdam own the masters (use_precision_aware_optimizer_no_fp8_or_ds_fp8: the optimizer's params are the
+    bf16 shards themselves, distrib_optimizer.py:452-454, :491-494) passes ``store_param_remainders`` (True by
+    default, optimizer_config.py:192; kept from TE 2.1 on, :438-439; megatron/core/optimizer/__init__.py:583-584)
+    with master_weights and an fp32 master dtype (:574-581): FusedAdam then keeps only the 16 bits of each fp32
+    master that its bf16 parameter does not hold, as int16 (TE FusedAdam ``store_param_remainders``: bf16
+    params and fp32 masters only; ``_initialize_state`` allocates ``zeros_like(param, dtype=torch.int16)``).
+    Not for FP8/FP4 primary weights, fp16 parameters, the CPU optimizer (HybridDeviceOptimizer) or Megatron FSDP,
+    whose masters are its own buffers (memory/levers.py). Otherwise the master is main_params_dtype on the
+    precision-aware path and fp32 on the others."""
+    if not bool(getattr(opt, "use_precision_aware_optimizer", False)):
+        return FP32
+    main = _dtype_bytes(getattr(opt, "main_params_dtype", None), FP32)
+    if (decoupled_grads and main == FP32 and bool(getattr(opt, "store_param_remainders", True))
+            and not quantized_params and not fsdp_on and not bool(getattr(opt, "optimizer_cpu_offload", False))
+            and str(getattr(m, "params_dtype", None)) == "torch.bfloat16"):
+        return BF16
+    return main
+
+
 def fp8_cast_copy_bytes(cfg: Any, fp8_params: bool, decoupled_grads: bool, fsdp_on: bool) -> int:
     """Settings.fp8_cast_copy_bytes: the params dtype's bytes when the step quantizes fp32 masters into FP8
     primary weights through TE's quantize_master_weights (fp8_master_cast_copies), else 0. That is the
@@ -797,7 +818,7 @@ def from_config(cfg: Any, world: int, *, arch: int = 9, env: dict[str, str] | No
         deferred_wgrad_microbatches=(min(limit, lay.microbatches) if limit > 0 else lay.microbatches)
         if defer and lay.pp > 1 else 0,
         state_bytes=_dtype_bytes(getattr(opt, "exp_avg_dtype", None), FP32) if precision_aware else FP32,
-        master_bytes=_dtype_bytes(getattr(opt, "main_params_dtype", None), FP32) if precision_aware else FP32,
+        master_bytes=master_bytes(opt, m, decoupled_grads, fp8_params or fp4_params, fsdp_on),
         fp8=fp8 or fp4, fp4=fp4, quant_bytes=FP4_LAYOUT if fp4 else FP8,
         lora_rank=int(getattr(peft, "dim", 0) or 0) if type(peft).__name__ in ("LoRA", "DoRA") else 0,
         lora_targets=tuple(getattr(peft, "target_modules", ()) or ()),

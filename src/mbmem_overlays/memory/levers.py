@@ -454,7 +454,12 @@ def search_settings(base: Settings, s: set[str], shape: Shape) -> Settings:
     if "megatron_fsdp" in s and base.fsdp is None:
         out = replace(out, fsdp=SEARCH_FSDP_STRATEGY, dist_optimizer=True, grad_bytes=BF16, master_bytes=FP32)
     if "precision_aware_optimizer" in s and not base.precision_aware:
-        out = replace(out, precision_aware=True, state_bytes=BF16, dist_optimizer=True)
+        # bf16 parameters (not FP8/FP4, not FSDP's or the CPU optimizer's own masters): FusedAdam keeps int16
+        # remainders of the fp32 masters (from_config.master_bytes)
+        remainders = (out.fsdp is None and out.param_bytes == BF16 and out.dtype_bytes == BF16
+                      and not out.optimizer_offload)
+        out = replace(out, precision_aware=True, state_bytes=BF16, dist_optimizer=True,
+                      master_bytes=BF16 if remainders else out.master_bytes)
     if "fine_grained_offload" in s and base.fine_grained_offload is None:
         moe = any("moe" in k for k in layer_kinds(shape))
         out = replace(out, fine_grained_offload=FineGrainedOffload(search_offload_modules(moe),
