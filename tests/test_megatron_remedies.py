@@ -229,9 +229,10 @@ def test_recommend_answers_in_the_jobs_flags_each_step_validated(bridge, jobs):
 
 
 def test_search_answers_in_the_jobs_flags_each_result_validated(bridge, jobs):
-    rc, data = run_json(["plan", "--search", "--megatron-args", str(GPT), "--gpu-memory", "16GiB", "--top", "4"])
+    # --top 8: the precision-aware optimizer (no step-time cost) doubles each of the cheapest layouts
+    rc, data = run_json(["plan", "--search", "--megatron-args", str(GPT), "--gpu-memory", "16GiB", "--top", "8"])
     # the job sets --delay-wgrad-compute, which the plan does not model: each layout fits in the modelled part only
-    assert rc == 4 and data["fit"] == "unknown" and len(data["results"]) == 4
+    assert rc == 4 and data["fit"] == "unknown" and len(data["results"]) == 8
     for r in data["results"]:
         m = r["megatron"]
         assert m["ok"] and "train.py" not in r["command"] and r["command"] == m["text"]
@@ -319,3 +320,18 @@ def test_a_dump_on_standard_input_says_to_save_the_log(bridge):
     data = json.loads(out.stdout)
     assert out.returncode == 0 and "standard input, which cannot be read twice" in data["savings"]
     assert data["next_command"] is None or "train.py" not in data["next_command"]
+
+
+def test_a_job_without_transformer_engine_is_not_offered_its_fused_adam(bridge, jobs):
+    """--transformer-impl local (Megatron-LM's implementation before TE): the precision-aware optimizer, which
+    megatron-core will not start without TE's FusedAdam, is not a step, a search result or a remedy for it; a job on
+    TE is offered it."""
+    local = HERE / "gpt2_774m_v100.sh"
+    rc, data = run_json(["recommend", "--megatron-args", str(local), "--gpu-memory", "32GiB", "--gpu-arch", "V100"])
+    assert rc == 0 and "precision-aware" not in data["command"] and "--exp-avg-dtype" not in data["command"]
+    assert not any("precision_aware_optimizer" in a["step"] for s in data["steps"] for a in s.get("alternatives", []))
+    rc, found = run_json(["plan", "--search", "--megatron-args", str(local), "--gpu-memory", "32GiB", "--top", "6"])
+    # (optimizer offload's own --use-precision-aware-optimizer runs the CPU optimizer, without TE: it stays)
+    assert found["results"] and not any("precision_aware_optimizer" in r["overlays"] for r in found["results"])
+    rc, te_job = run_json(["plan", "--search", "--megatron-args", str(GPT), "--gpu-memory", "16GiB", "--top", "8"])
+    assert any("precision_aware_optimizer" in r["overlays"] for r in te_job["results"])

@@ -37,9 +37,13 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
     # How a remedy's command was checked is said where it differs from how the next command was: one job's
     # remedies are mostly checked the same way, and eight copies of that line bury the remedies.
     said = d.command_check if d.next_command else None
+    folded = []
 
     def checked(check: Any) -> list[str]:
-        return [] if check == said else [f"   checked: {check}"]
+        if check == said:
+            folded.append(check)
+            return []
+        return [f"   checked: {check}"]
     for i, r in enumerate(d.remedies, 1):
         saves = "" if r["saves_bytes"] is None else f"; saves {gib(r['saves_bytes'])}"
         remedies.append(f"{i}. {r['name']}: {r['action']}" + (f" (cost: {r['cost']}{saves})" if r["cost"] or saves else ""))
@@ -62,7 +66,7 @@ def render(d: Diagnosis, f: Findings, verbose: bool = False) -> str:
         elif r.get("check"):
             remedies.append(f"   not possible here: {r['check']}")
     title = "remedies, in order" if d.verdict != "reported" else "changes, in order"
-    if remedies and d.next_command and d.command_check:
+    if folded:
         title += " (each command checked as the next command, unless it says otherwise)"
     lines += section(title, remedies, marker="")
     if d.savings:

@@ -36,6 +36,13 @@ class _Refusal:
     check: str = "megatron-core"
 
 
+# megatron-core's OptimizerConfig imports TE's FusedAdam for --use-precision-aware-optimizer and refuses to start
+# without it (optimizer_config.py:446-467). A job that runs --transformer-impl local says nothing of TE being on its
+# nodes (Megatron-LM's default implementation before TE), so that remedy is not offered to it unasked.
+TE_LESS_JOB = ("the precision-aware optimizer needs Transformer Engine's FusedAdam (megatron-core refuses to start "
+               "without it), and this job runs --transformer-impl local, without Transformer Engine")
+
+
 class MegatronTarget:
     """A Megatron-LM job as the ladder's and the search's ``target``: candidates realized on ``job.config`` with the
     job's environment, their changes turned into the job's flags and validated (``change``), the result kept on the
@@ -79,6 +86,9 @@ class MegatronTarget:
         """steps.realize with the job's environment and our rules (Bridge's validation is not the job's: it runs
         with Megatron-LM, whose validate_args checks the flags), then the flags; raises Rejected."""
         del validate
+        if ("precision_aware_optimizer" in cand.overlays and "precision_aware_optimizer" not in start.overlays
+                and str(getattr(self.job.config.model, "transformer_impl", "")) == "local"):
+            raise Rejected(TE_LESS_JOB, _Refusal(TE_LESS_JOB))
         work, report = realize(cfg, start, cand, world, catalog=catalog, validate=False, env=self.env)
         change = self.change(report, cand)
         if not change.ok:
