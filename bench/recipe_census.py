@@ -31,7 +31,6 @@ import collections
 import importlib
 import inspect
 import json
-import math
 import os
 import pkgutil
 import re
@@ -47,10 +46,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from mbmem_overlays.bridge.recipes import BRIDGE_RECIPE_PACKAGES  # noqa: E402
+from mbmem_overlays.bridge.recipes import BRIDGE_RECIPE_PACKAGES, recipe_world_size  # noqa: E402,F401
 
 DEFAULT_TIMEOUT_S = 60.0
-GPU_COUNT = re.compile(r"_(\d+)gpu_")
 
 
 @dataclass
@@ -111,27 +109,6 @@ def recipe_functions() -> dict[Any, list[str]]:
 
 
 # ----------------------------------------------------------------------------- world size and GPU
-def recipe_world_size(names: list[str], model: Any) -> tuple[int, str]:
-    """(world size, where it came from): the ``Ngpu`` of a name when the layout can run on it (TP*PP*CP and
-    EP*ETP*PP both divide it: parallel_state.initialize_model_parallel's two decompositions), else the smallest
-    world both divide."""
-    tp = model.tensor_model_parallel_size or 1
-    pp = model.pipeline_model_parallel_size or 1
-    cp = model.context_parallel_size or 1
-    ep = getattr(model, "expert_model_parallel_size", 1) or 1
-    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
-    dense, expert = tp * pp * cp, ep * etp * pp
-    smallest = math.lcm(dense, expert)
-    for name in names:
-        m = GPU_COUNT.search(name.rpartition(".")[2])
-        if m:
-            n = int(m.group(1))
-            if n % smallest == 0:
-                return n, f"{m.group(1)}gpu in the name"
-            return smallest, f"the layout (the name's {m.group(1)}gpu is not a multiple of TP*PP*CP={dense} and EP*ETP*PP={expert})"
-    return smallest, f"the layout (TP*PP*CP={dense}, EP*ETP*PP={expert}; no Ngpu in the name)"
-
-
 def recipe_gpu_arch(fn: Any) -> int:
     """The compute capability a recipe is planned at: the GPU of the platform its name or defining module names
     (bridge/recipes.py named_platform, the lookup `mbmem plan --recipe` makes), else the CLI's default (H100)."""

@@ -390,3 +390,26 @@ def test_a_step_is_taken_out_only_where_no_later_step_changed_what_it_set():
     widened = c3.plus("selective_recompute", params={"modules": ["core_attn", "mlp"]})
     assert _without_step(widened, c0, c1) is None                 # a later step widened the same overlay
     assert _without_step(c3, c1, c1) is None                      # a step that added nothing: nothing to take out
+
+
+# ----------------------------------------------------------------------------- the world size a recipe is named for
+@pytest.mark.bridge
+def test_without_world_size_a_recipe_is_planned_at_the_gpu_count_of_its_name(bridge, capsys):
+    """llama3_70b_sft is Bridge's llama3_70b_sft_32gpu_h100_bf16_config: 32 GPUs, said in the assumptions; a recipe
+    whose layout does not run on its name's count, or whose name has none, asks for --world-size (exit 2)."""
+    from mbmem_overlays.bridge.recipes import named_world_size, recipe_world_size
+    rc, d = cli_json(capsys, "plan", "--recipe", "llama3_70b_sft", "--gpu-memory", "80GiB")
+    assert rc == 0 and d["world_size"] == 32 and d["layout"]["tp"] * d["layout"]["pp"] * d["layout"]["dp"] == 32
+    assert any("world size 32: the 32gpu in the name" in a for a in d["assumptions"])
+    rc, r = cli_json(capsys, "recommend", "--recipe", "llama3_8b_pretrain", "--gpu-memory", "200GiB")
+    assert rc == 0 and r["world_size"] == 2
+    from types import SimpleNamespace as NS
+    m = NS(tensor_model_parallel_size=4, pipeline_model_parallel_size=1, context_parallel_size=1)
+    assert recipe_world_size(["x.y_6gpu_h100_config"], m)[0] == 4
+    world, why = named_world_size("llama3_8b_pretrain", NS(tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
+                                                           context_parallel_size=1))
+    assert world is None and "smallest world it allows is 16" in why
+    assert main(["plan", "--recipe", "llama3_8b_pretrain", "--set", "model.tensor_model_parallel_size=4",
+                 "--set", "model.pipeline_model_parallel_size=4", "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert "--world-size is required for llama3_8b_pretrain" in json.dumps(err)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import os
 import re
 import sys
@@ -371,3 +372,45 @@ def gpu_arch_for(recipe: str | None, given: int | None, default: int = 9) -> dic
             "assumption": f"{lead}GPUs of compute capability {default}"
                           + {8: " (A100)", 9: " (H100/H200)", 10: " (B200/GB200)"}.get(default, "") + " assumed"
                           + ("; --gpu-arch to change" if found is not None else "")}
+
+
+# ----------------------------------------------------------------------------- the world size a recipe is named for
+GPU_COUNT = re.compile(r"_(\d+)gpu_")
+
+
+def recipe_world_size(names: list[str], model: Any) -> tuple[int, str]:
+    """(world size, where it came from): the ``Ngpu`` of a name when the layout can run on it (TP*PP*CP and
+    EP*ETP*PP both divide it: parallel_state.initialize_model_parallel's two decompositions), else the smallest
+    world both divide."""
+    tp = model.tensor_model_parallel_size or 1
+    pp = model.pipeline_model_parallel_size or 1
+    cp = model.context_parallel_size or 1
+    ep = getattr(model, "expert_model_parallel_size", 1) or 1
+    etp = getattr(model, "expert_tensor_parallel_size", None) or tp
+    dense, expert = tp * pp * cp, ep * etp * pp
+    smallest = math.lcm(dense, expert)
+    for name in names:
+        m = GPU_COUNT.search(name.rpartition(".")[2])
+        if m:
+            n = int(m.group(1))
+            if n % smallest == 0:
+                return n, f"{m.group(1)}gpu in the name"
+            return smallest, f"the layout (the name's {m.group(1)}gpu is not a multiple of TP*PP*CP={dense} and EP*ETP*PP={expert})"
+    return smallest, f"the layout (TP*PP*CP={dense}, EP*ETP*PP={expert}; no Ngpu in the name)"
+
+
+def recipe_names(name: str) -> list[str]:
+    """The names a recipe goes by: the one given, and the function's own (``llama3_70b_sft`` is
+    ``llama3_70b_sft_32gpu_h100_bf16_config``), where its GPU count is written."""
+    fn = _recipe_function(name)
+    return [name, f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}"]
+
+
+def named_world_size(name: str, model: Any) -> tuple[int | None, str]:
+    """(world size, why) for a plan of recipe ``name`` without --world-size: the ``Ngpu`` its names carry, where
+    the recipe's layout can run on it (recipe_world_size); None, with what the layout needs, otherwise."""
+    world, why = recipe_world_size(recipe_names(name), model)
+    if why.endswith("gpu in the name"):
+        return world, why
+    return None, f"the recipe's name gives no GPU count its layout runs on; {why.removeprefix('the layout ')}: " \
+                  f"the smallest world it allows is {world}"

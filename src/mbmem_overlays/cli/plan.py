@@ -95,7 +95,9 @@ def checked_args(args, *, capacity_required: str | None) -> dict[str, Any]:
 
     ``capacity_required``: why --gpu-memory is needed here (None: it is optional)."""
     out: dict[str, Any] = {}
-    found = {"world": count_option("--world-size", args.world_size), "capacity": capacity_option(args.gpu_memory),
+    # no --world-size: the GPU count the recipe is named for, read once it is built (world_for)
+    world = count_option("--world-size", args.world_size) if args.world_size is not None else (None, None)
+    found = {"world": world, "capacity": capacity_option(args.gpu_memory),
              "margin": margin_option(args.margin)}
     if getattr(args, "top", None) is not None:
         found["top"] = count_option("--top", args.top, MAX_TOP)
@@ -157,6 +159,20 @@ def build_start(args, checked: dict[str, Any]):
     return cfg, start
 
 
+def world_for(args, cfg, checked: dict[str, Any]) -> dict[str, Any]:
+    """``checked`` with the world size: --world-size, else the ``Ngpu`` the recipe is named for where its layout
+    runs on it (bridge/recipes.py named_world_size), said in ``world_note``; raises UsageError (exit 2) where the
+    name gives none."""
+    if checked["world"] is not None:
+        return checked
+    from ..bridge.recipes import named_world_size
+    world, why = named_world_size(args.recipe, cfg.model)
+    if world is None:
+        raise UsageError([_problem("--world-size", None, f"--world-size is required for {args.recipe}: {why}",
+                                   "add the job's GPU count, e.g. --world-size 8")])
+    return {**checked, "world": world, "world_note": f"world size {world}: the {why} (--world-size not given)"}
+
+
 def breakdown_dict(b) -> dict[str, int]:
     return {k: int(v) for k, v in b.as_dict().items()}
 
@@ -175,6 +191,7 @@ def run(args) -> int:
         return fail(args, exc, EXIT_USAGE)
     try:
         cfg, start = build_start(args, checked)
+        checked = world_for(args, cfg, checked)
         return run_search(args, cfg, start, checked) if args.search else run_plan(args, cfg, start, checked)
     except UsageError as exc:  # the plot path, refused at the moment of writing
         return fail(args, exc, EXIT_USAGE)
@@ -210,8 +227,9 @@ def run_plan(args, cfg, start, checked) -> int:
     plan = build_plan(cfg, list(start.overlays), world=checked["world"], recipe=args.recipe, params=start.params,
                       capacity=checked["capacity"], margin=checked["margin"], locked=start.locked,
                       catalog=checked["catalog"], arch=gpu["compute_capability"])
-    if gpu["assumption"]:
-        plan = dataclasses.replace(plan, assumptions=plan.assumptions + (gpu["assumption"],))
+    said = tuple(n for n in (gpu["assumption"], checked.get("world_note")) if n)
+    if said:
+        plan = dataclasses.replace(plan, assumptions=plan.assumptions + said)
     if args.plot:
         write_plot(args, lambda: plan_figure(plan))
     if args.json:
@@ -244,14 +262,16 @@ def run_search(args, cfg, start, checked) -> int:
             capacity=capacity, margin=margin))
     if args.json:
         emit(args, {**{k: v for k, v in found.items() if k != "results"}, "capacity_bytes": int(capacity),
-                    "margin": margin, "world_size": world, "gpu_arch": arch_json(gpu),
-                    "plot": args.plot if results else None,
+                    "margin": margin, "world_size": world, "world_size_from": checked.get("world_note"),
+                    "gpu_arch": arch_json(gpu), "plot": args.plot if results else None,
                     "results": [{**{k: v for k, v in r.items() if k != "breakdown"},
                                  "breakdown": breakdown_dict(r["breakdown"])} for r in results]})
         return search_exit(found)
     print(render_search(found, capacity, margin))
     if arch_note(gpu):
         print(arch_note(gpu))
+    if checked.get("world_note"):
+        print(f"assumed: {checked['world_note']}")
     if args.plot and results:
         print(f"plot: {args.plot}")
     return search_exit(found)

@@ -8,7 +8,7 @@ from ..core.errors import OverlayError
 from .common import EXIT_REJECTED, EXIT_USAGE, UsageError, usage_problem
 from ..core.text import shown
 from .plan import (add_memory_options, arch_json, arch_note, breakdown_dict, build_start, checked_args, emit, fail,
-                   gpu_arch_for, write_plot)
+                   gpu_arch_for, world_for, write_plot)
 
 
 def register(sub) -> None:
@@ -35,7 +35,7 @@ def run(args) -> int:
         return fail(args, exc, EXIT_USAGE)
     try:
         cfg, start = build_start(args, checked)
-        return recommend_and_print(args, cfg, start, checked)
+        return recommend_and_print(args, cfg, start, world_for(args, cfg, checked))
     except UsageError as exc:  # the plot path, refused at the moment of writing
         return fail(args, exc, EXIT_USAGE)
     except OverlayError as exc:
@@ -52,7 +52,12 @@ def recommend_and_print(args, cfg, start, checked) -> int:
                         arch=gpu["compute_capability"])
     return print_recommendation(args, rec, world=world, render=render_recommendation,
                                 title=f"{args.recipe}, world size {world}: the memory ladder, step by step",
-                                extra={"gpu_arch": arch_json(gpu)}, lines=[n for n in [arch_note(gpu)] if n])
+                                extra={"gpu_arch": arch_json(gpu)},
+                                lines=[n for n in [arch_note(gpu), _assumed(checked.get("world_note"))] if n])
+
+
+def _assumed(note: str | None) -> str | None:
+    return f"assumed: {note}" if note else None
 
 
 def print_recommendation(args, rec: dict, *, world: int, render, title: str, extra: dict | None = None,
