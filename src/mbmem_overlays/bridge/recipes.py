@@ -410,7 +410,7 @@ def named_world_size(name: str, model: Any) -> tuple[int | None, str]:
     """(world size, why) for a plan of recipe ``name`` without --world-size: the ``Ngpu`` its names carry, where
     the recipe's layout can run on it (recipe_world_size); None, with what the layout needs, otherwise."""
     world, why = recipe_world_size(recipe_names(name), model)
-    if why.endswith("gpu in the name"):
+    if why.endswith("gpu in the name") and world <= MAX_WORLD_SIZE:   # --world-size's own bound
         return world, why
     return None, f"the recipe's name gives no GPU count its layout runs on; {why.removeprefix('the layout ')}: " \
                   f"the smallest world it allows is {world}"
