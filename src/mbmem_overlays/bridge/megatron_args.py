@@ -1419,13 +1419,16 @@ def _optimizer_config(args: argparse.Namespace, from_args: Any) -> Any:
             raise
     optimizer = bc.OptimizerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(OptimizerConfig)
                                       if f.init and f.name in bridge_fields and hasattr(args, f.name)})
-    from .as_run import _te_as_on_gpu_nodes
-    with _te_as_on_gpu_nodes():
-        try:
-            optimizer.finalize()
-        except RuntimeError as exc:
-            if not any(marker in str(exc) for marker in TE_MARKERS):
-                raise
+    import megatron.core.optimizer.optimizer_config as optimizer_config
+    original = optimizer_config.is_te_min_version
+    optimizer_config.is_te_min_version = _te_min_version(te_version()[0])   # :438-439 asks it, as on the GPU nodes
+    try:
+        optimizer.finalize()
+    except RuntimeError as exc:
+        if not any(marker in str(exc) for marker in TE_MARKERS):
+            raise
+    finally:
+        optimizer_config.is_te_min_version = original
     return optimizer
 
 
