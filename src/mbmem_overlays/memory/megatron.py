@@ -89,7 +89,7 @@ class MegatronTarget:
         # planned as the printed flags train (bridge/megatron_args.py changed_config): the validated arguments,
         # with what Megatron-LM requires beside the change, rebuilt into the job's configuration
         try:
-            return changed_config(self.job, change, self.vocab), report
+            return changed_config(self.job, change, self.vocab, self.arch), report
         except MegatronArgsError as exc:
             raise Rejected(f"megatron-core cannot build the changed job: {exc.message}",
                            _Refusal(exc.message)) from None
