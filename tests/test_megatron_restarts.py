@@ -195,3 +195,24 @@ def test_what_the_optimizer_changes_need_comes_with_them(bridge, changes, wanted
     # a job that already has the distributed optimizer is not given it again
     sharded = load_job(" ".join(job.argv) + " --use-distributed-optimizer", world_size=2)
     assert "--use-distributed-optimizer" not in overlay_flags(changes, sharded.args).words
+
+
+def test_a_hf_tokenizer_jobs_remedies_are_priced_with_the_vocabulary_its_log_printed(bridge, tmp_path):
+    """A HuggingFaceTokenizer cannot be counted without building it: the vocabulary the log printed (" > padded
+    vocab (size: N) ...") loads the job, and every change to it is rebuilt with the same vocabulary (MegatronJob.vocab),
+    never refused with "cannot be read without building the tokenizer"."""
+    text = (dump(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/models/some-llama", vocab_size=None,
+                 bf16=True, fp16=False, micro_batch_size=4, seq_length=4096, max_position_embeddings=4096)
+            + " > padded vocab (size: 128000) with 0 dummy tokens (new size: 128000)\n" + OOM)
+    log = tmp_path / "hf.log"
+    log.write_text(text)
+    d = json.loads(mbmem("doctor", str(log), "--plan", "--json").stdout)
+    assert d["savings"].startswith("savings from the memory model on the job's own Megatron-LM arguments"), d["savings"]
+    assert not any("without building the tokenizer" in json.dumps(r) for r in d["remedies"])
+    priced = [r for r in d["remedies"] if r.get("megatron", {}).get("ok")]
+    assert {"micro_batch", "full_recompute"} <= {r["name"] for r in priced}
+    from mbmem_overlays.bridge.megatron_args import MegatronArgsError, change_job, load_job
+    job = load_job(text, vocab=128000)
+    assert job.vocab == 128000 and change_job(job, [("train.micro_batch_size", 2)]).ok
+    with pytest.raises(MegatronArgsError, match="without building the tokenizer"):
+        load_job(text)                                      # without the log's figure nothing says the size

@@ -167,6 +167,10 @@ class MegatronJob:
     assumptions: tuple[str, ...] = ()
     args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))   # validated namespace
     translated: tuple[FlagNote, ...] = ()     # an older Megatron-LM release's names, read in 0.19.2's (legacy_values)
+    # the tokenizer's vocabulary the job was loaded with when it was given (load_job's ``vocab``: --tokenizer-vocab,
+    # the log's "padded vocab (size: N)"): every change to the job is rebuilt with it (change_job, changed_config),
+    # since a tokenizer that must be built to count (HuggingFaceTokenizer) cannot be counted here
+    vocab: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"form": self.form, "world_size": self.world_size, "world_from": self.world_from,
@@ -1489,7 +1493,7 @@ def changed_config(job: MegatronJob, change: JobChange, vocab: int | None = None
     the change itself (``MEGATRON_LM_REQUIRES``: ``--use-precision-aware-optimizer`` with optimizer offload), so a
     plan of it is the plan of the words printed. Raises MegatronArgsError."""
     args = argparse.Namespace(**dict(change.args or {}))
-    size, _ = tokenizer_vocab(args, vocab)
+    size, _ = tokenizer_vocab(args, vocab or job.vocab)
     cfg, _ = _mapped(args, job.family, padded_vocab(size, args), arch)
     return cfg
 
@@ -1613,7 +1617,7 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
         env=MappingProxyType(dict(job_env)), family=family,
         unknown=_unknown_notes(unknown, words.form, dump), translated=tuple(translated),
         unsupported=tuple(unsupported), ignored=tuple(ignored),
-        assumptions=tuple(assumptions), args=MappingProxyType(dict(vars(args))))
+        assumptions=tuple(assumptions), args=MappingProxyType(dict(vars(args))), vocab=int(vocab) if vocab else None)
 
 
 # Flags validate_args reads into another argument and keeps (arguments.py validate_args, "Legacy RoPE arguments":
@@ -2034,7 +2038,7 @@ def change_job(job: MegatronJob, changes: Sequence[tuple[str, Any]], *, arch: in
     derived: list[str] = []
     missing: list[str] = []
     if unset:
-        size, _ = tokenizer_vocab(args, vocab)
+        size, _ = tokenizer_vocab(args, vocab or job.vocab)
         rebuilt, _ = config_from_args(args, job.family, padded_vocab(size, args), arch)
         for target, value in unset:
             current = read(rebuilt, target, MISSING)

@@ -44,7 +44,7 @@ class MegatronTarget:
     def __init__(self, job: MegatronJob, *, arch: int | None = None, vocab: int | None = None):
         self.job = job
         self.arch = arch or DEFAULT_ARCH
-        self.vocab = vocab
+        self.vocab = vocab or job.vocab   # the vocabulary the job was loaded with (the log's, --tokenizer-vocab)
         self.env = dict(job.env)
 
     @property
