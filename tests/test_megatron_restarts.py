@@ -128,6 +128,36 @@ def test_two_logs_each_with_a_dump_are_not_restarts_and_stdin_says_it_cannot_be_
     assert "standard input holds 2 starts of the job" in out.stdout + out.stderr
 
 
+def _stamped(text: str, stamp) -> str:
+    return "".join(stamp(i) + line + "\n" for i, line in enumerate(text.splitlines()))
+
+
+@pytest.mark.parametrize("stamp", [
+    # kubectl logs --timestamps (RFC 3339 with nanoseconds, a zero fraction dropped), per line
+    lambda i: f"2025-03-01T08:{i // 60 % 60:02d}:{i % 60:02d}" + (f".{i * 7919 % 10**9}" if i % 3 else "") + "Z ",
+    lambda i: f"[{10 + i // 3600}:{i // 60 % 60:02d}:{i % 60:02d}] ",                              # ts / a logger
+    lambda i: f"[2025-03-01 08:00:{i % 60:02d},{i * 37 % 1000:03d}][INFO][arguments:{100 + i}] - ",  # logging
+])
+def test_a_dump_whose_lines_carry_their_own_timestamps_is_read_whole(tmp_path, stamp):
+    """Each line's own time of day: the header's prefix is a shape, not a string (bridge/megatron_args.py
+    _stamp_shape); before, only the lines stamped like the header were read and the rest fell to defaults."""
+    from mbmem_overlays.bridge.megatron_args import dump_values
+    plain, _ = dump_values(dump(micro_batch_size=3))
+    values, _ = dump_values(_stamped(dump(micro_batch_size=3), stamp))
+    assert values == plain and values["micro_batch_size"] == "3"
+    log = tmp_path / "stamped.log"
+    log.write_text(_stamped(dump(micro_batch_size=3) + OOM, stamp))
+    assert scan([str(log)]).config["micro_batch_size"].value == "3"
+
+
+def test_a_rank_tag_prefix_is_still_taken_as_printed():
+    """A prefix without a time ([default0]:) is not a shape: another rank's line inside rank 0's dump is skipped."""
+    from mbmem_overlays.bridge.megatron_args import dump_values
+    text = dump("[default0]:", micro_batch_size=3).replace(
+        "[default0]:  micro_batch_size", "[default5]:  micro_batch_size ..... 99\n[default0]:  micro_batch_size", 1)
+    assert dump_values(text)[0]["micro_batch_size"] == "3"
+
+
 # ----------------------------------------------------------------------------- megatron-core (Bridge)
 def test_doctor_plan_plans_the_latest_starts_dump(bridge, tmp_path):
     log = tmp_path / "slurm-4242.out"

@@ -473,6 +473,7 @@ def dump_values(text: str) -> tuple[dict[str, str], int]:
     count = sum(1 for _ in zip(_DUMP_HEADERS.finditer(text), range(MAX_DUMP_HEADERS)))
     line_start = text.rfind("\n", 0, header.start()) + 1
     prefix = text[line_start:header.start()]
+    stamped = _stamp_shape(prefix)
     lines = text[header.end():].splitlines()
     values: dict[str, str] = {}
     for line in lines[1:1 + MAX_DUMP_LINES]:
@@ -480,6 +481,8 @@ def dump_values(text: str) -> tuple[dict[str, str], int]:
             break
         if prefix and line.startswith(prefix):
             line = line[len(prefix):]
+        elif stamped is not None and (m := stamped.match(line)):
+            line = line[m.end():]
         m = _DUMP_LINE.match(line.rstrip("\r"))
         if m and m.group(1) not in values:
             values[m.group(1)] = m.group(2)
@@ -487,6 +490,24 @@ def dump_values(text: str) -> tuple[dict[str, str], int]:
         raise MegatronArgsError("the arguments dump has no 'end of arguments' line (the log is cut inside it)",
                                 "give the whole head of the log")
     return values, count
+
+
+_CLOCK = re.compile(r"\d{1,2}:\d{2}:\d{2}")
+
+
+def _stamp_shape(prefix: str) -> re.Pattern | None:
+    """The shape of a dump header's prefix that holds a time of day (``kubectl logs --timestamps``' RFC 3339 stamp,
+    ``docker logs -t``, ``ts``, a logging format's ``[10:50:42]``), whose digits change from line to line: the prefix
+    with each run of digits any run of digits, and a fraction of a second optional (RFC 3339 with nanoseconds drops
+    a zero fraction). None for a prefix without a time (``[default0]:``, ``0: ``): those are taken as printed, so
+    another rank's line inside the dump is never read as the dump's."""
+    if not _CLOCK.search(prefix) or len(prefix) > 256:
+        return None
+    shape = re.sub(r"\\\.\d+|,\d+|\d+", lambda m: r"(?:[.,]\d+)?" if m.group()[0] in "\\," else r"\d+",
+                   re.escape(prefix))
+    clock = r"\d+:\d+:\d+"   # a time of day printed without its fraction may carry one on the next line
+    shape = re.sub(re.escape(clock) + r"(?!\(\?:\[\.,\]\\d\+\)\?)", lambda m: clock + r"(?:[.,]\d+)?", shape)
+    return re.compile(shape)
 
 
 def dump_words(text: str) -> JobWords:
