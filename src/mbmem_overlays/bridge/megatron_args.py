@@ -167,6 +167,10 @@ class MegatronJob:
     assumptions: tuple[str, ...] = ()
     args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))   # validated namespace
     translated: tuple[FlagNote, ...] = ()     # an older Megatron-LM release's names, read in 0.19.2's (legacy_values)
+    # the tokenizer's vocabulary the job was loaded with when it was given (load_job's ``vocab``: --tokenizer-vocab,
+    # the log's "padded vocab (size: N)"): every change to the job is rebuilt with it (change_job, changed_config),
+    # since a tokenizer that must be built to count (HuggingFaceTokenizer) cannot be counted here
+    vocab: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"form": self.form, "world_size": self.world_size, "world_from": self.world_from,
@@ -469,6 +473,7 @@ def dump_values(text: str) -> tuple[dict[str, str], int]:
     count = sum(1 for _ in zip(_DUMP_HEADERS.finditer(text), range(MAX_DUMP_HEADERS)))
     line_start = text.rfind("\n", 0, header.start()) + 1
     prefix = text[line_start:header.start()]
+    stamped = _stamp_shape(prefix)
     lines = text[header.end():].splitlines()
     values: dict[str, str] = {}
     for line in lines[1:1 + MAX_DUMP_LINES]:
@@ -476,6 +481,8 @@ def dump_values(text: str) -> tuple[dict[str, str], int]:
             break
         if prefix and line.startswith(prefix):
             line = line[len(prefix):]
+        elif stamped is not None and (m := stamped.match(line)):
+            line = line[m.end():]
         m = _DUMP_LINE.match(line.rstrip("\r"))
         if m and m.group(1) not in values:
             values[m.group(1)] = m.group(2)
@@ -483,6 +490,24 @@ def dump_values(text: str) -> tuple[dict[str, str], int]:
         raise MegatronArgsError("the arguments dump has no 'end of arguments' line (the log is cut inside it)",
                                 "give the whole head of the log")
     return values, count
+
+
+_CLOCK = re.compile(r"\d{1,2}:\d{2}:\d{2}")
+
+
+def _stamp_shape(prefix: str) -> re.Pattern | None:
+    """The shape of a dump header's prefix that holds a time of day (``kubectl logs --timestamps``' RFC 3339 stamp,
+    ``docker logs -t``, ``ts``, a logging format's ``[10:50:42]``), whose digits change from line to line: the prefix
+    with each run of digits any run of digits, and a fraction of a second optional (RFC 3339 with nanoseconds drops
+    a zero fraction). None for a prefix without a time (``[default0]:``, ``0: ``): those are taken as printed, so
+    another rank's line inside the dump is never read as the dump's."""
+    if not _CLOCK.search(prefix) or len(prefix) > 256:
+        return None
+    shape = re.sub(r"\\\.\d+|,\d+|\d+", lambda m: r"(?:[.,]\d+)?" if m.group()[0] in "\\," else r"\d+",
+                   re.escape(prefix))
+    clock = r"\d+:\d+:\d+"   # a time of day printed without its fraction may carry one on the next line
+    shape = re.sub(re.escape(clock) + r"(?!\(\?:\[\.,\]\\d\+\)\?)", lambda m: clock + r"(?:[.,]\d+)?", shape)
+    return re.compile(shape)
 
 
 def dump_words(text: str) -> JobWords:
@@ -776,6 +801,63 @@ def _te_min_version(te: str):
     def is_te_min_version(version: str, check_equality: bool = True) -> bool:
         return Version(te) >= Version(version) if check_equality else Version(te) > Version(version)
     return is_te_min_version
+
+
+# Transformer Engine's FusedAdam, as megatron-core's OptimizerConfig.__post_init__ asks for it when the
+# precision-aware optimizer is on (core/optimizer/optimizer_config.py:446-467: it imports
+# transformer_engine.pytorch.optimizers.FusedAdam and asserts these keyword names in its signature). TE lives on the
+# job's GPU nodes, not on a planning host: there the import fails and the job would be refused for what this host
+# lacks. TE >= 2.1 (ASSUMED_TE_VERSION) takes them all.
+_FUSED_ADAM_MODULES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers")
+TE_MIN_ARCH = 8   # Transformer Engine's support matrix starts at compute capability 8.0 (Ampere)
+TE_FUSED_ADAM_NOTE = ("Transformer Engine's FusedAdam check (megatron-core optimizer_config.py:446-467) is left to "
+                      f"the GPU nodes: TE is not installed here, TE {ASSUMED_TE_VERSION}'s is assumed")
+
+
+def te_installed() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _fused_adam_as_on_gpu_nodes(args: argparse.Namespace, arch: int = DEFAULT_ARCH):
+    """While megatron-core builds the OptimizerConfig of a job with the precision-aware optimizer (and no optimizer
+    offload, which skips the check) on a host without TE, for GPUs TE supports (compute capability >= 8: TE's
+    support matrix, nvidia.github.io/TransformerEngine/support_matrix.html, starts at Ampere): its FusedAdam check
+    sees the signature TE has on the GPU nodes, and its is_te_min_version the assumed TE version (as validate_args
+    is asked, validation_env). Only the three module names the check imports are bound, only for this block, and
+    only when TE is not installed; using the placeholder raises. Restored whatever happens. On older GPUs nothing is
+    assumed: megatron-core's own refusal stands."""
+    if not getattr(args, "use_precision_aware_optimizer", False) or getattr(args, "optimizer_cpu_offload", False) \
+            or te_installed() or arch < TE_MIN_ARCH:
+        yield
+        return
+    import types
+
+    import megatron.core.optimizer.optimizer_config as optimizer_config
+    te_version()   # megatron-core caches the installed version (0.0.0) before anything is bound
+
+    def FusedAdam(params=None, *, master_weight_dtype=None, exp_avg_dtype=None, exp_avg_sq_dtype=None,  # noqa: N802
+                  use_decoupled_grad=False, **kwargs):
+        from .te_compat import TransformerEngineMissing
+        raise TransformerEngineMissing("FusedAdam needs Transformer Engine, which is not installed on this host")
+
+    bound = [name for name in _FUSED_ADAM_MODULES if name not in sys.modules]
+    modules = {name: types.ModuleType(name) for name in bound}
+    if "transformer_engine.pytorch.optimizers" in modules:
+        modules["transformer_engine.pytorch.optimizers"].FusedAdam = FusedAdam
+    original = optimizer_config.is_te_min_version
+    try:
+        sys.modules.update(modules)
+        optimizer_config.is_te_min_version = _te_min_version(ASSUMED_TE_VERSION)
+        yield
+    finally:
+        optimizer_config.is_te_min_version = original
+        for name in bound:
+            sys.modules.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -1339,8 +1421,10 @@ def model_family(args: argparse.Namespace, script: str = "") -> str:
     return "gpt"
 
 
-def config_from_args(args: argparse.Namespace, family: str, vocab: int) -> tuple[Any, set[str]]:
-    """(Bridge ConfigContainer, names of the namespace it read) for a validated Megatron-LM namespace."""
+def config_from_args(args: argparse.Namespace, family: str, vocab: int,
+                     arch: int = DEFAULT_ARCH) -> tuple[Any, set[str]]:
+    """(Bridge ConfigContainer, names of the namespace it read) for a validated Megatron-LM namespace, on GPUs of
+    compute capability ``arch``."""
     from megatron.training.arguments import core_transformer_config_from_args
     from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
 
@@ -1376,8 +1460,11 @@ def config_from_args(args: argparse.Namespace, family: str, vocab: int) -> tuple
                 setattr(model, name, value)
         if family == "hybrid":
             model.hybrid_override_pattern = None
-        optimizer = _optimizer_config(args, get_megatron_optimizer_config)
-        used |= {f.name for f in dataclasses.fields(optimizer) if f.name in vars(args)}
+        with _fused_adam_as_on_gpu_nodes(args, arch):
+            opt, _ = get_megatron_optimizer_config(args)
+        optimizer = bc.OptimizerConfig(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.init
+                                          and f.name in {g.name for g in dataclasses.fields(bc.OptimizerConfig)}})
+        used |= {f.name for f in dataclasses.fields(opt) if f.name in vars(args)}
         ddp_src = get_megatron_ddp_config(args)
         ddp_names = {g.name for g in dataclasses.fields(bc.DistributedDataParallelConfig) if g.init}
         ddp = bc.DistributedDataParallelConfig(**{f.name: getattr(ddp_src, f.name) for f in dataclasses.fields(ddp_src)
@@ -1398,46 +1485,12 @@ def config_from_args(args: argparse.Namespace, family: str, vocab: int) -> tuple
     return cfg, used
 
 
-def _optimizer_config(args: argparse.Namespace, from_args: Any) -> Any:
-    """Bridge's OptimizerConfig of the job: megatron-core's own (training.py get_megatron_optimizer_config, its
-    __post_init__ run) copied into Bridge's class. Where that __post_init__ stops at a check of Transformer Engine
-    this host lacks (``--use-precision-aware-optimizer`` imports TE's FusedAdam, optimizer_config.py:446-467), the
-    same fields (training.py:1965-1969) go into Bridge's class and its deferred __post_init__ runs with TE's
-    version as on the GPU nodes: what it derives (use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-    store_param_remainders) comes before that check, as the job's own config has it; the check itself is one
-    the GPU nodes pass, so the job is not refused for it here."""
-    import megatron.bridge.training.config as bc
-    from megatron.core.optimizer import OptimizerConfig
-    from .validation import TE_MARKERS
-    bridge_fields = {g.name for g in dataclasses.fields(bc.OptimizerConfig) if g.init}
-    try:
-        opt, _ = from_args(args)
-        return bc.OptimizerConfig(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.init
-                                     and f.name in bridge_fields})
-    except RuntimeError as exc:
-        if not any(marker in str(exc) for marker in TE_MARKERS):
-            raise
-    optimizer = bc.OptimizerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(OptimizerConfig)
-                                      if f.init and f.name in bridge_fields and hasattr(args, f.name)})
-    import megatron.core.optimizer.optimizer_config as optimizer_config
-    original = optimizer_config.is_te_min_version
-    optimizer_config.is_te_min_version = _te_min_version(te_version()[0])   # :438-439 asks it, as on the GPU nodes
-    try:
-        optimizer.finalize()
-    except RuntimeError as exc:
-        if not any(marker in str(exc) for marker in TE_MARKERS):
-            raise
-    finally:
-        optimizer_config.is_te_min_version = original
-    return optimizer
-
-
-def _mapped(args: argparse.Namespace, family: str, vocab: int) -> tuple[Any, set[str]]:
+def _mapped(args: argparse.Namespace, family: str, vocab: int, arch: int = DEFAULT_ARCH) -> tuple[Any, set[str]]:
     """config_from_args, whatever megatron-core's config classes raise on a namespace validate_args passed (their
     own __post_init__ checks) as one MegatronArgsError (exit 1), files they read bounded (_bounded_reads)."""
     try:
         with _bounded_reads():
-            return config_from_args(args, family, vocab)
+            return config_from_args(args, family, vocab, arch)
     except _Refusal as exc:
         raise exc.error from None
     except MegatronArgsError:
@@ -1446,18 +1499,23 @@ def _mapped(args: argparse.Namespace, family: str, vocab: int) -> tuple[Any, set
         raise MegatronArgsError(f"megatron-core cannot read a file the arguments name while it builds the job's "
                                 f"config: {_exc_text(exc)}", "plan where the file is, or give its path here") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - megatron-core's config refuses the job
+        if "FusedAdam from TransformerEngine" in str(exc) and arch < TE_MIN_ARCH and not te_installed():
+            raise MegatronArgsError(
+                f"the precision-aware optimizer needs Transformer Engine's FusedAdam (megatron-core "
+                f"optimizer_config.py:446-467), and TE's support matrix starts at compute capability {TE_MIN_ARCH}.0: "
+                f"the job's GPUs are {arch}.x", "give --gpu-arch if the GPUs are newer", rejected=True) from None
         raise MegatronArgsError(f"megatron-core's configuration refuses the job: {_exc_text(exc)}",
                                 "fix the arguments as the message says", rejected=True) from None
 
 
-def changed_config(job: MegatronJob, change: JobChange, vocab: int | None = None) -> Any:
+def changed_config(job: MegatronJob, change: JobChange, vocab: int | None = None, arch: int = DEFAULT_ARCH) -> Any:
     """The job's configuration after a validated change, rebuilt from the arguments megatron-core validated
     (``change.args``) as load_job builds it: what the printed flags train, including what Megatron-LM needs beyond
     the change itself (``MEGATRON_LM_REQUIRES``: ``--use-precision-aware-optimizer`` with optimizer offload), so a
     plan of it is the plan of the words printed. Raises MegatronArgsError."""
     args = argparse.Namespace(**dict(change.args or {}))
-    size, _ = tokenizer_vocab(args, vocab)
-    cfg, _ = _mapped(args, job.family, padded_vocab(size, args))
+    size, _ = tokenizer_vocab(args, vocab or job.vocab)
+    cfg, _ = _mapped(args, job.family, padded_vocab(size, args), arch)
     return cfg
 
 
@@ -1537,7 +1595,7 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     family = model_family(args, script or words.script)
     size, how = tokenizer_vocab(args, vocab)
     padded = padded_vocab(size, args)
-    cfg, used = _mapped(args, family, padded)
+    cfg, used = _mapped(args, family, padded, arch)
     groups = group_of(parser)
     actions = actions_by_dest(parser)
     given = _given_dests(argv, parser)
@@ -1565,6 +1623,9 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
     te, installed = te_version()
     assumptions.append(f"validate_args asked as with Transformer Engine {te} where it checks TE's version"
                        + ("" if installed else " (TE is not installed here: the version Megatron Bridge 0.6.2 pins)"))
+    if getattr(args, "use_precision_aware_optimizer", False) and not getattr(args, "optimizer_cpu_offload", False) \
+            and not te_installed() and arch >= TE_MIN_ARCH:
+        assumptions.append(TE_FUSED_ADAM_NOTE)
     required = env_requirements(argv)
     silent = [k for k in required if k not in job_env]
     if silent:
@@ -1577,7 +1638,7 @@ def _load_job(source, *, world_size, env, arch, vocab, script) -> MegatronJob:
         env=MappingProxyType(dict(job_env)), family=family,
         unknown=_unknown_notes(unknown, words.form, dump), translated=tuple(translated),
         unsupported=tuple(unsupported), ignored=tuple(ignored),
-        assumptions=tuple(assumptions), args=MappingProxyType(dict(vars(args))))
+        assumptions=tuple(assumptions), args=MappingProxyType(dict(vars(args))), vocab=int(vocab) if vocab else None)
 
 
 # Flags validate_args reads into another argument and keeps (arguments.py validate_args, "Legacy RoPE arguments":
@@ -1730,6 +1791,9 @@ def dest_for_field(path: str, parser: argparse.ArgumentParser | None = None) -> 
 MEGATRON_LM_REQUIRES: tuple[tuple[tuple[str, Any], tuple[tuple[str, Any], ...]], ...] = (
     (("use_megatron_fsdp", True), (("ckpt_format", "fsdp_dtensor"),)),
     (("optimizer_cpu_offload", True), (("use_precision_aware_optimizer", True),)),
+    # megatron-core optimizer_config.py:433-436: "--use-precision-aware-optimizer only supported with distributed
+    # optimizer" (after the entry above, so optimizer offload brings both)
+    (("use_precision_aware_optimizer", True), (("use_distributed_optimizer", True),)),
 )
 
 
@@ -1995,8 +2059,8 @@ def change_job(job: MegatronJob, changes: Sequence[tuple[str, Any]], *, arch: in
     derived: list[str] = []
     missing: list[str] = []
     if unset:
-        size, _ = tokenizer_vocab(args, vocab)
-        rebuilt, _ = config_from_args(args, job.family, padded_vocab(size, args))
+        size, _ = tokenizer_vocab(args, vocab or job.vocab)
+        rebuilt, _ = config_from_args(args, job.family, padded_vocab(size, args), arch)
         for target, value in unset:
             current = read(rebuilt, target, MISSING)
             if current is not MISSING and _same(current, value):
@@ -2008,4 +2072,7 @@ def change_job(job: MegatronJob, changes: Sequence[tuple[str, Any]], *, arch: in
                          derived=tuple(derived), reason="no Megatron-LM flag for " + ", ".join(missing))
     if derived:
         check += "; Megatron-LM derives " + ", ".join(derived) + " from these flags"
+    if args.use_precision_aware_optimizer and not args.optimizer_cpu_offload and not te_installed() \
+            and arch >= TE_MIN_ARCH:
+        check += "; " + TE_FUSED_ADAM_NOTE
     return JobChange(**base, ok=True, check=check, derived=tuple(derived), args=MappingProxyType(vars(args)))

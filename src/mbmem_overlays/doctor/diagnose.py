@@ -830,6 +830,18 @@ def _world_reasons(f: Findings, ctx: Context, victims: dict[int, Event]) -> list
         out.append(f"world size {ctx.world} {at(ctx.world_where)}")
     elif f.ooms:
         out.append("world size unknown (no torchrun/Slurm/launcher line in the log)")
+    if len(f.runs) > 1:
+        others = []
+        if f.earlier_failures:
+            others.append(f"failure(s) {', '.join(at(w) for w in f.earlier_failures[:4])}"
+                          f"{' ...' if len(f.earlier_failures) > 4 else ''}")
+        if f.earlier_memory:
+            others.append(f"{f.earlier_memory} memory report(s)")
+        out.append(f"the log holds {len(f.runs)} starts of the job (an arguments dump each, "
+                   f"{', '.join(at(w) for w in f.runs[:4])}{' ...' if len(f.runs) > 4 else ''}): the one from "
+                   f"{at(f.run_read)} is read (its arguments, config, launch command, failures and memory lines); "
+                   "the other starts' are not" + (f": their {' and '.join(others)} are not this diagnosis's"
+                                                  if others else ""))
     if victims and (f.ooms or any(e.family in ("nccl", "workspace", "driver") for e in f.events)):
         ranks = sorted(victims)
         first = victims[ranks[0]]

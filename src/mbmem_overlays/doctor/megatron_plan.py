@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.values import ascii_int
 from . import command as C
 
 GiB = 1 << 30
@@ -26,9 +27,11 @@ class FoundJob:
     prefix: tuple[str, ...] = ()      # launcher words up to the script; () when only the flags can be printed
 
 
-def megatron_dump(paths: list[str]) -> tuple[str, str] | None:
+def megatron_dump(paths: list[str], at: str | None = None) -> tuple[str, str] | None:
     """(path, text) of the first log whose head holds Megatron-LM's ``arguments`` dump (read again, bounded, by
-    bridge/megatron_args.py read_source; standard input cannot be read twice), None when none does."""
+    bridge/megatron_args.py read_source; standard input cannot be read twice), None when none does. ``at``: where
+    the doctor's scan saw the latest start's dump (``Findings.megatron_args``, "LOG:LINE"; a log that holds several
+    starts of the job, parse.py _new_start): that log's text from that line on, so its dump is the one read."""
     from ..bridge.megatron_args import MegatronArgsError, dump_header, read_source
     for path in paths:
         if path == "-":
@@ -37,9 +40,25 @@ def megatron_dump(paths: list[str]) -> tuple[str, str] | None:
             text = read_source(path)
         except MegatronArgsError:
             continue
+        if at is not None and at.rpartition(":")[0] == path:
+            line = ascii_int(at.rpartition(":")[2], 12) or 1
+            cut = _line_offset(text, line)
+            if cut is not None and dump_header(text[cut:]) is not None:
+                return path, text[cut:]
         if dump_header(text) is not None:
             return path, text
     return None
+
+
+def _line_offset(text: str, line: int) -> int | None:
+    """Offset of the start of 1-based ``line`` in ``text``, None past its end."""
+    pos = 0
+    for _ in range(line - 1):
+        pos = text.find("\n", pos)
+        if pos < 0:
+            return None
+        pos += 1
+    return pos
 
 
 def find_job(paths: list[str], f, world_size: int | None, arch: int | None) -> tuple[FoundJob | None, str]:
@@ -50,11 +69,16 @@ def find_job(paths: list[str], f, world_size: int | None, arch: int | None) -> t
     from ..bridge.megatron_args import DEFAULT_ARCH, MegatronArgsError, job_words, load_job
     from ..memory.coverage import with_coverage
     from .diagnose import launch_problem
-    dump = megatron_dump(paths)
+    latest = f.run_read if len(getattr(f, "runs", ())) > 1 else None
+    dump = megatron_dump(paths, latest)
     sources = []
     why = []
     if dump is not None:
-        sources.append((dump[1], f"the arguments dump of {dump[0]}", ()))
+        source = f"the arguments dump of {dump[0]}"
+        if latest is not None and latest.rpartition(":")[0] == dump[0]:
+            source += (f" (start {f.runs.index(latest) + 1} of the log's {len(f.runs)}, line "
+                       f"{latest.rpartition(':')[2]}: the one the diagnosis reads)")
+        sources.append((dump[1], source, ()))
     elif "-" in paths and getattr(f, "megatron_args", None) is not None:
         why.append("its arguments dump came on standard input, which cannot be read twice: save the log to a file "
                    "and give its path")

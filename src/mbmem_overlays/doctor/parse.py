@@ -143,6 +143,19 @@ class Findings:
     oom_mentions: list = field(default_factory=list)                         # (where, line): hints, not failures
     bridge_summary: Seen | None = None                                       # Bridge's non-default config summary
     incomplete: int = 0                                                      # inputs whose read failed part-way
+    # A log that holds several starts of the job (a Slurm requeue with --open-mode=append, `tee -a`, a retry
+    # appended to the same file): each start prints its own arguments dump. The latest start is the job: its
+    # arguments, config lines, launch command, allocator settings, failures and memory lines are the ones read
+    # (_latest_start); the other starts' failures are only named. dumps: (path, line) of every dump header seen (bounded);
+    # activity: (path, line) of failures and memory reports (bounded); runs: where each start's dump began (two or
+    # more: the log was read again for the start that is the job); earlier_memory: the other starts' memory
+    # reports, not used.
+    dumps: list = field(default_factory=list)
+    activity: set = field(default_factory=set)
+    runs: list[str] = field(default_factory=list)
+    run_read: str = ""                    # where the dump of the start that was read begins
+    earlier_memory: int = 0
+    earlier_failures: list[str] = field(default_factory=list)   # where the other starts' failures were
 
     @property
     def alloc_where(self) -> str:
@@ -159,61 +172,127 @@ def clip(line: str) -> str:
     return line if len(line) <= MAX_LINE_KEPT else line[:MAX_LINE_KEPT] + " [...]"
 
 
+MAX_DUMPS_KEPT = 64
+MAX_ACTIVITY_KEPT = 1 << 17
+
+
 def scan(paths: list[str]) -> Findings:
     findings = Findings()
     fragments = config_fragments()
     for path in read.expand(paths):
         findings.files.append(path)
-        src = read.Source(path)
-        stream = read.open_log(path, src)
-        if stream is None:
-            findings.problems += src.problems
-            findings.unreadable += 1
-            continue
-        state: dict[str, Any] = {}
-        try:
-            try:
-                head = stream.peek(8192)[:8192] if hasattr(stream, "peek") else b""
-            except read.READ_ERRORS as exc:  # a corrupted gzip header or first block (zlib.error, BadGzipFile)
-                src.problems.append(f"{path}: not a readable log ({type(exc).__name__}: {exc}); if it is a damaged "
-                                    "gzip, fetch it again or pass the uncompressed log")
-                findings.unreadable += 1
-                continue
-            # Logs carry no NUL bytes at their start (a crashed node can leave NULs at the end, which is fine).
-            if head.count(b"\0") >= 8:
-                findings.unreadable += 1
-                src.problems.append(f"{path}: looks like a binary file, not a log (NUL bytes); skipped")
-                continue
-            for lineno, raw, after in read.trigger_lines(stream, FAILURE_TRIGGERS, src, CONTEXT_TRIGGERS,
-                                                         FOLDED_TRIGGERS):
-                findings.ranks_seen.update(int(r) for r in P.RANK_PREFIXES.findall(raw[:64]))
-                parse_line(raw.decode("utf-8", errors="replace"), f"{path}:{lineno}", findings, fragments, state,
-                           after)
-            if src.bytes_read == 0 and not src.problems:
-                src.problems.append(f"{path}: empty")
-            if src.long_lines:
-                src.problems.append(f"{path}: {src.long_lines} line(s) longer than {read.MAX_LINE // 1024} KiB were "
-                                    "parsed only around their trigger words")
-        finally:
-            findings.bytes_read += src.bytes_read
-            findings.long_lines += src.long_lines
-            findings.problems += src.problems
-            if src.bomb:
-                findings.unreadable += 1   # not a log: like a binary file, it rules nothing out
-            elif any("read failed" in p for p in src.problems):
-                if src.bytes_read == 0:
-                    findings.unreadable += 1
-                else:
-                    findings.incomplete += 1
-            if path != "-":
-                try:
-                    stream.close()
-                except read.READ_ERRORS:
-                    pass
+        _scan_file(path, findings, fragments)
     _world_from_sbatch(findings)
     _check_recipe(findings)
+    _latest_start(findings, fragments)
     return findings
 
+
+def _scan_file(path: str, findings: Findings, fragments: dict[str, str], first_line: int = 1,
+               end_line: int | None = None) -> None:
+    """One input into ``findings``; lines before ``first_line`` and from ``end_line`` on are read past, not parsed
+    (_latest_start)."""
+    src = read.Source(path)
+    stream = read.open_log(path, src)
+    if stream is None:
+        findings.problems += src.problems
+        findings.unreadable += 1
+        return
+    state: dict[str, Any] = {}
+    try:
+        try:
+            head = stream.peek(8192)[:8192] if hasattr(stream, "peek") else b""
+        except read.READ_ERRORS as exc:  # a corrupted gzip header or first block (zlib.error, BadGzipFile)
+            src.problems.append(f"{path}: not a readable log ({type(exc).__name__}: {exc}); if it is a damaged "
+                                "gzip, fetch it again or pass the uncompressed log")
+            findings.unreadable += 1
+            return
+        # Logs carry no NUL bytes at their start (a crashed node can leave NULs at the end, which is fine).
+        if head.count(b"\0") >= 8:
+            findings.unreadable += 1
+            src.problems.append(f"{path}: looks like a binary file, not a log (NUL bytes); skipped")
+            return
+        for lineno, raw, after in read.trigger_lines(stream, FAILURE_TRIGGERS, src, CONTEXT_TRIGGERS,
+                                                     FOLDED_TRIGGERS):
+            if lineno < first_line or (end_line is not None and lineno >= end_line):
+                continue
+            findings.ranks_seen.update(int(r) for r in P.RANK_PREFIXES.findall(raw[:64]))
+            parse_line(raw.decode("utf-8", errors="replace"), f"{path}:{lineno}", findings, fragments, state,
+                       after)
+        if src.bytes_read == 0 and not src.problems:
+            src.problems.append(f"{path}: empty")
+        if src.long_lines:
+            src.problems.append(f"{path}: {src.long_lines} line(s) longer than {read.MAX_LINE // 1024} KiB were "
+                                "parsed only around their trigger words")
+    finally:
+        findings.bytes_read += src.bytes_read
+        findings.long_lines += src.long_lines
+        findings.problems += src.problems
+        if src.bomb:
+            findings.unreadable += 1   # not a log: like a binary file, it rules nothing out
+        elif any("read failed" in p for p in src.problems):
+            if src.bytes_read == 0:
+                findings.unreadable += 1
+            else:
+                findings.incomplete += 1
+        if path != "-":
+            try:
+                stream.close()
+            except read.READ_ERRORS:
+                pass
+
+
+def _latest_start(f: Findings, fragments: dict[str, str]) -> None:
+    """When the log that holds the job's arguments dump holds another dump after a failure or memory report (the
+    job started again in the same file), the job is the latest start that shows a failure or a memory report
+    after its dump. That file is read again from the first line after the previous start's last failure or report
+    (the new start's `export` and launch lines come before its dump) up to where the next start begins: what that
+    read finds (config, layout, launch command, dump, allocator settings, torch version, world size, failures,
+    memory lines, end of training) replaces the whole log's; the other starts' failures are named in
+    ``earlier_failures`` only. Standard input cannot be read twice: there everything stays, and the problems say so."""
+    if f.megatron_args is None:
+        return
+    path = f.megatron_args.where.rpartition(":")[0]
+    heads = sorted({line for p, line in f.dumps if p == path})
+    busy = sorted(line for p, line in f.activity if p == path)
+    starts, begins = [heads[0]], [1]
+    for prev, head in zip(heads, heads[1:]):
+        inside = [line for line in busy if prev < line < head]
+        if inside:
+            starts.append(head)
+            begins.append(inside[-1] + 1)
+    if len(starts) < 2:
+        return
+    if path == "-":
+        f.problems.append(f"standard input holds {len(starts)} starts of the job (an arguments dump each); only a "
+                          "file can be read again start by start: what every start printed is read together")
+        return
+    pick = max((k for k, head in enumerate(starts) if any(line > head for line in busy)), default=len(starts) - 1)
+    end = begins[pick + 1] if pick + 1 < len(begins) else None
+    g = Findings()
+    _scan_file(path, g, fragments, begins[pick], end)
+    if g.megatron_args is None:
+        return
+    mine = {o.where for o in g.ooms} | {e.where for e in g.events}
+    if g.capacity is None and f.capacity is None:   # the GPU an earlier start's OOM message names: the same
+        # partition's GPUs, said as where it was read (run_report.capacity_of)
+        told = next((o for o in f.ooms if o.capacity), None)
+        if told is not None:
+            g.capacity = Seen(int(told.capacity), told.where, "an earlier start's OOM message's total capacity")
+    f.earlier_failures = [w for w in dict.fromkeys([o.where for o in f.ooms] + [e.where for e in f.events])
+                          if w not in mine][:MAX_RECORDS]
+    f.earlier_memory = max(0, sum(s.reports for s in f.memory.values()) - sum(s.reports for s in g.memory.values()))
+    for name in ("config", "layout", "layout_where", "alloc_conf", "ooms", "events", "config_errors", "failed_ranks",
+                 "oom_mentions", "memory", "memory_unreadable", "memory_unreadable_count", "memory_dropped",
+                 "memory_left_out", "theoretical", "ended", "megatron_args"):
+        setattr(f, name, getattr(g, name))
+    for name in ("command", "torch_version", "world", "vocab", "bridge_summary", "capacity"):
+        if getattr(g, name) is not None:
+            setattr(f, name, getattr(g, name))
+    if g.world_sizes:
+        f.world_sizes = g.world_sizes
+    f.runs = [f"{path}:{line}" for line in starts]
+    f.run_read = f"{path}:{starts[pick]}"
 
 def _check_recipe(f: Findings) -> None:
     """A recipe name read from the log reaches printed commands: only a name that could be a recipe is kept."""
@@ -290,6 +369,7 @@ def _memory_lines(body: str, where: str, rank: int | None, f: Findings) -> bool:
                 f.memory_unreadable.append(r)
             continue
         key = r.rank if r.rank is not None else f"? ({where.rpartition(':')[0]})"
+        _active(f, where)
         if not ML.add_report(f.memory, key, r, f.memory_left_out):
             f.memory_dropped += 1
         if r.values.get("num_ooms"):  # a user's memory_keys logging torch's num_ooms: the allocator failed
@@ -327,12 +407,14 @@ def _torch_oom_abbreviated(body: str, where: str, rank: int | None, f: Findings)
             capacity = P.to_bytes(m.group(3), m.group(4) or m.group(2))
     oom = OOM(rank, where, requested, capacity, free, None, None, None, None, None, [], "CUDA",
               "abbreviated (numbers cut by the reporter)", None, partial=True, line=clip(body))
+    _active(f, where)
     if len(f.ooms) < MAX_RECORDS:
         f.ooms.append(oom)
         f.cite(where, body)
 
 
 def _add_event(f: Findings, ev: Event) -> None:
+    _active(f, ev.where)
     if sum(1 for e in f.events if e.family == ev.family) < MAX_RECORDS:
         f.events.append(ev)
         f.cite(ev.where, ev.line)
@@ -355,6 +437,7 @@ def _torch_oom(body: str, where: str, rank: int | None, f: Findings, after: byte
               fields["self_in_use"], fields["processes"], fields["device"], fields["format"], fields.get("gpu"),
               partial=not fields["complete"], wrapped=wrapped, line=clip(body))
     key = (oom.rank, oom.requested, oom.reserved_unallocated, oom.free)
+    _active(f, where)
     if len(f.ooms) < MAX_RECORDS and not any((o.rank, o.requested, o.reserved_unallocated, o.free) == key for o in f.ooms):
         f.ooms.append(oom)
         f.cite(where, body)
@@ -468,9 +551,12 @@ def _megatron_2020(after: bytes) -> bool:
 
 
 def _context(body: str, where: str, f: Findings, after: bytes = b"") -> None:
-    if f.megatron_args is None and " arguments ---" in body and (
+    if " arguments ---" in body and (
             P.MEGATRON_ARGS_DUMP.search(body) or (P.MEGATRON_ARGS_DUMP_2020.search(body) and _megatron_2020(after))):
-        f.megatron_args = Seen("arguments dump", where, clip(body))
+        if f.megatron_args is None:
+            f.megatron_args = Seen("arguments dump", where, clip(body))
+        if len(f.dumps) < MAX_DUMPS_KEPT:
+            f.dumps.append(_file_line(where))
     if f.vocab is None and "padded vocab" in body and (vm := P.PADDED_VOCAB.search(body)):
         size = ascii_int(vm.group(1), 9)
         if size:
@@ -610,6 +696,18 @@ def _layout(body: str, where: str, f: Findings, values: list[tuple[str, str]]) -
         if short not in f.layout:
             f.layout[short] = value
             f.layout_where[short] = where
+
+
+def _file_line(where: str) -> tuple[str, int]:
+    """("LOG", 12) of "LOG:12" or "LOG:12-14" (a joined message)."""
+    path, _, line = where.rpartition(":")
+    return path, ascii_int(line.split("-")[0], 12) or 0
+
+
+def _active(f: Findings, where: str) -> None:
+    """A failure or a memory report at ``where``: a dump after it is another start of the job (_latest_start)."""
+    if len(f.activity) < MAX_ACTIVITY_KEPT:
+        f.activity.add(_file_line(where))
 
 
 def _command(body: str, where: str, f: Findings) -> None:

@@ -253,7 +253,7 @@ def make_run_planner(recipe: str | None, sets: list[str], world_size: int | None
         shown = ctx.world or _world_from_layout(f)
         world = world_size or shown   # --world-size wins, like --recipe and --gpu-memory
         if not name:
-            found, why = megatron if megatron is not None else _dump_job(logs or [], world_size, arch)
+            found, why = megatron if megatron is not None else _dump_job(logs or [], world_size, arch, f)
             if found is not None:   # a Megatron-LM job: its own arguments are its configuration
                 try:
                     return _plan_megatron(rep, found, world_size, margin, arch)
@@ -304,13 +304,14 @@ def iteration_offset(rows) -> tuple[int, bool]:
     return 0, False
 
 
-def _dump_job(paths: list[str], world_size: int | None, arch: int | None) -> tuple:
-    """(the job of the first log's arguments dump, or None; why not) without the findings (doctor/megatron_plan.py
-    find_job also reads a launch command)."""
+def _dump_job(paths: list[str], world_size: int | None, arch: int | None, f=None) -> tuple:
+    """(the job of the first log's arguments dump, or None; why not) without the launch command
+    (doctor/megatron_plan.py find_job also reads one); of a log that holds several starts, the latest start's."""
     from ..bridge.megatron_args import MegatronArgsError, load_job
     from ..memory.coverage import with_coverage
     from .megatron_plan import FoundJob, megatron_dump
-    dump = megatron_dump(paths)
+    runs = getattr(f, "runs", ())
+    dump = megatron_dump(paths, f.run_read if len(runs) > 1 else None)
     if dump is None:
         return None, ""
     try:

@@ -51,7 +51,7 @@ class MegatronTarget:
     def __init__(self, job: MegatronJob, *, arch: int | None = None, vocab: int | None = None):
         self.job = job
         self.arch = arch or DEFAULT_ARCH
-        self.vocab = vocab
+        self.vocab = vocab or job.vocab   # the vocabulary the job was loaded with (the log's, --tokenizer-vocab)
         self.env = dict(job.env)
 
     @property
@@ -99,7 +99,7 @@ class MegatronTarget:
         # planned as the printed flags train (bridge/megatron_args.py changed_config): the validated arguments,
         # with what Megatron-LM requires beside the change, rebuilt into the job's configuration
         try:
-            return changed_config(self.job, change, self.vocab), report
+            return changed_config(self.job, change, self.vocab, self.arch), report
         except MegatronArgsError as exc:
             raise Rejected(f"megatron-core cannot build the changed job: {exc.message}",
                            _Refusal(exc.message)) from None
